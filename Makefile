@@ -1,0 +1,29 @@
+# Two commands on a fresh machine:  make demo  (set up + train)   make test  (set up + tests)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: requirements/cpu.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/cpu.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The default job: the `small` model learns Python's own standard library, on 2 local processes.
+demo: setup
+	$(PY) -m threefold train --nproc 2 --model small --data stdlib --seq-len 128 --global-batch 16 \
+		--steps 150 --lr 2e-3 --set train.warmup_steps=15 --out runs/demo
+	@echo "metrics: runs/demo/metrics.jsonl   loss curve: runs/demo/loss.png"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/dp_vs_ddp.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

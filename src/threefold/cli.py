@@ -1,0 +1,46 @@
+"""The command line: `threefold <command> ...`.
+
+Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
+this file only dispatches and turns user errors into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import UserError
+
+COMMANDS = {
+    "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own mistakes follow the same one-line, exit-2 rule
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="threefold", description="Train large PyTorch models across many processes.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_text) in COMMANDS.items():
+        command = importlib.import_module(module)
+        command.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return module.run(args)
+    except UserError as e:
+        print(f"threefold: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

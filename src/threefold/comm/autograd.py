@@ -1,0 +1,145 @@
+"""Differentiable collectives: the conjugate pairs that tensor and sequence parallelism need.
+
+Each function runs one collective forward and its conjugate backward (Megatron-LM's f / g
+operators and their sequence-parallel versions), always through `Comm`, so every byte is
+counted on the mesh axis it crosses:
+
+    copy_to_group        forward identity            backward all-reduce      (Megatron "f")
+    reduce_from_group    forward all-reduce          backward identity        (Megatron "g")
+    gather_from_group    forward all-gather (dim)    backward take own chunk
+    scatter_to_group     forward take own chunk      backward all-gather (dim)
+    reduce_scatter_to_group  forward reduce-scatter (dim)  backward all-gather (dim)   (SP "g")
+    all_gather_from_group    forward all-gather (dim)      backward reduce-scatter (dim) (SP "f")
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collectives import Comm
+
+
+def _gather(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = comm.mesh.size(axis)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
+    comm.all_gather(out, moved, axis)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = comm.mesh.size(axis)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % n:
+        raise ValueError(f"dimension {dim} of size {moved.shape[0]} cannot be split over {n} ranks of '{axis}'")
+    out = torch.empty((moved.shape[0] // n,) + moved.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, moved, axis)
+    return out.movedim(0, dim)
+
+
+def _own_chunk(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = comm.mesh.size(axis)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} cannot be split over {n} ranks of '{axis}'")
+    return x.chunk(n, dim)[comm.mesh.rank(axis)].contiguous()
+
+
+def _all_reduce(comm: Comm, x: torch.Tensor, axis: str) -> torch.Tensor:
+    x = x.contiguous().clone()
+    comm.all_reduce(x, axis)
+    return x
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        ctx.comm, ctx.axis = comm, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(ctx.comm, grad, ctx.axis), None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        return _all_reduce(comm, x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return _gather(comm, x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return _own_chunk(comm, x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+
+
+class _ReduceScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return _reduce_scatter(comm, x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+
+
+class _AllGatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return _gather(comm, x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+
+
+def copy_to_group(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return _CopyToGroup.apply(x, comm, axis)
+
+
+def reduce_from_group(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    return _ReduceFromGroup.apply(x, comm, axis)
+
+
+def gather_from_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
+    return _GatherFromGroup.apply(x, comm, axis, dim % x.dim())
+
+
+def scatter_to_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
+    return _ScatterToGroup.apply(x, comm, axis, dim % x.dim())
+
+
+def reduce_scatter_to_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
+    return _ReduceScatterToGroup.apply(x, comm, axis, dim % x.dim())
+
+
+def all_gather_from_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
+    return _AllGatherFromGroup.apply(x, comm, axis, dim % x.dim())

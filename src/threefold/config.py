@@ -1,0 +1,329 @@
+"""Typed, frozen configuration: one dataclass per concern, read from TOML plus overrides.
+
+A config is built in three layers, later ones winning: dataclass defaults, a TOML file, then
+`KEY=VALUE` overrides (the CLI's options are turned into such overrides). `model.preset`
+supplies the defaults of every other `model.*` field. `Config.validate(world_size)` checks the
+whole thing once, fills in derived values (dp) and returns the final, frozen config. Every
+mistake raises `ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Literal
+
+from .errors import ConfigError
+from .models.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 4
+    ffn_hidden: int = 128
+    vocab: int = 256
+    max_seq: int = 64
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    position: Literal["learned", "rope"] = "learned"
+    tie_embeddings: bool = True
+    bias: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 0  # 0: world_size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    bucket_mb: float = 25.0  # gradient bucket size for the data-parallel reduction
+    offload: Literal["none", "optimizer"] = "none"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    virtual_stages: int = 1
+    split: str = ""  # comma-separated first layer index of each stage after the first; "" = balanced
+    balance: Literal["params", "time"] = "params"
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    compute: Literal["fp32", "bf16", "fp16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16", "fp16", "compute"] = "fp32"
+    initial_scale: float = 65536.0
+    growth_interval: int = 1000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+
+@dataclass(frozen=True)
+class RematConfig:
+    policy: Literal["none", "full", "selective", "every-k"] = "none"
+    every: int = 2  # for every-k: checkpoint one block in every k
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    method: Literal["none", "fp16", "bf16", "dgc", "onebit", "powersgd"] = "none"
+    dgc_sparsity: float = 0.999
+    dgc_warmup_steps: int = 0
+    dgc_momentum: float = 0.9
+    powersgd_rank: int = 4
+    warmup_steps: int = 0  # uncompressed steps before compression starts (1-bit, PowerSGD)
+    error_feedback: bool = True
+    hierarchical: bool = False
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    microbatches: int = 1  # per data-parallel rank per step (accumulation / pipeline)
+    seq_len: int = 32
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # clip by global norm; 0 disables
+    seed: int = 0
+    deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | stdlib | a path (text file, directory of text, .npy tokens)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_every: int = 0
+    async_save: bool = False
+    resume: str = "none"  # none | auto | a checkpoint directory
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out: str = "runs/latest"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = 1
+    progress: bool = True
+    tensorboard: bool = False
+    plot: bool = True
+    collective_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests: make `rank` fail at the start of `step`."""
+
+    rank: int = -1
+    step: int = 0
+    kind: Literal["raise", "kill"] = "raise"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def validate(self, world_size: int) -> "Config":
+        """Check everything against `world_size`; return the config with derived values set."""
+        return _validate(self, world_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The whole config as TOML that `load_config` reads back to an equal Config."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}
+_SECTION_TYPES = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
+
+
+# ---------------------------------------------------------------- building
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Defaults <- TOML file at `path` <- `KEY=VALUE` overrides."""
+    raw: dict[str, dict] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"file '{path}' does not exist; pass the path of a TOML file")
+        try:
+            loaded = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"'{path}' is not valid TOML ({e})") from None
+        for section, values in loaded.items():
+            if section not in SECTIONS:
+                raise ConfigError(section, f"unknown config section; valid sections: {', '.join(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ConfigError(section, "must be a TOML table like [section]")
+            for key, value in values.items():
+                raw.setdefault(section, {})[key] = _check_value(section, key, value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(item, "overrides are KEY=VALUE, e.g. model.layers=4")
+        section, _, name = key.strip().partition(".")
+        _field_type(section, name)  # raises on unknown keys
+        raw.setdefault(section, {})[name] = _parse_text(section, name, text.strip())
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, dict]) -> Config:
+    """A Config from {section: {key: typed value}}; `model.preset` fills the model defaults."""
+    model_values = dict(raw.get("model", {}))
+    preset = model_values.get("preset", ModelConfig.preset)
+    if preset not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
+    sections = {}
+    for section, cls in _SECTION_TYPES.items():
+        values = dict(raw.get(section, {}))
+        if section == "model":
+            values = {**PRESETS[preset], **values, "preset": preset}
+        sections[section] = cls(**values)
+    return Config(**sections)
+
+
+def with_overrides(config: Config, **sections: dict) -> Config:
+    """A copy of `config` with some fields replaced, e.g. with_overrides(c, train={"steps": 3})."""
+    changed = {}
+    for section, values in sections.items():
+        for name, value in values.items():
+            _check_value(section, name, value)
+        changed[section] = replace(getattr(config, section), **values)
+    return replace(config, **changed)
+
+
+def _field_type(section: str, name: str):
+    if section not in SECTIONS:
+        raise ConfigError(f"{section}.{name}", f"unknown config section '{section}'; valid sections: {', '.join(SECTIONS)}")
+    hints = typing.get_type_hints(_SECTION_TYPES[section])
+    if name not in hints:
+        raise ConfigError(f"{section}.{name}", f"unknown key; valid keys in [{section}]: {', '.join(hints)}")
+    return hints[name]
+
+
+def _check_value(section: str, name: str, value):
+    """Type-check a value that arrived already typed (TOML, Python)."""
+    kind = _field_type(section, name)
+    key = f"{section}.{name}"
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(key, f"'{value}' is not one of {', '.join(map(str, choices))}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_text(section: str, name: str, text: str):
+    """Parse the text of a `KEY=VALUE` override into the field's type."""
+    kind = _field_type(section, name)
+    key = f"{section}.{name}"
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            value = lowered in ("true", "1", "yes")
+        elif kind is int:
+            value = int(text)
+        elif kind is float:
+            value = float(text)
+        else:
+            value = text
+    except ValueError:
+        raise ConfigError(key, f"expected {kind.__name__}, got '{text}'") from None
+    return _check_value(section, name, value)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _validate(c: Config, world_size: int) -> Config:
+    p, m, t = c.parallel, c.model, c.train
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
+                       ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
+                       ("train.seq_len", t.seq_len), ("pipeline.virtual_stages", c.pipeline.virtual_stages),
+                       ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
+                       ("model.kv_heads", m.kv_heads), ("model.vocab", m.vocab)]:
+        if value < 1:
+            raise ConfigError(key, f"must be at least 1, got {value}")
+    if p.dp < 0:
+        raise ConfigError("parallel.dp", f"must be at least 1 (or 0 for world/(tp*pp)), got {p.dp}")
+    dp = p.dp or world_size // (p.tp * p.pp)
+    if dp < 1 or dp * p.tp * p.pp != world_size:
+        raise ConfigError(
+            "parallel", f"layout dp={p.dp or 'auto'} x tp={p.tp} x pp={p.pp} does not match the world size "
+            f"{world_size}; choose dp, tp and pp whose product is {world_size}")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", f"unknown ZeRO stage {p.zero}; choose 0, 1, 2 or 3")
+    if m.hidden % m.heads:
+        raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
+    if m.heads % m.kv_heads:
+        raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
+    if t.seq_len > m.max_seq:
+        raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
+    if t.global_batch % (dp * t.microbatches):
+        raise ConfigError(
+            "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
+            f"use a multiple of {dp * t.microbatches}")
+    stages = p.pp * c.pipeline.virtual_stages
+    if stages > m.layers:
+        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
+                          f"{m.layers} layers; use at most {m.layers} stages")
+    source = c.data.source
+    if source not in ("synthetic", "stdlib") and not Path(source).exists():
+        raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
+                          "text files, a .npy token file, or 'synthetic' / 'stdlib'")
+    resume = c.checkpoint.resume
+    if resume not in ("none", "auto") and not Path(resume).is_dir():
+        raise ConfigError("checkpoint.resume", f"'{resume}' is not a checkpoint directory; use auto, none or a path")
+    if c.fault.rank >= world_size:
+        raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
+    return replace(c, parallel=replace(p, dp=dp))

@@ -1,0 +1,209 @@
+"""The reference decoder: one transformer with a GPT and a Llama variant.
+
+Plain single-device PyTorch; nothing here knows about processes. Parallel strategies act on
+it from outside through its plan (`models/plan.py`): module names are part of that contract.
+
+    embed.tok, embed.pos          token and (learned) position embeddings
+    blocks.<i>.attn_norm, .attn   pre-norm attention: q, k, v, o projections
+    blocks.<i>.mlp_norm, .mlp     pre-norm MLP: up, down (GELU) or gate, up, down (SwiGLU)
+    norm, head, loss              final norm, output projection, token cross-entropy (sum)
+
+Modules read their sizes from their weights at run time (heads = q.out_features / head_dim),
+so a tensor-parallel plan can shard the weights and the same forward runs on the shards.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rotary_tables(seq: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq, head_dim/2) for rotary position embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64, device=device), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of each head by the position's angles."""
+    x = x_bnsd.float().unflatten(-1, (-1, 2))
+    x0, x1 = x[..., 0], x[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x_bnsd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.rope = cfg.position == "rope"
+        self.rope_theta = cfg.rope_theta
+        kv = cfg.kv_heads * cfg.head_dim
+        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k = nn.Linear(cfg.hidden, kv, bias=cfg.bias)
+        self.v = nn.Linear(cfg.hidden, kv, bias=cfg.bias)
+        self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        if self.k.bias is not None:
+            # softmax(q.(k + b)) = softmax(q.k): the key bias gets an identically zero gradient.
+            # It is kept (GPT-2 has it, so weights import and parameter counts match) but frozen:
+            # training it would only turn rounding noise into Adam-sized steps.
+            self.k.bias.requires_grad_(False)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_bsh.shape
+        q = self.q(x_bsh).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # b, heads, s, d
+        k = self.k(x_bsh).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # b, kv_heads, s, d
+        v = self.v(x_bsh).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        if self.rope:
+            cos, sin = rotary_tables(s, self.head_dim, self.rope_theta, x_bsh.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = self.core(q, k, v)
+        return self.o(y.transpose(1, 2).flatten(2))
+
+    def core(self, q, k, v):
+        """Causal softmax attention; a separate method so selective checkpointing can target it."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.up = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x_bsh):
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x_bsh)) * self.up(x_bsh))
+        return self.down(F.gelu(self.up(x_bsh), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_bsh):
+        x_bsh = x_bsh + self.attn(self.attn_norm(x_bsh))
+        return x_bsh + self.mlp(self.mlp_norm(x_bsh))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.max_seq, cfg.hidden) if cfg.position == "learned" else None
+
+    def forward(self, tokens_bs):
+        x = self.tok(tokens_bs)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))
+        return x
+
+
+class TokenCrossEntropy(nn.Module):
+    """Sum over tokens of -log p(target); the trainer divides by the global token count."""
+
+    def forward(self, logits_bsv, targets_bs):
+        return F.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten(), reduction="sum")
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.loss = TokenCrossEntropy()
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the token embedding with the output projection (again after `to_empty`)."""
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.embed.tok.weight
+
+    def forward(self, tokens_bs, targets_bs=None):
+        """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given."""
+        x = self.embed(tokens_bs)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return logits if targets_bs is None else self.loss(logits, targets_bs)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A generator seed for one parameter, from the run seed and the parameter's name only."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
+    """Deterministic initialisation that depends only on (seed, parameter name).
+
+    Because no parameter's values depend on which others exist, a pipeline stage or a tensor
+    shard initialised alone gets exactly the values the whole model would have.
+    Residual output projections are scaled by 1/sqrt(2 * layers) as in GPT-2.
+    """
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else cfg.init_std
+            gen = torch.Generator().manual_seed(parameter_seed(seed, name))
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            param.copy_(values)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Decoder:
+    """The whole model, initialised from `seed`, on `device`."""
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_parameters(model, seed, cfg)
+    return model
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Exact parameter count without allocating anything (tied weights counted once)."""
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,64 @@
+"""Exact memory accounting: bytes of parameters, gradients, optimizer states, activations.
+
+Bytes are counted per storage, once: a gradient that is a view into a bucket buffer counts the
+buffer, tied weights count once. Activations are the tensors autograd saves for backward,
+counted through saved-tensor hooks (parameters and buffers excluded, shared storages once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    out = []
+    for state in optimizer.state.values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
+
+
+class SavedTensorMeter:
+    """Counts the bytes autograd saves for backward inside `measure()`.
+
+    `current` is the bytes saved since the last `reset()` (one step's worth when reset per step);
+    `peak` is the largest `current` seen. Tensors whose storage belongs to `exclude` (the
+    parameters) are not activations and are not counted.
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: set[int] = set()
+        self.current = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        self._seen.clear()
+        self.current = 0
+
+    def _pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._excluded and ptr not in self._seen and t.device.type != "meta":
+            self._seen.add(ptr)
+            self.current += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.current)
+        return t
+
+    @contextlib.contextmanager
+    def measure(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield

@@ -1,0 +1,114 @@
+"""The math of one optimizer step, independent of the layout.
+
+loss = (sum over every token of the global batch of -log p) / (tokens in the global batch).
+Each rank runs its micro-batches, dividing each micro-batch's summed loss by the *global*
+token count before backward, so the gradients summed by the gradient sync are exactly the
+gradient of that mean. Then: global gradient norm, clipping, learning rate, optimizer update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..config import TrainConfig
+from ..data import Batch
+from ..observe.memory import SavedTensorMeter
+from .optim import lr_at, set_lr
+
+
+class GradSync(Protocol):
+    """Gradient communication over dp: the data-parallel reducer or a ZeRO stage."""
+
+    def micro_batch(self, last: bool): ...  # context manager around one micro-batch's backward
+    def finish(self) -> None: ...
+    def zero_grad(self) -> None: ...
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed token loss (0-dim, fp32)
+    grad_norm: float
+    lr: float
+    skipped: bool = False
+
+
+def global_grad_norm(params: list[nn.Parameter], comm: Comm, sum_axes: tuple[str, ...] = ()) -> torch.Tensor:
+    """sqrt of the sum of squares of the gradients of `params`, summed over `sum_axes`.
+
+    `params` must hold each distinct gradient element of the model exactly once across the
+    ranks of `sum_axes` (shards, stages); replicated gradients belong on none of them.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sumsq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sumsq += g.float().pow(2).sum()
+    for axis in sum_axes:
+        comm.all_reduce(sumsq, axis, tag="grad_norm")
+    return sumsq.sqrt()
+
+
+def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    if max_norm <= 0:
+        return
+    scale = max_norm / (float(norm) + 1e-6)
+    if scale < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+
+def accumulate(model: nn.Module, micro_batches: list[Batch], grad_sync: GradSync, global_tokens: int,
+               meter: SavedTensorMeter | None = None) -> torch.Tensor:
+    """Forward and backward over the micro-batches; returns this rank's summed token loss."""
+    total = None
+    for i, mb in enumerate(micro_batches):
+        with grad_sync.micro_batch(last=i == len(micro_batches) - 1):
+            if meter is not None:
+                meter.reset()
+                with meter.measure():
+                    loss_sum = model(mb.inputs, mb.targets)
+            else:
+                loss_sum = model(mb.inputs, mb.targets)
+            (loss_sum / global_tokens).backward()
+        loss_sum = loss_sum.detach().float()
+        total = loss_sum if total is None else total + loss_sum
+    return total
+
+
+class TrainStep:
+    """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step."""
+
+    def __init__(self, model: nn.Module, grad_sync: GradSync, optimizer: torch.optim.Optimizer, comm: Comm,
+                 cfg: TrainConfig, params: list[nn.Parameter], norm_axes: tuple[str, ...] = (),
+                 forward_backward: Callable | None = None):
+        self.model = model
+        self.grad_sync = grad_sync
+        self.optimizer = optimizer
+        self.comm = comm
+        self.cfg = cfg
+        self.params = params
+        self.norm_axes = norm_axes
+        self.meter = SavedTensorMeter(exclude=list(model.parameters()) + list(model.buffers()))
+        self.forward_backward = forward_backward or (
+            lambda mbs, tokens: accumulate(model, mbs, grad_sync, tokens, self.meter))
+
+    def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult:
+        """Run optimizer step `step` (1-based)."""
+        self.grad_sync.zero_grad()
+        loss_sum = self.forward_backward(micro_batches, global_tokens)
+        self.grad_sync.finish()
+        norm = global_grad_norm(self.params, self.comm, self.norm_axes)
+        if not math.isfinite(float(norm)):
+            return StepResult(loss_sum, float(norm), lr_at(step, self.cfg), skipped=True)
+        clip_gradients(self.params, norm, self.cfg.grad_clip)
+        lr = lr_at(step, self.cfg)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        return StepResult(loss_sum, float(norm), lr)

@@ -1,0 +1,122 @@
+"""A world of N local processes joined over gloo, for tests, benchmarks and notebooks.
+
+    with World(4) as world:
+        losses = world.run(train_some_steps, config)   # one result per rank
+
+The processes stay up between `run` calls, so many checks share one start-up (importing
+torch and joining the world cost seconds on a small machine). A rank that raises fails the
+call with `RankError` naming the rank and carrying its traceback; ranks left waiting in a
+collective for the failed one are killed, and the next `run` starts a fresh world.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from .launch import free_port
+
+
+class RankError(RuntimeError):
+    def __init__(self, rank: int | None, detail: str):
+        self.rank = rank
+        where = f"rank {rank}" if rank is not None else "the world"
+        super().__init__(f"{where} failed:\n{detail}")
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report everything, including SystemExit from CLI code
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    def __init__(self, size: int, timeout_s: float = 300.0, threads: int = 1):
+        self.size = size
+        self.timeout_s = timeout_s
+        self.threads = threads
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.size)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.size, port, self._tasks[r], self._results, self.threads),
+                                   daemon=True) for r in range(self.size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """Run fn(*args, **kwargs) on every rank; return the results in rank order."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(results) < self.size:
+            try:
+                rank, ok, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.size)) - set(results))
+                self.close()
+                raise RankError(None, f"ranks {missing} did not finish within {self.timeout_s:.0f} s") from None
+            if not ok:
+                self._drain_after_failure()
+                raise RankError(rank, value)
+            results[rank] = value
+        return [results[r] for r in range(self.size)]
+
+    def _drain_after_failure(self, grace_s: float = 2.0) -> None:
+        """After a rank failed, give the others a moment to finish, then discard the world."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                self._results.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self.close(force=True)
+
+    def close(self, force: bool = True) -> None:
+        if not self._procs:
+            return
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            if force:
+                p.kill()
+            p.join(timeout=10)
+        self._procs = []
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(force=False)
+
+
+def run_world(size: int, fn, *args, **kwargs) -> list:
+    """Start a world of `size`, run fn on every rank, shut the world down; results in rank order."""
+    with World(size) as world:
+        return world.run(fn, *args, **kwargs)
