@@ -18,6 +18,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import Config
 from ..mesh import Mesh
+from ..sharding import Placement
 from .data import DataParallelReducer, parallelize_data
 
 
@@ -25,10 +26,22 @@ from .data import DataParallelReducer, parallelize_data
 class ParallelModel:
     module: nn.Module  # this rank's part of the model
     grad_sync: DataParallelReducer  # gradient communication over dp
-    params: list[nn.Parameter]  # trainable parameters this rank updates
-    norm_axes: tuple[str, ...] = ()  # axes over which gradient-norm contributions are summed
+    placements: dict[str, Placement]  # local parameter name -> where it sits in the global model
+
+    def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_trainable()]
+
+    @property
+    def param_placements(self) -> list[Placement]:
+        return [self.placements[n] for n, _ in self.named_trainable()]
 
 
 def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
+    placements = {name: Placement.whole(name, p.shape) for name, p in model.named_parameters()}
     grad_sync = parallelize_data(model, comm, cfg.parallel.bucket_mb)
-    return ParallelModel(model, grad_sync, [p for p in model.parameters() if p.requires_grad])
+    placements = {name: place.replicated("dp") for name, place in placements.items()}
+    return ParallelModel(model, grad_sync, placements)

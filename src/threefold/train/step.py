@@ -19,6 +19,7 @@ from ..comm import Comm
 from ..config import TrainConfig
 from ..data import Batch
 from ..observe.memory import SavedTensorMeter
+from ..sharding import Placement
 from .optim import lr_at, set_lr
 
 
@@ -38,18 +39,20 @@ class StepResult:
     skipped: bool = False
 
 
-def global_grad_norm(params: list[nn.Parameter], comm: Comm, sum_axes: tuple[str, ...] = ()) -> torch.Tensor:
-    """sqrt of the sum of squares of the gradients of `params`, summed over `sum_axes`.
+def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm) -> torch.Tensor:
+    """sqrt of the sum of squares of every distinct gradient element of the global model.
 
-    `params` must hold each distinct gradient element of the model exactly once across the
-    ranks of `sum_axes` (shards, stages); replicated gradients belong on none of them.
+    Each rank adds the gradients it owns - a copy replicated over an axis counts only at that
+    axis's coordinate 0 - and the partial sums are added over every mesh axis, so shards,
+    stages and replicas of any layout give the single-device norm.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    mesh = comm.mesh
+    device = params[0].device if params else mesh.device
     sumsq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sumsq += g.float().pow(2).sum()
-    for axis in sum_axes:
+    for p, place in zip(params, placements):
+        if p.grad is not None and all(mesh.rank(axis) == 0 for axis in place.replicated_over):
+            sumsq += p.grad.float().pow(2).sum()
+    for axis in ("tp", "pp", "dp"):
         comm.all_reduce(sumsq, axis, tag="grad_norm")
     return sumsq.sqrt()
 
@@ -86,7 +89,7 @@ class TrainStep:
     """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step."""
 
     def __init__(self, model: nn.Module, grad_sync: GradSync, optimizer: torch.optim.Optimizer, comm: Comm,
-                 cfg: TrainConfig, params: list[nn.Parameter], norm_axes: tuple[str, ...] = (),
+                 cfg: TrainConfig, params: list[nn.Parameter], placements: list[Placement],
                  forward_backward: Callable | None = None):
         self.model = model
         self.grad_sync = grad_sync
@@ -94,7 +97,7 @@ class TrainStep:
         self.comm = comm
         self.cfg = cfg
         self.params = params
-        self.norm_axes = norm_axes
+        self.placements = placements
         self.meter = SavedTensorMeter(exclude=list(model.parameters()) + list(model.buffers()))
         self.forward_backward = forward_backward or (
             lambda mbs, tokens: accumulate(model, mbs, grad_sync, tokens, self.meter))
@@ -104,7 +107,7 @@ class TrainStep:
         self.grad_sync.zero_grad()
         loss_sum = self.forward_backward(micro_batches, global_tokens)
         self.grad_sync.finish()
-        norm = global_grad_norm(self.params, self.comm, self.norm_axes)
+        norm = global_grad_norm(self.params, self.placements, self.comm)
         if not math.isfinite(float(norm)):
             return StepResult(loss_sum, float(norm), lr_at(step, self.cfg), skipped=True)
         clip_gradients(self.params, norm, self.cfg.grad_clip)

@@ -49,7 +49,7 @@ class Trainer:
         self.parallel = parallelize(model, self.mesh, self.comm, cfg)
         self.optimizer = make_optimizer(self.parallel.module.named_parameters(), cfg.train)
         self.step_fn = TrainStep(self.parallel.module, self.parallel.grad_sync, self.optimizer, self.comm,
-                                 cfg.train, self.parallel.params, self.parallel.norm_axes)
+                                 cfg.train, self.parallel.params, self.parallel.param_placements)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.step = 0  # optimizer steps completed
 
