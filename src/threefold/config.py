@@ -53,7 +53,7 @@ class ParallelConfig:
     zero: int = 0
     sequence_parallel: bool = False
     bucket_mb: float = 25.0  # gradient bucket size for the data-parallel reduction
-    offload: Literal["none", "optimizer"] = "none"
+    offload: Literal["none", "optimizer"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class PrecisionConfig:
 class RematConfig:
     policy: Literal["none", "full", "selective", "every-k"] = "none"
     every: int = 2  # for every-k: checkpoint one block in every k
+    targets: str = "attn.core"  # for selective: comma-separated parts of each block (submodules or methods)
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,18 @@ def _validate(c: Config, world_size: int) -> Config:
             f"{world_size}; choose dp, tp and pp whose product is {world_size}")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"unknown ZeRO stage {p.zero}; choose 0, 1, 2 or 3")
+    if p.offload != "none" and p.zero == 0:
+        raise ConfigError("parallel.offload", f"offload={p.offload} needs ZeRO stage 1, 2 or 3 (each rank offloads "
+                          "its shard of the optimizer states); set --zero 1 or higher, or parallel.offload=none")
+    if p.bucket_mb <= 0:
+        raise ConfigError("parallel.bucket_mb", f"must be positive, got {p.bucket_mb}")
+    pr = c.precision
+    if pr.initial_scale <= 0 or pr.growth_factor <= 1 or not 0 < pr.backoff_factor < 1 or pr.growth_interval < 1:
+        raise ConfigError("precision", "the loss scaler needs initial_scale > 0, growth_factor > 1, "
+                          f"0 < backoff_factor < 1 and growth_interval >= 1; got {pr.initial_scale}, "
+                          f"{pr.growth_factor}, {pr.backoff_factor}, {pr.growth_interval}")
+    if c.remat.every < 1:
+        raise ConfigError("remat.every", f"must be at least 1, got {c.remat.every}")
     if m.hidden % m.heads:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:

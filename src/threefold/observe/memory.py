@@ -37,11 +37,12 @@ class SavedTensorMeter:
 
     `current` is the bytes saved since the last `reset()` (one step's worth when reset per step);
     `peak` is the largest `current` seen. Tensors whose storage belongs to `exclude` (the
-    parameters) are not activations and are not counted.
+    parameters, also in their whole form under ZeRO-3) are not activations and are not counted.
+    Storages are identified by their storage object, which survives re-allocation (resize).
     """
 
     def __init__(self, exclude=()):
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {_storage_id(t) for t in exclude}
         self._seen: set[int] = set()
         self.current = 0
         self.peak = 0
@@ -51,14 +52,19 @@ class SavedTensorMeter:
         self.current = 0
 
     def _pack(self, t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._excluded and ptr not in self._seen and t.device.type != "meta":
-            self._seen.add(ptr)
-            self.current += t.untyped_storage().nbytes()
-            self.peak = max(self.peak, self.current)
+        if t.device.type != "meta":
+            key = _storage_id(t)
+            if key not in self._excluded and key not in self._seen:
+                self._seen.add(key)
+                self.current += t.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.current)
         return t
 
     @contextlib.contextmanager
     def measure(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata

@@ -7,26 +7,42 @@
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
 
 Each step is a function of its own sub-config and the mesh; none imports another strategy.
+Step 5 also decides which part of every parameter this rank's optimizer updates (`pieces`):
+whole parameters for plain DP, this rank's shards under ZeRO; `make_optimizer` builds the
+fp32-master AdamW over them (parallel/master.py), in a host pool with `parallel.offload`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
 from torch import nn
 
 from ..comm import Comm
-from ..config import Config
+from ..config import Config, TrainConfig
 from ..mesh import Mesh
 from ..sharding import Placement
-from .data import DataParallelReducer, parallelize_data
+from .data import AllReduceHook, parallelize_data
+from .master import Piece, ShardedAdamW
+from .precision import MixedPrecision, apply_precision
+from .remat import apply_remat
+from .zero import ZeroReducer
+from .zero3 import Zero3
 
 
 @dataclass
 class ParallelModel:
     module: nn.Module  # this rank's part of the model
-    grad_sync: DataParallelReducer  # gradient communication over dp
+    grad_sync: object  # gradient communication over dp: DataParallelReducer, ZeroReducer or Zero3
     placements: dict[str, Placement]  # local parameter name -> where it sits in the global model
+    pieces: list[Piece] = field(default_factory=list)  # what this rank's optimizer updates
+    precision: MixedPrecision | None = None
+    zero: int = 0
+    offload: bool = False
+    after_step: Callable[[], None] | None = None  # e.g. ZeRO-1/2's all-gather of the updated shards
+    remat_regions: list[str] = field(default_factory=list)
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -39,9 +55,60 @@ class ParallelModel:
     def param_placements(self) -> list[Placement]:
         return [self.placements[n] for n, _ in self.named_trainable()]
 
+    @property
+    def scaler(self):
+        return self.precision.scaler if self.precision is not None else None
+
+    def make_optimizer(self, cfg: TrainConfig) -> ShardedAdamW:
+        """AdamW with fp32 masters over this rank's pieces (consumes the fp32 initial values)."""
+        fp32_init = self.precision.fp32_init if self.precision is not None else {}
+        optimizer = ShardedAdamW(self.pieces, cfg, fp32_init, self.offload, self.after_step)
+        fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
+        return optimizer
+
+    # ------------------------------------------------------------ memory accounting
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        tensors = getattr(self.grad_sync, "gradient_tensors", None)
+        if tensors is not None:
+            return tensors()
+        return [p.grad for p in self.module.parameters()]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding weights (excluded from activation accounting)."""
+        extra = getattr(self.grad_sync, "weight_tensors", None)
+        return list(self.module.parameters()) + list(self.module.buffers()) + (extra() if extra else [])
+
 
 def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
     placements = {name: Placement.whole(name, p.shape) for name, p in model.named_parameters()}
-    grad_sync = parallelize_data(model, comm, cfg.parallel.bucket_mb)
-    placements = {name: place.replicated("dp") for name, place in placements.items()}
-    return ParallelModel(model, grad_sync, placements)
+    # 3. activation checkpointing
+    regions = apply_remat(model, cfg.remat)
+    # 4. mixed precision
+    precision = apply_precision(model, cfg.precision)
+    # 5. gradient sync over dp
+    stage, p = cfg.parallel.zero, cfg.parallel
+    wire = precision.reduce_dtype
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    if stage == 0:
+        hook = AllReduceHook(wire if wire != precision.compute_dtype else None)
+        grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
+        placements = {name: place.replicated("dp") for name, place in placements.items()}
+        pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
+                  for name, q in named]
+        after_step = None
+    elif stage in (1, 2):
+        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire)
+        pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
+        placements = {name: place.replicated("dp") for name, place in placements.items()}
+        after_step = grad_sync.gather_params
+    else:
+        grad_sync = Zero3(model, comm, wire)
+        pieces = grad_sync.pieces(placements)
+        placements = grad_sync.placements(placements)
+        after_step = None
+    return ParallelModel(model, grad_sync, placements, pieces, precision, stage, p.offload == "optimizer",
+                         after_step, regions)

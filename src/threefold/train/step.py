@@ -68,8 +68,12 @@ def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: flo
 
 
 def accumulate(model: nn.Module, micro_batches: list[Batch], grad_sync: GradSync, global_tokens: int,
-               meter: SavedTensorMeter | None = None) -> torch.Tensor:
-    """Forward and backward over the micro-batches; returns this rank's summed token loss."""
+               meter: SavedTensorMeter | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward over the micro-batches; returns this rank's summed token loss.
+
+    `loss_scale` (fp16's dynamic loss scale) multiplies what backward starts from; the optimizer
+    divides the gradients by it again.
+    """
     total = None
     for i, mb in enumerate(micro_batches):
         with grad_sync.micro_batch(last=i == len(micro_batches) - 1):
@@ -79,18 +83,25 @@ def accumulate(model: nn.Module, micro_batches: list[Batch], grad_sync: GradSync
                     loss_sum = model(mb.inputs, mb.targets)
             else:
                 loss_sum = model(mb.inputs, mb.targets)
-            (loss_sum / global_tokens).backward()
+            loss = loss_sum / global_tokens
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum = loss_sum.detach().float()
         total = loss_sum if total is None else total + loss_sum
     return total
 
 
 class TrainStep:
-    """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step."""
+    """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step.
 
-    def __init__(self, model: nn.Module, grad_sync: GradSync, optimizer: torch.optim.Optimizer, comm: Comm,
+    With threefold's optimizer (parallel/master.py: fp32 masters, shards, offload) the norm and
+    the clipping act on the fp32 master gradients of the pieces this rank owns, after dividing
+    by the loss scale; a plain torch optimizer acts on `params` as they are.
+    A custom `forward_backward` must multiply the loss it backpropagates by `self.loss_scale`.
+    """
+
+    def __init__(self, model: nn.Module, grad_sync: GradSync, optimizer, comm: Comm,
                  cfg: TrainConfig, params: list[nn.Parameter], placements: list[Placement],
-                 forward_backward: Callable | None = None):
+                 forward_backward: Callable | None = None, scaler=None, weights: list[torch.Tensor] | None = None):
         self.model = model
         self.grad_sync = grad_sync
         self.optimizer = optimizer
@@ -98,19 +109,33 @@ class TrainStep:
         self.cfg = cfg
         self.params = params
         self.placements = placements
-        self.meter = SavedTensorMeter(exclude=list(model.parameters()) + list(model.buffers()))
+        self.scaler = scaler  # parallel/precision.py DynamicLossScaler (fp16) or None
+        self.loss_scale = 1.0
+        if weights is None:
+            weights = list(model.parameters()) + list(model.buffers())
+        self.meter = SavedTensorMeter(exclude=weights)
         self.forward_backward = forward_backward or (
-            lambda mbs, tokens: accumulate(model, mbs, grad_sync, tokens, self.meter))
+            lambda mbs, tokens: accumulate(model, mbs, grad_sync, tokens, self.meter, self.loss_scale))
 
     def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult:
         """Run optimizer step `step` (1-based)."""
+        self.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         self.grad_sync.zero_grad()
         loss_sum = self.forward_backward(micro_batches, global_tokens)
         self.grad_sync.finish()
-        norm = global_grad_norm(self.params, self.placements, self.comm)
-        if not math.isfinite(float(norm)):
+        prepare = getattr(self.optimizer, "prepare_grads", None)
+        params, placements = (prepare(1.0 / self.loss_scale) if prepare is not None
+                              else (self.params, self.placements))
+        norm = global_grad_norm(params, placements, self.comm)
+        # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
+        finite = math.isfinite(float(norm))
+        if self.scaler is not None:
+            self.scaler.update(found_inf=not finite)
+        if not finite:
+            if hasattr(self.optimizer, "skip"):
+                self.optimizer.skip()
             return StepResult(loss_sum, float(norm), lr_at(step, self.cfg), skipped=True)
-        clip_gradients(self.params, norm, self.cfg.grad_clip)
+        clip_gradients(params, norm, self.cfg.grad_clip)
         lr = lr_at(step, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step()

@@ -15,10 +15,9 @@ from ..config import Config
 from ..data import Sampler, load_tokens
 from ..mesh import Layout, Mesh, init_distributed, pick_device
 from ..models.decoder import build_model
-from ..observe.memory import optimizer_tensors, storage_bytes
+from ..observe.memory import storage_bytes
 from ..parallel import parallelize
 from .metrics import MetricsLog, plot_run
-from .optim import make_optimizer
 from .step import TrainStep
 
 
@@ -47,22 +46,30 @@ class Trainer:
         self.sampler = Sampler(tokens, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
         model = build_model(cfg.model, cfg.train.seed, device)
         self.parallel = parallelize(model, self.mesh, self.comm, cfg)
-        self.optimizer = make_optimizer(self.parallel.module.named_parameters(), cfg.train)
+        # AdamW with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards)
+        self.optimizer = self.parallel.make_optimizer(cfg.train)
         self.step_fn = TrainStep(self.parallel.module, self.parallel.grad_sync, self.optimizer, self.comm,
-                                 cfg.train, self.parallel.params, self.parallel.param_placements)
+                                 cfg.train, self.parallel.params, self.parallel.param_placements,
+                                 scaler=self.parallel.scaler, weights=self.parallel.weight_tensors())
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.step = 0  # optimizer steps completed
 
     def memory(self) -> dict:
-        module = self.parallel.module
-        params = storage_bytes(module.parameters())
-        grads = storage_bytes(p.grad for p in module.parameters())
-        optim = storage_bytes(optimizer_tensors(self.optimizer))
+        """Bytes this rank holds, each storage counted once: model states and the step's activations.
+
+        `optimizer` is what stays in the compute device's pool (fp32 masters not shared with the
+        model, Adam moments); `offloaded` what `parallel.offload` moved to the host pool.
+        """
+        params = storage_bytes(self.parallel.param_tensors())
+        grads = storage_bytes(self.parallel.grad_tensors())
+        states = storage_bytes(self.optimizer.state_tensors())
+        optim, offloaded = (0, states) if self.optimizer.offload else (states, 0)
         activations = self.step_fn.meter.peak
         peak = params + grads + optim + activations
         if self.mesh.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.mesh.device)
-        return {"params": params, "grads": grads, "optimizer": optim, "activations": activations, "peak": peak}
+        return {"params": params, "grads": grads, "optimizer": optim, "offloaded": offloaded,
+                "activations": activations, "peak": peak}
 
     def _inject_fault(self, step: int) -> None:
         fault = self.cfg.fault
@@ -86,7 +93,7 @@ class Trainer:
         self.step = step
         return {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
                 "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                "step_time_s": elapsed, "skipped": result.skipped,
+                "step_time_s": elapsed, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
                 "mem": self.memory(), "comm": self.comm.traffic.take_window()}
 
     def run(self) -> list[dict]:

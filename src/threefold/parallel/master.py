@@ -1,0 +1,173 @@
+"""The optimizer over the pieces of parameters a rank owns: fp32 masters, AdamW, offload.
+
+Shared machinery of plain data parallelism and ZeRO 1-3. A *piece* is the part of one local
+parameter whose update this rank computes: the whole parameter without ZeRO, a contiguous
+range of its flattening under ZeRO 1-3. For every piece the optimizer keeps
+
+    master      fp32 copy of the piece (the model holds it in the compute dtype); when the model
+                itself is fp32 and nothing is offloaded the master *is* the model's storage
+    exp_avg, exp_avg_sq   AdamW moments, fp32
+
+and runs torch's AdamW (single-tensor loop) on the masters: the update is elementwise, so any
+partition of the parameters into pieces gives the same bits as the unsharded optimizer.
+
+Offload (`parallel.offload=optimizer`): masters and moments live in a separate host pool
+(pinned CPU memory next to an accelerator, a separate CPU copy on a CPU-only machine: the same
+code path), gradients are copied there, AdamW runs there, and the updated pieces are copied
+back into the model, so accelerator memory holds only what compute needs.
+
+Checkpoints: `named_state()` returns every state tensor with a `Placement` naming the global
+tensor it is a part of (`optimizer.<kind>.<parameter>`, shaped like the parameter), so sharded
+optimizer states save and reload at any layout through the placement contract alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+from ..sharding import Placement
+
+
+@dataclass
+class Piece:
+    name: str  # local parameter name
+    placement: Placement  # the elements of the global parameter this piece holds
+    model: torch.Tensor  # 1-D view of the piece inside the model's storage (compute dtype)
+    grad: Callable[[], torch.Tensor]  # the summed gradient of the piece (1-D, same length), after finish()
+    decay: bool  # weight decay applies (matrices and embeddings, not biases and norm gains)
+    start: int = 0  # range of the local parameter's flattening: [start, start + numel)
+
+
+class ShardedAdamW:
+    """AdamW over this rank's pieces with fp32 masters, optionally in a host pool.
+
+    Used by the training step as: `prepare_grads(1 / loss_scale)` -> norm over `masters` ->
+    clip -> `step()` (or `skip()` after an overflow). Exposes `param_groups` like a torch
+    optimizer, so learning-rate schedules apply unchanged.
+    """
+
+    def __init__(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor] | None = None,
+                 offload: bool = False, after_step: Callable[[], None] | None = None):
+        self.pieces = pieces
+        self.offload = offload
+        self.after_step = after_step
+        fp32_init = fp32_init or {}
+        device = pieces[0].model.device if pieces else torch.device("cpu")
+        self.host = torch.device("cpu") if offload else device
+        pin = offload and device.type == "cuda"
+        self.masters: list[nn.Parameter] = []
+        self.aliased: list[bool] = []  # master shares the model's storage (fp32, no offload)
+        for piece in pieces:
+            alias = piece.model.dtype == torch.float32 and not offload
+            if alias:
+                master = nn.Parameter(piece.model.detach(), requires_grad=False)
+            else:
+                values = self._initial_values(piece, fp32_init.get(piece.name))
+                buf = torch.empty(values.shape, dtype=torch.float32, device=self.host, pin_memory=pin)
+                master = nn.Parameter(buf.copy_(values), requires_grad=False)
+            self.masters.append(master)
+            self.aliased.append(alias)
+        self.placements = [p.placement for p in pieces]
+        groups = [{"params": [m for m, p in zip(self.masters, pieces) if p.decay], "weight_decay": cfg.weight_decay},
+                  {"params": [m for m, p in zip(self.masters, pieces) if not p.decay], "weight_decay": 0.0}]
+        # a placeholder keeps a rank that owns no piece (possible under ZeRO) a valid optimizer
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
+        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        for master in self.masters:  # allocate the moments now: counted and checkpointable from step 0
+            self.inner.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
+                                        "exp_avg_sq": torch.zeros_like(master)}
+
+    @staticmethod
+    def _initial_values(piece: Piece, fp32_param: torch.Tensor | None) -> torch.Tensor:
+        """fp32 values of the piece: from before the cast to the compute dtype when known."""
+        if fp32_param is None:
+            return piece.model.detach().float()
+        flat = fp32_param.reshape(-1)[piece.start: piece.start + piece.model.numel()]
+        if flat.numel() < piece.model.numel():  # a padded shard: padding is zero
+            flat = torch.cat([flat, flat.new_zeros(piece.model.numel() - flat.numel())])
+        return flat.to(piece.model.device)
+
+    # ------------------------------------------------------------ the torch optimizer face
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    # ------------------------------------------------------------ one step
+
+    def prepare_grads(self, inv_scale: float = 1.0) -> tuple[list[nn.Parameter], list[Placement]]:
+        """Give every master its fp32, unscaled gradient; returns (masters, placements) for the norm."""
+        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
+            grad = piece.grad()
+            if alias and inv_scale == 1.0:
+                master.grad = grad.detach()  # the model's own fp32 gradient, no copy
+            else:
+                master.grad = grad.detach().to(self.host, torch.float32, copy=True)
+                if inv_scale != 1.0:
+                    master.grad.mul_(inv_scale)
+        return self.masters, self.placements
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the masters, then the model's pieces from them, then `after_step` (all-gathers)."""
+        self.inner.step()
+        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
+            if not alias:
+                piece.model.copy_(master, non_blocking=True)
+            master.grad = None
+        if self.after_step is not None:
+            self.after_step()
+
+    def skip(self) -> None:
+        """A step skipped after an overflow: nothing changes but the gradients are dropped."""
+        for master in self.masters:
+            master.grad = None
+
+    # ------------------------------------------------------------ memory and checkpoints
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Masters not shared with the model, and the moments (scalars such as `step` excluded)."""
+        out = [m for m, alias in zip(self.masters, self.aliased) if not alias]
+        for master in self.masters:
+            out += [v for v in self.inner.state[master].values() if v.dim() > 0]
+        return out
+
+    def named_state(self) -> list[tuple[Placement, torch.Tensor]]:
+        """Every state tensor as a part of a global tensor `optimizer.<kind>.<parameter>`.
+
+        The placement is the piece's (same box and flat range, replicated over the axes the piece
+        is replicated over), renamed. Aliased masters are the model's parameters and are not listed.
+        """
+        out = []
+        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
+            state = self.inner.state[master]
+            if not alias:
+                out.append((replace(piece.placement, name=f"optimizer.master.{piece.placement.name}"), master))
+            for kind in ("exp_avg", "exp_avg_sq"):
+                out.append((replace(piece.placement, name=f"optimizer.{kind}.{piece.placement.name}"), state[kind]))
+        return out
+
+    def step_count(self) -> int:
+        return int(self.inner.state[self.masters[0]]["step"]) if self.masters else 0
+
+    @torch.no_grad()
+    def load_named_state(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Fill the states from {placement name: local tensor} (as `named_state` names them)."""
+        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
+            state = self.inner.state[master]
+            key = f"optimizer.master.{piece.placement.name}"
+            if not alias and key in tensors:
+                master.copy_(tensors[key])
+                piece.model.copy_(master)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                state[kind].copy_(tensors[f"optimizer.{kind}.{piece.placement.name}"])
+            state["step"].fill_(float(step))

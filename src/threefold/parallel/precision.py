@@ -1,0 +1,101 @@
+"""Mixed precision: the compute dtype of the model, fp32 master weights, the dynamic loss scaler.
+
+Step 4 of `parallelize`. With `precision.compute` = bf16 or fp16 the model's floating-point
+parameters are cast to that dtype, so forward and backward run in it and gradients are produced
+in it. The fp32 values they had before the cast are handed on (`MixedPrecision.fp32_init`) to
+the optimizer, which keeps them as *master weights*: AdamW updates fp32 masters with fp32
+moments, and the result is cast back into the model after every step. The dtype gradients
+travel in over dp (`precision.reduce_dtype`) is independent of both (fp32 by default: summing
+over many ranks in bf16 loses bits the optimizer would keep).
+
+fp16 has a narrow exponent range, so small gradients underflow to zero. The dynamic loss scaler
+multiplies the loss by S before backward (gradients are S times larger), the optimizer divides
+them by S again in fp32, and S adapts: after `growth_interval` steps without overflow it grows
+by `growth_factor`; a step whose gradients hold inf/nan is skipped and S shrinks by
+`backoff_factor`. The overflow test is the *global* gradient norm, which is summed over every
+mesh axis, so every rank sees the same inf/nan and takes the same decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import PrecisionConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DynamicLossScaler:
+    """Loss scale for fp16: grow after `growth_interval` clean steps, back off on overflow."""
+
+    def __init__(self, initial_scale: float = 2.0**16, growth_interval: int = 1000, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, min_scale: float = 1.0):
+        self.scale = float(initial_scale)
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.min_scale = min_scale
+        self.clean_steps = 0  # consecutive steps without overflow since the last change
+        self.skipped_steps = 0  # total, for metrics
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: `found_inf` must be the same on every rank (it is: a global norm)."""
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors for the checkpoint (replicated: identical on every rank)."""
+        return {"loss_scaler.scale": torch.tensor(self.scale, dtype=torch.float64),
+                "loss_scaler.clean_steps": torch.tensor(self.clean_steps, dtype=torch.int64),
+                "loss_scaler.skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale = float(state["loss_scaler.scale"])
+        self.clean_steps = int(state["loss_scaler.clean_steps"])
+        self.skipped_steps = int(state["loss_scaler.skipped_steps"])
+
+
+@dataclass
+class MixedPrecision:
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype  # dtype of gradients on the wire over dp
+    scaler: DynamicLossScaler | None  # fp16 only
+    # local parameter name -> its fp32 values from before the cast; consumed by the optimizer
+    fp32_init: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+
+def resolve_reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
+    return DTYPES[cfg.compute if cfg.reduce_dtype == "compute" else cfg.reduce_dtype]
+
+
+def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> MixedPrecision:
+    """Cast `model`'s floating-point parameters and buffers to the compute dtype, in place."""
+    dtype = DTYPES[cfg.compute]
+    fp32_init: dict[str, torch.Tensor] = {}
+    if dtype != torch.float32:
+        for name, p in model.named_parameters():  # tied weights appear once
+            if p.is_floating_point():
+                fp32_init[name] = p.data.float()
+                p.data = p.data.to(dtype)
+        for buf_name, buf in list(model.named_buffers()):
+            if buf.is_floating_point():
+                owner, _, attr = buf_name.rpartition(".")
+                model.get_submodule(owner)._buffers[attr] = buf.to(dtype)
+    scaler = None
+    if cfg.compute == "fp16":
+        scaler = DynamicLossScaler(cfg.initial_scale, cfg.growth_interval, cfg.growth_factor, cfg.backoff_factor)
+    return MixedPrecision(dtype, resolve_reduce_dtype(cfg), scaler, fp32_init)

@@ -1,0 +1,133 @@
+"""Activation checkpointing: keep fewer activations for backward, recompute the rest.
+
+Step 3 of `parallelize`. A checkpointed region runs its forward without saving anything for
+backward but its inputs; when backward reaches it, the region's forward runs again
+(torch.utils.checkpoint, non-reentrant) and its backward proceeds from the recomputed tensors.
+Policies (`remat.policy`):
+
+    none        save everything (fastest, most memory)
+    full        every transformer block (`blocks.<i>`) is a region: only block inputs are kept
+    every-k     blocks whose index is a multiple of `remat.every` are regions
+    selective   only the named parts of each block (`remat.targets`, default `attn.core`: the
+                softmax attention, whose saved state grows with seq_len^2 but is cheap to redo)
+
+Results are bit-identical to no checkpointing: the recomputation repeats the same kernels on
+the same inputs (and the RNG state is restored for it).
+
+Regions are found by name (the model contract: blocks.<i>, blocks.<i>.attn, ...), and wrapped
+from outside by replacing the module's `forward` (or the named method) on the instance, so
+module hooks of later strategies (ZeRO-3's gather/free) still run around the whole region.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import RematConfig
+from ..errors import ConfigError
+
+BLOCK = re.compile(r"(?:.*\.)?blocks\.(\d+)")
+
+
+class _KeepInputs(torch.autograd.Function):
+    """Identity that saves its inputs for backward.
+
+    A checkpointed region keeps its inputs alive (in the recompute closure) where saved-tensor
+    hooks cannot see them; passing them through this node makes what checkpointing really keeps
+    visible to activation accounting (observe/memory.py), at no memory cost: the saved tensors
+    are the inputs themselves.
+    """
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.save_for_backward(*tensors)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def checkpointed(fn):
+    """`fn` as a checkpointed region (a no-op wrapper when autograd is off)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if positions:
+            kept = _KeepInputs.apply(*(args[i] for i in positions))
+            args = list(args)
+            for i, t in zip(positions, kept):
+                args[i] = t
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    run.__remat_wrapped__ = fn
+    return run
+
+
+def blocks_of(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """(layer index, name, module) of every transformer block, in order."""
+    out = []
+    for name, module in model.named_modules():
+        match = BLOCK.fullmatch(name)
+        if match:
+            out.append((int(match.group(1)), name, module))
+    return sorted(out, key=lambda t: t[0])
+
+
+def _wrap_forward(module: nn.Module) -> None:
+    if not hasattr(module.forward, "__remat_wrapped__"):
+        module.forward = checkpointed(module.forward)
+
+
+def _wrap_target(block_name: str, block: nn.Module, target: str) -> str:
+    """Wrap `target` (a submodule path or `path.method`) inside `block`; returns its full name."""
+    full = f"{block_name}.{target}"
+    try:
+        module = block.get_submodule(target)
+        _wrap_forward(module)
+        return full
+    except AttributeError:
+        pass
+    owner_path, _, method = target.rpartition(".")
+    try:
+        owner = block.get_submodule(owner_path) if owner_path else block
+    except AttributeError:
+        owner = None
+    fn = getattr(owner, method, None) if owner is not None else None
+    if not callable(fn) or isinstance(fn, nn.Module):
+        raise ConfigError("remat.targets", f"'{target}' is neither a submodule nor a method of {block_name}; "
+                          "name parts of a block such as attn.core, attn or mlp")
+    if not hasattr(fn, "__remat_wrapped__"):
+        setattr(owner, method, checkpointed(fn))
+    return full
+
+
+def apply_remat(model: nn.Module, cfg: RematConfig) -> list[str]:
+    """Wrap the regions `cfg.policy` selects; returns their names."""
+    if cfg.policy == "none":
+        return []
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ConfigError("remat.policy", f"'{cfg.policy}' needs transformer blocks named blocks.<i>; "
+                          "this model has none (use remat.policy=none)")
+    regions = []
+    if cfg.policy in ("full", "every-k"):
+        for index, name, block in blocks:
+            if cfg.policy == "full" or index % cfg.every == 0:
+                _wrap_forward(block)
+                regions.append(name)
+    elif cfg.policy == "selective":
+        targets = [t.strip() for t in cfg.targets.split(",") if t.strip()]
+        if not targets:
+            raise ConfigError("remat.targets", "is empty; name parts of a block, e.g. attn.core")
+        for _, name, block in blocks:
+            regions += [_wrap_target(name, block, t) for t in targets]
+    return regions

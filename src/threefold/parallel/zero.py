@@ -1,0 +1,207 @@
+"""ZeRO over the dp axis (Rajbhandari et al. 2020): shard what data parallelism replicates.
+
+With N data-parallel ranks and P parameters, mixed precision (2-byte params and grads, fp32
+masters and Adam moments: 16 bytes per parameter), each rank holds
+
+    stage 0 (plain DP)   2P params + 2P grads + 12P optimizer            = 16P
+    stage 1              2P params + 2P grads + 12P/N optimizer          = 4P + 12P/N
+    stage 2              2P params + 2P/N grads + 12P/N optimizer        = 2P + 14P/N
+    stage 3              2P/N params + 2P/N grads + 12P/N optimizer      = 16P/N
+
+Stages 1 and 2 (this file) keep whole parameters. The trainable parameters are laid out in
+the gradient buckets of `buckets.py`, each padded to a multiple of N; rank r owns the r-th
+1/N of every bucket. The parameters themselves become views into flat buffers with the same
+layout, so after the optimizer updated the owned shards one all-gather per bucket makes every
+replica whole again.
+
+    stage 1  gradients accumulate in whole buckets (as plain DP); the last micro-batch's backward
+             *reduce-scatters* each bucket as soon as it is full (reduce-scatter over dp), so each
+             rank receives the sum of its own shard only.
+    stage 2  every micro-batch's backward reduce-scatters each bucket as it fills and adds the
+             result into a persistent gradient shard; the whole bucket's memory is released once
+             its reduce-scatter is done and re-allocated when its next gradient arrives.
+
+Communication per step, per rank (ring volumes, counted by `comm/`): reduce-scatter of the
+gradients (N-1)/N G plus all-gather of the parameters (N-1)/N W - the 2 (N-1)/N G of plain
+DP's all-reduce when parameters and reduced gradients have the same dtype, because an
+all-reduce *is* a reduce-scatter followed by an all-gather: ZeRO 1/2 only moves the update
+between the two halves. (The paper counts it this way; an implementation that all-reduced the
+gradients and then all-gathered the parameters would send 1.5x plain DP.) Stage 2 with M
+micro-batches reduce-scatters M times per step: that is the price of never holding whole
+gradients across micro-batches.
+
+Stage 3 (zero3.py) shards the parameters too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..sharding import Placement
+from .buckets import Bucket, GradientBuckets
+from .master import Piece
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _constant(t: torch.Tensor):
+    return lambda: t
+
+
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
+
+
+class ZeroReducer:
+    """ZeRO stage 1 or 2 over `axis`: the grad-sync interface plus the pieces this rank updates."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, stage: int,
+                 bucket_mb: float = 25.0, wire_dtype: torch.dtype | None = None, axis: str = "dp"):
+        assert stage in (1, 2)
+        self.comm, self.stage, self.axis = comm, stage, axis
+        self.wire_dtype = wire_dtype
+        self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
+        trainable = [(name, p) for name, p in named_params if p.requires_grad]
+        self.names = {id(p): name for name, p in trainable}
+        self.buckets = GradientBuckets([p for _, p in trainable], int(bucket_mb * 2**20), launch=self._launch,
+                                       complete=self._complete, pad_to=self.n)
+        self.param_flats: list[torch.Tensor] = []  # the parameters, bucket layout; params are views
+        self.grad_shards: list[torch.Tensor] = []  # stage 2: this rank's summed gradient shard per bucket
+        for b in self.buckets.buckets:
+            flat = torch.zeros(b.numel(), dtype=b.buffer.dtype, device=b.buffer.device)
+            for p, off in zip(b.params, b.offsets):
+                flat[off: off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[off: off + p.numel()].view_as(p)
+            self.param_flats.append(flat)
+            if stage == 2:
+                self.grad_shards.append(torch.zeros(self.shard_len(b), dtype=b.buffer.dtype, device=flat.device))
+                for p in b.params:  # runs before autograd accumulates into p.grad (a view of the bucket)
+                    p.register_hook(functools.partial(self._materialize, b))
+                self._release(b)
+
+    def shard_len(self, bucket: Bucket) -> int:
+        return bucket.numel() // self.n
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        length = self.shard_len(bucket)
+        return self.rank * length, (self.rank + 1) * length
+
+    # ------------------------------------------------------------ during backward
+
+    def _materialize(self, bucket: Bucket, grad: torch.Tensor | None) -> None:
+        """Stage 2: re-allocate a released bucket (zeroed) when its first gradient of a pass arrives.
+
+        Runs as a tensor hook, before autograd accumulates into `p.grad`, so the gradients
+        accumulate into the bucket as in plain DP.
+        """
+        if not _allocated(bucket.buffer):
+            bucket.buffer.untyped_storage().resize_(bucket.numel() * bucket.buffer.element_size())
+            bucket.buffer.zero_()
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.grad = bucket.buffer[off: off + p.numel()].view_as(p)
+
+    @staticmethod
+    def _release(bucket: Bucket) -> None:
+        """Stage 2: give a reduced bucket's memory back; its parameters have no `.grad` until the next pass."""
+        for p in bucket.params:
+            p.grad = None
+        _free(bucket.buffer)
+
+    def _launch(self, bucket: Bucket):
+        if self.stage == 2:  # bound the whole buckets alive: finish all but the previous one
+            for older in self.buckets.buckets[: max(0, bucket.index - 1)]:
+                if older.handle is not None:
+                    older.handle.wait()
+                    self._complete(older)
+        self._materialize(bucket, None)  # a bucket no gradient reached this pass is all zeros
+        src = bucket.buffer
+        if self.wire_dtype is not None and self.wire_dtype != src.dtype:
+            src = src.to(self.wire_dtype)
+        out = torch.empty(self.shard_len(bucket), dtype=src.dtype, device=src.device)
+        bucket.state.update(src=src, out=out)
+        # reduce-scatter over dp: this rank receives the sum over ranks of its shard of the bucket
+        return self.comm.reduce_scatter(out, src, self.axis, async_op=True)
+
+    def _complete(self, bucket: Bucket) -> None:
+        out = bucket.state.pop("out", None)
+        if out is None:  # already completed early
+            return
+        bucket.state.pop("src", None)
+        if self.stage == 1:
+            lo, hi = self.shard_range(bucket)
+            bucket.buffer[lo:hi].copy_(out)
+        else:
+            self.grad_shards[bucket.index].add_(out)
+            self._release(bucket)
+
+    # ------------------------------------------------------------ grad-sync interface
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        """Stage 1 communicates in the last micro-batch only; stage 2 in every one."""
+        if self.stage == 1:
+            self.buckets.sync = last
+            try:
+                yield
+            finally:
+                if not last:
+                    self.buckets.reset_pass()
+            return
+        self.buckets.sync = True
+        yield
+        if not last:
+            self.buckets.flush()
+
+    def finish(self) -> None:
+        self.buckets.flush()
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.buckets.zero_grad()
+            return
+        for shard in self.grad_shards:
+            shard.zero_()
+        for b in self.buckets.buckets:
+            if _allocated(b.buffer):
+                b.buffer.zero_()
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """Gradient storage of this rank (released stage-2 buckets count zero bytes)."""
+        return [b.buffer for b in self.buckets.buckets] + self.grad_shards
+
+    # ------------------------------------------------------------ the optimizer's view
+
+    def pieces(self, placements: dict[str, Placement]) -> list[Piece]:
+        """For every bucket, the parts of its parameters inside this rank's shard."""
+        out = []
+        for b, flat in zip(self.buckets.buckets, self.param_flats):
+            lo, hi = self.shard_range(b)
+            for p, off in zip(b.params, b.offsets):
+                start, end = max(off, lo), min(off + p.numel(), hi)
+                if start >= end:
+                    continue
+                name = self.names[id(p)]
+                if self.stage == 1:
+                    grad = b.buffer[start:end]
+                else:
+                    grad = self.grad_shards[b.index][start - lo: end - lo]
+                out.append(Piece(name, placements[name].flat_shard(start - off, end - off), flat[start:end],
+                                 _constant(grad), p.dim() >= 2, start - off))
+        return out
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the optimizer step: every rank's updated shard to every replica (all-gather over dp)."""
+        handles = []
+        for b, flat in zip(self.buckets.buckets, self.param_flats):
+            lo, hi = self.shard_range(b)
+            handles.append(self.comm.all_gather(flat, flat[lo:hi].clone(), self.axis, async_op=True))
+        for handle in handles:
+            handle.wait()

@@ -1,0 +1,396 @@
+"""ZeRO stage 3: parameters sharded over dp, gathered one unit at a time.
+
+Units are the model's natural pieces: each transformer block (`blocks.<i>`), and every other
+top-level child with parameters (embed, norm, head); parameters directly on the root form a
+root unit. Every parameter is flattened, padded to a multiple of N and cut into N equal
+chunks; rank r keeps chunk r as its (1-D) parameter, so `named_parameters()` lists flat shards
+under the original names and `Placement.flat_shard` describes each. A unit's chunks sit in one
+flat buffer, so gathering a unit is one all-gather over dp.
+
+    forward   before a unit runs: wait for its all-gather (normally prefetched), put the whole
+              parameters in the modules, and start the all-gather of the unit that comes next in
+              the forward order (prefetch); after it runs: release it, unless a later unit of
+              the same forward needs the same parameters (tied embeddings).
+    backward  a hook on the unit's output fires when the gradient reaches it: gather the unit
+              again (the forward's autograd graph refers to the same parameter objects, whose
+              storage is re-filled) and prefetch the unit before it. When every trainable
+              parameter of the unit has accumulated its gradient, the gradients are
+              reduce-scattered over dp into the persistent gradient shard and the unit is released.
+
+So at most about two units are whole at a time (the running one and the prefetched one; a
+unit whose weights are tied to a later one - the embedding - stays whole in between, one
+more). `peak_whole_numel` records it and the tests assert it.
+
+Whole parameters keep their identity between gathers: the storage of each original
+`nn.Parameter` is resized to zero when released and re-allocated when gathered (the autograd
+graph and the checkpointing recompute see the same objects). The copy into it does not bump the
+tensor's version counter, which autograd would otherwise read as an in-place modification.
+
+Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
+reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..sharding import Placement
+from .master import Piece
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    name: str  # local parameter name
+    full: nn.Parameter  # the original object: whole while its unit is gathered, empty storage otherwise
+    shard: nn.Parameter  # this rank's chunk, a view into the unit's shard buffer
+    chunk: int  # elements per rank (numel padded to a multiple of N, divided by N)
+    offset: int  # in the unit's shard buffer
+    grad_offset: int | None  # in the unit's gradient shard buffer; None when frozen
+    slots: list[tuple[nn.Module, str]]  # every (module, attribute) holding this parameter
+
+    @property
+    def numel(self) -> int:
+        return self.full.numel()
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    params: list[ShardedParam]
+    shard_flat: torch.Tensor  # (C,) this rank's chunks of every parameter
+    grad_flat: torch.Tensor  # (Cg,) this rank's summed gradient chunks of the trainable ones
+    state: str = "sharded"  # sharded | gathering | whole
+    gather: tuple | None = None  # (buffer, handle) while gathering
+    pending: int = 0  # trainable gradients still to arrive in this backward pass
+    reduced: bool = False  # gradients reduce-scattered in this pass
+
+    @property
+    def trainable(self) -> list[ShardedParam]:
+        return [sp for sp in self.params if sp.grad_offset is not None]
+
+
+@dataclass(eq=False)
+class Hooked:
+    """A module with gather/release hooks and the units whose parameters it uses."""
+
+    name: str
+    module: nn.Module
+    needs: list[Unit] = field(default_factory=list)
+
+
+def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Top-level children with parameters; the items of a ModuleList/Sequential are units each."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            out += [(f"{name}.{n}", c) for n, c in child.named_children() if next(c.parameters(), None) is not None]
+        elif next(child.parameters(), None) is not None:
+            out.append((name, child))
+    return out
+
+
+def _storage_exact(p: nn.Parameter) -> bool:
+    return (p.is_contiguous() and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
+
+
+class Zero3:
+    """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
+
+    def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
+                 prefetch: bool = True):
+        self.model, self.comm, self.axis = model, comm, axis
+        self.wire_dtype = wire_dtype
+        self.prefetch = prefetch
+        self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
+        names = {id(p): name for name, p in model.named_parameters()}
+        slots: dict[int, list] = {}
+        seen = set()
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None and (id(module), attr) not in seen:
+                    seen.add((id(module), attr))
+                    slots.setdefault(id(p), []).append((module, attr))
+        # assign each parameter to the first unit (in module order) that holds it; the rest to the root
+        assigned: dict[int, Unit] = {}
+        self.units: list[Unit] = []
+        self.hooked: list[Hooked] = []
+        modules = unit_modules(model)
+        for name, module in modules + [("<root>", model)]:
+            params = [p for p in module.parameters() if id(p) not in assigned]
+            unit = self._make_unit(len(self.units), name, [(names[id(p)], p) for p in params], slots)
+            self.units.append(unit)
+            for sp in unit.params:
+                assigned[id(sp.full)] = unit
+            needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters()))
+            self.hooked.append(Hooked(name, module, needs if module is not model else [unit]))
+        self.root = self.hooked[-1]
+        self._by_full = {id(sp.full): (unit, sp) for unit in self.units for sp in unit.params}
+        for unit in self.units:
+            self._use(unit, whole=False)
+            for sp in unit.trainable:
+                sp.full.register_post_accumulate_grad_hook(self._on_grad)
+        for hooked in self.hooked:
+            hooked.module.register_forward_pre_hook(functools.partial(self._pre_forward, hooked))
+            hooked.module.register_forward_hook(functools.partial(self._post_forward, hooked))
+        self._order: list[Hooked] = self.hooked[:-1]  # forward order of units (updated every pass)
+        self._order_now: list[Hooked] = []
+        self._backward_seen: set[int] = set()
+        self._in_backward = False
+        self._inflight: list[tuple] = []  # (unit, src, out, handle) reduce-scatters not yet added
+        self.whole_numel = 0  # elements of units currently gathered (or being gathered)
+        self.peak_whole_numel = 0
+
+    # ------------------------------------------------------------ construction
+
+    def _make_unit(self, index: int, name: str, named: list[tuple[str, nn.Parameter]], slots: dict) -> Unit:
+        n, r = self.n, self.rank
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO-3 unit {name} mixes parameter dtypes {dtypes}; cast the model to one dtype")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        device = named[0][1].device if named else self.comm.mesh.device
+        chunks = [-(-p.numel() // n) for _, p in named]
+        shard_flat = torch.zeros(sum(chunks), dtype=dtype, device=device)
+        grad_flat = torch.zeros(sum(c for c, (_, p) in zip(chunks, named) if p.requires_grad), dtype=dtype,
+                                device=device)
+        params, offset, grad_offset = [], 0, 0
+        with torch.no_grad():
+            for (name_p, p), c in zip(named, chunks):
+                padded = torch.zeros(n * c, dtype=dtype, device=device)
+                padded[: p.numel()].copy_(p.reshape(-1))
+                shard_flat[offset: offset + c].copy_(padded[r * c: (r + 1) * c])
+                shard = nn.Parameter(shard_flat[offset: offset + c], requires_grad=p.requires_grad)
+                goff = None
+                if p.requires_grad:
+                    goff = grad_offset
+                    shard.grad = grad_flat[goff: goff + c]
+                    grad_offset += c
+                if not _storage_exact(p):  # the whole form must own exactly its storage to be released
+                    p.data = p.data.clone(memory_format=torch.contiguous_format)
+                p.grad = None
+                p.untyped_storage().resize_(0)
+                params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)]))
+                offset += c
+        return Unit(index, name, params, shard_flat, grad_flat)
+
+    def unit_numel(self, unit: Unit) -> int:
+        """Elements of a unit when whole, padding included (what a gather materialises)."""
+        return self.n * unit.shard_flat.numel()
+
+    # ------------------------------------------------------------ gather and release
+
+    def _use(self, unit: Unit, whole: bool) -> None:
+        """Point every module slot at the whole parameters or at the shards."""
+        for sp in unit.params:
+            target = sp.full if whole else sp.shard
+            for module, attr in sp.slots:
+                module._parameters[attr] = target
+
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.state != "sharded" or not unit.params:
+            return
+        buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
+        # all-gather over dp: every rank's chunks of this unit, rank-major
+        handle = self.comm.all_gather(buffer, unit.shard_flat, self.axis, async_op=True)
+        unit.gather, unit.state = (buffer, handle), "gathering"
+        self.whole_numel += self.unit_numel(unit)
+        self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
+
+    @torch.no_grad()
+    def _unshard(self, unit: Unit) -> None:
+        if unit.state == "whole" or not unit.params:
+            return
+        self._start_gather(unit)
+        buffer, handle = unit.gather
+        handle.wait()
+        rows = buffer.view(self.n, -1)
+        for sp in unit.params:
+            full = sp.full
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            values = rows[:, sp.offset: sp.offset + sp.chunk].reshape(-1)[: full.numel()]
+            with torch.autograd._unsafe_preserve_version_counter(full):
+                full.view(-1).copy_(values)
+        unit.gather, unit.state = None, "whole"
+        self._use(unit, whole=True)
+
+    def _reshard(self, unit: Unit) -> None:
+        if unit.state == "sharded":
+            return
+        if unit.state == "gathering":
+            unit.gather[1].wait()
+            unit.gather = None
+        else:
+            self._use(unit, whole=False)
+            for sp in unit.params:
+                sp.full.untyped_storage().resize_(0)
+        unit.state = "sharded"
+        self.whole_numel -= self.unit_numel(unit)
+
+    # ------------------------------------------------------------ forward and backward hooks
+
+    def _pre_forward(self, hooked: Hooked, module, args) -> None:
+        for unit in hooked.needs:
+            self._unshard(unit)
+        if self._in_backward or hooked is self.root:  # recomputation inside backward: already whole
+            return
+        self._order_now.append(hooked)
+        if self.prefetch and hooked in self._order:
+            position = self._order.index(hooked)
+            if position + 1 < len(self._order):
+                for unit in self._order[position + 1].needs:
+                    self._start_gather(unit)
+
+    def _post_forward(self, hooked: Hooked, module, args, output):
+        if self._in_backward:
+            return output
+        if hooked is not self.root:
+            position = self._order.index(hooked) if hooked in self._order else len(self._order)
+            later = {id(u) for h in self._order[position + 1:] for u in h.needs}
+            for unit in hooked.needs:
+                if id(unit) not in later or not torch.is_grad_enabled():
+                    self._reshard(unit)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, hooked))
+        elif hooked is self.root:
+            self._reshard(self.root.needs[0])
+        return output
+
+    def _pre_backward(self, hooked: Hooked, grad) -> None:
+        if id(hooked) in self._backward_seen:
+            return
+        self._backward_seen.add(id(hooked))
+        self._in_backward = True
+        for unit in hooked.needs:
+            if not unit.reduced:
+                self._unshard(unit)
+        if self.prefetch and hooked in self._order_now:
+            position = self._order_now.index(hooked)
+            if position > 0:
+                for unit in self._order_now[position - 1].needs:
+                    if not unit.reduced:
+                        self._start_gather(unit)
+
+    def _on_grad(self, full: nn.Parameter) -> None:
+        unit, _ = self._by_full[id(full)]
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._reduce(unit)
+            self._reshard(unit)
+
+    # ------------------------------------------------------------ gradient reduction
+
+    @torch.no_grad()
+    def _reduce(self, unit: Unit) -> None:
+        """Reduce-scatter the unit's whole gradients over dp; this rank keeps the sum of its chunks."""
+        unit.reduced = True
+        if unit.grad_flat.numel() == 0:
+            return
+        dtype = self.wire_dtype or unit.grad_flat.dtype
+        src = torch.zeros(self.n, unit.grad_flat.numel(), dtype=dtype, device=unit.grad_flat.device)
+        for sp in unit.trainable:
+            grad = sp.full.grad
+            if grad is not None:
+                padded = torch.zeros(self.n * sp.chunk, dtype=dtype, device=src.device)
+                padded[: sp.numel].copy_(grad.reshape(-1))
+                src[:, sp.grad_offset: sp.grad_offset + sp.chunk].copy_(padded.view(self.n, sp.chunk))
+                sp.full.grad = None
+        out = torch.empty(unit.grad_flat.numel(), dtype=dtype, device=src.device)
+        handle = self.comm.reduce_scatter(out, src.view(-1), self.axis, async_op=True)
+        self._inflight.append((unit, src, out, handle))
+        while len(self._inflight) > 2:  # bound the whole gradients alive
+            self._complete_one()
+
+    def _complete_one(self) -> None:
+        unit, _, out, handle = self._inflight.pop(0)
+        handle.wait()
+        unit.grad_flat.add_(out)
+
+    # ------------------------------------------------------------ grad-sync interface
+
+    def _begin_pass(self) -> None:
+        for unit in self.units:
+            unit.pending = len(unit.trainable)
+            unit.reduced = False
+        self._order_now = []
+        self._backward_seen = set()
+        self._in_backward = False
+
+    def _end_pass(self) -> None:
+        """Reduce what backward did not (unused parameters: zeros), in unit order, then release all."""
+        for unit in self.units:
+            if not unit.reduced and unit.trainable:
+                self._reduce(unit)
+        while self._inflight:
+            self._complete_one()
+        for unit in self.units:
+            self._reshard(unit)
+        if self._order_now:
+            self._order = list(self._order_now)
+        self._in_backward = False
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        """Every micro-batch reduce-scatters its gradients into the shards (never whole across them)."""
+        self._begin_pass()
+        yield
+        self._end_pass()
+
+    def finish(self) -> None:
+        while self._inflight:
+            self._complete_one()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_flat.zero_()
+            for sp in unit.trainable:
+                sp.shard.grad = unit.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk]
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return [unit.grad_flat for unit in self.units]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Shards and whole forms: never activations, whatever autograd saves."""
+        return [t for unit in self.units for sp in unit.params for t in (sp.shard, sp.full)]
+
+    def reset_peak(self) -> None:
+        self.peak_whole_numel = self.whole_numel
+
+    # ------------------------------------------------------------ placements and pieces
+
+    def placements(self, placements: dict[str, Placement]) -> dict[str, Placement]:
+        """Each parameter's placement narrowed to this rank's chunk (padding past the end is allowed)."""
+        out = dict(placements)
+        for unit in self.units:
+            for sp in unit.params:
+                out[sp.name] = placements[sp.name].flat_shard(self.rank * sp.chunk, (self.rank + 1) * sp.chunk)
+        return out
+
+    def pieces(self, placements: dict[str, Placement]) -> list[Piece]:
+        out = []
+        for unit in self.units:
+            for sp in unit.trainable:
+                grad = unit.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk]
+                out.append(Piece(sp.name, placements[sp.name].flat_shard(self.rank * sp.chunk,
+                                                                         (self.rank + 1) * sp.chunk),
+                                 sp.shard.detach(), (lambda g=grad: g), sp.full.dim() >= 2, self.rank * sp.chunk))
+        return out
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
