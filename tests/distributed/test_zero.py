@@ -1,0 +1,91 @@
+"""ZeRO stages 1-3 against plain data parallelism (gloo, CPU): parameters, bytes sent, bytes held."""
+
+import math
+
+import pytest
+
+from tests.helpers import make_config, rel_err
+from tests.zero_tasks import assemble, train_stages
+from threefold.comm import ring_chunk
+from threefold.models.decoder import build_model
+
+# AdamW eps=1e-6: see test_data_parallel.py. grad_clip=0.5 is active: the global norms are
+# about 0.8, so clipping by the global norm is exercised.
+BASE = ["model.preset=tiny", "model.layers=4", "train.steps=20", "train.global_batch=8", "train.seq_len=32", "train.lr=1e-3",
+        "train.eps=1e-6", "train.grad_clip=0.5"]
+# A model whose parameters do not split evenly over 4 ranks: shards and buckets are padded.
+UNEVEN = ["model.hidden=30", "model.heads=3", "model.kv_heads=3", "model.ffn_hidden=50", "model.vocab=251",
+          "model.layers=4"]
+ELT = 4  # fp32
+
+
+def sizes(overrides: list[str], n: int) -> dict:
+    """Element counts the byte formulas need, from the model itself."""
+    model = build_model(make_config(overrides, "unused").model, seed=0)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    g = sum(p.numel() for p in trainable)
+    return {"G": g, "G_bucket": -(-g // n) * n,  # one bucket (25 MB), padded to a multiple of n
+            "W3": sum(n * -(-p.numel() // n) for p in params),  # stage 3: every parameter padded
+            "G3": sum(n * -(-p.numel() // n) for p in trainable)}
+
+
+def check_stages(worlds, tmp_path, n: int, extra: list[str], micro: int):
+    overrides = BASE + extra + [f"train.microbatches={micro}"]
+    runs = [overrides + [f"parallel.zero={z}"] for z in range(4)]
+    reports = worlds(n).run(train_stages, runs, str(tmp_path))  # reports[rank][stage]
+    dp = assemble([r[0]["params"] for r in reports], [r[0]["placements"] for r in reports])
+    assert any(norm > 0.5 for norm in reports[0][0]["norms"]), "clipping never active: the test would not cover it"
+    for stage in (1, 2, 3):
+        got = assemble([r[stage]["params"] for r in reports], [r[stage]["placements"] for r in reports])
+        assert got.keys() == dp.keys()
+        for name in dp:
+            assert not got[name].isnan().any(), f"stage {stage}: {name} not fully covered by the placements"
+            err = rel_err(got[name], dp[name])
+            assert err <= 1e-5, f"n={n} stage {stage}: {name} differs from plain DP by {err:.2e}"
+        for a, b in zip(reports[0][stage]["losses"], reports[0][0]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
+    # bytes sent per rank per step over dp, exactly (ring volumes; see comm/collectives.py)
+    s = sizes(overrides, n)
+    for rank, r in enumerate(reports):
+        for stage, report in enumerate(r):
+            for comm in report["comm"]:
+                dp_bytes = comm["dp"]
+                if stage == 0:
+                    assert dp_bytes["all_reduce"] == 2 * (s["G"] - ring_chunk(s["G"], n, rank)) * ELT
+                    continue
+                rs, ag = dp_bytes["reduce_scatter"], dp_bytes["all_gather"]
+                per_pass = {1: 1, 2: micro, 3: micro}[stage]
+                if stage in (1, 2):
+                    assert rs == per_pass * (n - 1) * s["G_bucket"] // n * ELT
+                    assert ag == (n - 1) * s["G_bucket"] // n * ELT
+                else:
+                    assert rs == micro * (n - 1) * s["G3"] // n * ELT
+                    assert ag == micro * 2 * (n - 1) * s["W3"] // n * ELT
+                assert "all_reduce" not in dp_bytes  # only tagged scalars (norm, metrics) are all-reduced
+    # stages 1 and 2 move what plain DP moves: 2 (n-1)/n of the gradient bytes, up to bucket padding
+    dp_total = sum(r[0]["comm"][0]["dp"]["all_reduce"] for r in reports)
+    for stage in (1, 2):
+        total = sum(c["dp"]["reduce_scatter"] + c["dp"]["all_gather"] for r in reports for c in r[stage]["comm"][:1])
+        if micro == 1 or stage == 1:
+            assert total == dp_total + 2 * (n - 1) * (s["G_bucket"] - s["G"]) * ELT
+    # stage 3: peak whole parameters are the running unit and the prefetched one, plus the embedding
+    # while tied to the head (it stays whole between its two uses)
+    r3 = reports[0][3]
+    units = r3["units"]
+    tied = sum(units[u] for u in r3["tied_units"])
+    blocks = sorted((v for k, v in units.items() if k not in r3["tied_units"]), reverse=True)
+    bound = tied + blocks[0] + blocks[1]
+    assert all(r[3]["peak_whole"] <= bound for r in reports), (r3["peak_whole"], bound, units)
+    assert bound < 0.75 * sum(units.values())
+    return reports
+
+
+def test_zero_stages_match_dp_on_2_ranks_with_accumulation(worlds, tmp_path):
+    check_stages(worlds, tmp_path, 2, [], micro=2)
+
+
+def test_zero_stages_match_dp_on_4_ranks_uneven_shapes(worlds, tmp_path):
+    reports = check_stages(worlds, tmp_path, 4, UNEVEN, micro=1)
+    s = sizes(BASE + UNEVEN, 4)
+    assert s["G"] % 4 and s["W3"] > sum(math.prod(p.global_shape) for p in reports[0][0]["placements"].values())
