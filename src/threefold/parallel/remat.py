@@ -34,25 +34,6 @@ from ..errors import ConfigError
 BLOCK = re.compile(r"(?:.*\.)?blocks\.(\d+)")
 
 
-class _KeepInputs(torch.autograd.Function):
-    """Identity that saves its inputs for backward.
-
-    A checkpointed region keeps its inputs alive (in the recompute closure) where saved-tensor
-    hooks cannot see them; passing them through this node makes what checkpointing really keeps
-    visible to activation accounting (observe/memory.py), at no memory cost: the saved tensors
-    are the inputs themselves.
-    """
-
-    @staticmethod
-    def forward(ctx, *tensors):
-        ctx.save_for_backward(*tensors)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return grads
-
-
 def checkpointed(fn):
     """`fn` as a checkpointed region (a no-op wrapper when autograd is off)."""
 
@@ -60,12 +41,9 @@ def checkpointed(fn):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if positions:
-            kept = _KeepInputs.apply(*(args[i] for i in positions))
-            args = list(args)
-            for i, t in zip(positions, kept):
-                args[i] = t
+        # non-reentrant: the inputs are saved through autograd's saved-tensor mechanism (so
+        # activation accounting sees exactly what is kept), and the region may use autograd
+        # hooks of other strategies (ZeRO-3) during the recomputation
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     run.__remat_wrapped__ = fn

@@ -47,11 +47,11 @@ def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], co
     stages and replicas of any layout give the single-device norm.
     """
     mesh = comm.mesh
-    device = params[0].device if params else mesh.device
-    sumsq = torch.zeros((), dtype=torch.float32, device=device)
+    # on the mesh's device: the collective needs it (offloaded master gradients live on the host)
+    sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
     for p, place in zip(params, placements):
         if p.grad is not None and all(mesh.rank(axis) == 0 for axis in place.replicated_over):
-            sumsq += p.grad.float().pow(2).sum()
+            sumsq += p.grad.float().pow(2).sum().to(mesh.device)
     for axis in ("tp", "pp", "dp"):
         comm.all_reduce(sumsq, axis, tag="grad_norm")
     return sumsq.sqrt()
