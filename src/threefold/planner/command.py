@@ -156,7 +156,9 @@ def render(r: PlanResult, top: int = 10) -> str:
             lines.append(f"  ... and {len(rest)} more layouts that do not fit, e.g. {rest[-1].strategy.label()}: "
                          f"{rest[-1].why}")
     else:
-        lines.append(r.message)
+        lines.append("no layout fits; the closest:")
+        for i, c in enumerate(r.candidates[:top], 1):
+            lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ input (c*bsh), `selective` drops the attention core's internals (the log-sum-exp
 terms in the paper), `every-k` applies `full` to one block in k.
 Outside the blocks: the token indices (the int64 rows of this rank's whole batch, inputs and
 targets share them), learned positions (8*s), the final norm and the fp32 log-probabilities of
-the loss (4*bsV/tp) and its flattened int64 targets (8*bs).
+the loss (4*bsV/tp) and its flattened int64 targets (8*bs, a copy when b > 1).
 
 Micro-batches in flight: 1 without a pipeline (each backward frees its activations before the
 next forward); the first stage holds min(pp, m) under 1F1B and ZB-H1, m under GPipe, and
@@ -158,10 +158,12 @@ def embedding_bytes(w: Workload, st: Strategy) -> float:
 
 def head_bytes(w: Workload, st: Strategy, b: int) -> float:
     """Final norm, fp32 log-probabilities of the loss (vocab-parallel over tp), the flattened
-    targets (a copy: they are a strided view of the rows) and the loss's weight scalar."""
+    targets (a copy: they are a strided view of the rows, contiguous only for one row) and the
+    loss's weight scalar."""
     c = compute_bytes(st.precision)
     sp = st.tp if st.sequence_parallel else 1
-    return norm_bytes(w, b, c) / sp + 4 * b * w.seq_len * w.model.vocab / st.tp + 8 * b * w.seq_len + 4
+    targets = 8 * b * w.seq_len if b > 1 else 0
+    return norm_bytes(w, b, c) / sp + 4 * b * w.seq_len * w.model.vocab / st.tp + targets + 4
 
 
 def in_flight(st: Strategy, stage: int) -> float:
