@@ -142,7 +142,7 @@ def shortfall(c: Candidate, gpu: Gpu) -> str:
             f"{_gib(mem.activations)}, buffers/transients/margin {_gib(mem.transient + mem.buffers + mem.margin)})")
 
 
-def _components(t: StepTime, microbatches: int) -> dict[str, float]:
+def _components(t: StepTime) -> dict[str, float]:
     compute = t.pipeline_s - t.bubble_s - t.tp_comm_s
     return {"compute (incl. recomputation)": compute, "pipeline bubble": t.bubble_s,
             "tensor-parallel communication": t.tp_comm_s, "exposed data-parallel/ZeRO communication": t.dp_exposed_s,
@@ -150,7 +150,7 @@ def _components(t: StepTime, microbatches: int) -> dict[str, float]:
 
 
 def slower(c: Candidate, best: Candidate) -> str:
-    a, b = _components(c.time, c.strategy.microbatches), _components(best.time, best.strategy.microbatches)
+    a, b = _components(c.time), _components(best.time)
     deltas = sorted(((a[k] - b[k], k) for k in a), reverse=True)
     worst = ", ".join(f"{k} +{d:.3g} s" for d, k in deltas[:2] if d > 0)
     pct = c.time.total_s / best.time.total_s - 1
