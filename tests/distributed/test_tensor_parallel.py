@@ -163,6 +163,15 @@ def check_one_pass(cases) -> dict:
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         assert held == expected * 4, (preset, held, expected * 4)
         assert {n for n, pl in placements.items() if "tp" not in pl.replicated_over} == split
+        # sequence parallelism divides the activations the norms save by tp
+        x_norm = torch.randn(b, s, h, generator=gen, requires_grad=True)
+        norm_meter = SavedTensorMeter(exclude=list(model.parameters()))
+        ref_norm_meter = SavedTensorMeter(exclude=list(reference.parameters()))
+        with norm_meter.measure():
+            model.blocks[0].attn_norm(x_norm.chunk(tp, 1)[rank].contiguous() if sp else x_norm)
+        with ref_norm_meter.measure():
+            reference.blocks[0].attn_norm(x_norm)
+        assert norm_meter.current * (tp if sp else 1) == ref_norm_meter.current, (norm_meter.current, tp)
         # bytes per block per micro-batch: Megatron's four all-reduces of b*s*h (fwd + bwd), or with
         # SP four all-gathers and four reduce-scatters of the same activations
         x = torch.randn(b, s, h, generator=gen)

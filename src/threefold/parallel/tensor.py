@@ -258,21 +258,19 @@ def gather_full(tensors: dict[str, torch.Tensor], placements: dict[str, Placemen
         if place.flat_range is not None:
             raise ValueError(f"{local_name}: flat shards (ZeRO) are not gathered here")
         if axis in place.replicated_over or comm.mesh.size(axis) == 1:
-            full = torch.zeros(tuple(max(g, o + s) for g, o, s in zip(place.global_shape, place.offsets, place.shape)),
-                               dtype=t.dtype, device=t.device)
-            full[tuple(slice(o, o + s) for o, s in zip(place.offsets, place.shape))] = t
-        else:
-            n = comm.mesh.size(axis)
-            pieces = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            comm.all_gather(pieces, t.contiguous(), axis)
-            offsets = torch.tensor(place.offsets, dtype=torch.int64, device=t.device)
-            all_offsets = torch.empty(n * offsets.numel(), dtype=torch.int64, device=t.device)
-            comm.all_gather(all_offsets, offsets, axis)
-            all_offsets = all_offsets.view(n, -1).tolist()
-            extent = [max([g] + [o[d] + s for o in all_offsets]) for d, (g, s) in
-                      enumerate(zip(place.global_shape, place.shape))]
-            full = torch.zeros(extent, dtype=t.dtype, device=t.device)
-            for piece, offs in zip(pieces.chunk(n), all_offsets):
-                full[tuple(slice(o, o + s) for o, s in zip(offs, place.shape))] = piece
+            out[place.name] = t.detach()[tuple(slice(0, g) for g in place.global_shape)].clone()
+            continue
+        n = comm.mesh.size(axis)
+        pieces = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        comm.all_gather(pieces, t.contiguous(), axis)
+        offsets = torch.tensor(place.offsets, dtype=torch.int64, device=t.device)
+        all_offsets = torch.empty(n * offsets.numel(), dtype=torch.int64, device=t.device)
+        comm.all_gather(all_offsets, offsets, axis)
+        all_offsets = all_offsets.view(n, -1).tolist()
+        extent = [max([g] + [o[d] + s for o in all_offsets]) for d, (g, s) in
+                  enumerate(zip(place.global_shape, place.shape))]
+        full = torch.zeros(extent, dtype=t.dtype, device=t.device)
+        for piece, offs in zip(pieces.chunk(n), all_offsets):
+            full[tuple(slice(o, o + s) for o, s in zip(offs, place.shape))] = piece
         out[place.name] = full[tuple(slice(0, g) for g in place.global_shape)].clone()
     return out
