@@ -8,8 +8,12 @@ attention and MLP are the two regions of a layer. Its attention reshapes by `hea
 local head counts follow from the sharded weights, except `num_key_value_groups`, which the
 plan sets when key/value heads are replicated. The output head is split over the vocabulary
 and gathered (`gather_output`), because the library computes its own loss from whole logits;
-threefold's own decoder uses the vocabulary-parallel loss instead. Sequence parallelism is not
-offered: the library derives positions and the causal mask from the local sequence length.
+threefold's own decoder uses the vocabulary-parallel loss instead.
+
+Sequence parallelism: the library reads positions and the causal mask off the embedding's
+output, so the embedding keeps its whole sequence (all-reduce) and the sequence is cut at the
+input of the first layer; from there on the norms run on sequence chunks, attention and MLP
+all-gather their input and reduce-scatter their output, exactly like the reference decoder.
 
 GPT-2 is not covered: its fused `c_attn` (q, k and v in one Conv1D) would give each rank three
 separate column blocks of one parameter, which a single Placement box cannot describe.
@@ -33,7 +37,7 @@ def llama_plan(config, tp: int) -> TensorPlan:
         attributes[f"{layer}.self_attn"] = {"num_key_value_groups": heads // tp}
     return TensorPlan(
         layers={
-            "model.embed_tokens": VocabEmbedding(config.vocab_size),
+            "model.embed_tokens": VocabEmbedding(config.vocab_size, sequence_output=False),
             f"{layer}.self_attn.q_proj": ColumnParallel(unit=head_dim, what=what_heads),
             f"{layer}.self_attn.k_proj": GroupedKV(heads, kv_heads, head_dim),
             f"{layer}.self_attn.v_proj": GroupedKV(heads, kv_heads, head_dim),
@@ -44,6 +48,7 @@ def llama_plan(config, tp: int) -> TensorPlan:
             "lm_head": VocabHead(config.vocab_size, gather_output=True),
         },
         regions=(f"{layer}.self_attn", f"{layer}.mlp", "lm_head"),
+        sequence=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.norm"),
+        scatter_inputs={"model.layers.0": 1},
         attributes=attributes,
-        supports_sequence_parallel=False,
     )

@@ -12,6 +12,8 @@ A plan names modules by pattern (`*` matches one name component, e.g. `blocks.*.
                  parameters' gradients are summed over tp.
     scatter_sequence  module -> dim: outputs that are cut along the sequence under SP (a
                  learned position table, added to the sequence-split embedding).
+    scatter_inputs    module -> dim: first inputs cut along the sequence under SP (where a
+                 library model's sequence-parallel region begins).
     attributes   module -> {attribute: value} to set after sharding (a library model's
                  cached head counts).
 
@@ -71,9 +73,15 @@ class RowParallel:
 
 @dataclass(frozen=True)
 class VocabEmbedding:
-    """Embedding rows split over the vocabulary, padded to a multiple of tp with zero rows."""
+    """Embedding rows split over the vocabulary, padded to a multiple of tp with zero rows.
+
+    Under SP its reduction is a reduce-scatter along the sequence (the SP region starts here),
+    unless `sequence_output` is False (a library model that reads the sequence length off the
+    embedding's output; its plan cuts the sequence later with `scatter_inputs`).
+    """
 
     vocab: int
+    sequence_output: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class TensorPlan:
     regions: tuple[str, ...] = ()
     sequence: tuple[str, ...] = ()
     scatter_sequence: dict[str, int] = field(default_factory=dict)
+    scatter_inputs: dict[str, int] = field(default_factory=dict)
     attributes: dict[str, dict] = field(default_factory=dict)
     seq_dim: int = 1  # the sequence dimension of the activations between regions (b, s, h)
     supports_sequence_parallel: bool = True
@@ -202,8 +211,8 @@ def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, s
             raise TensorPlanError(f"tensor plan: {name} is a {type(module).__name__}, not a torch.nn.Embedding")
         padded = padded_size(style.vocab, tp)
         weight = sharder.split(module.weight, 0, pad_to=padded)
-        return VocabParallelEmbedding(weight, rank * (padded // tp), style.vocab, comm, sp, module.padding_idx,
-                                      plan.seq_dim)
+        return VocabParallelEmbedding(weight, rank * (padded // tp), style.vocab, comm, sp and style.sequence_output,
+                                      module.padding_idx, plan.seq_dim)
     if isinstance(style, VocabHead):
         w, b = _linear_parts(module, name)
         padded = padded_size(style.vocab, tp)
@@ -228,6 +237,10 @@ def _region_hook(comm: Comm, sp: bool, seq_dim: int):
 
 def _scatter_hook(comm: Comm, dim: int):
     return lambda module, args, output: scatter_sequence(output, comm, dim)
+
+
+def _scatter_input_hook(comm: Comm, dim: int):
+    return lambda module, args: (scatter_sequence(args[0], comm, dim),) + tuple(args[1:])
 
 
 def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
@@ -260,6 +273,9 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPla
         for pattern, dim in plan.scatter_sequence.items():
             for _, module in _matching(model, pattern):
                 module.register_forward_hook(_scatter_hook(comm, dim))
+        for pattern, dim in plan.scatter_inputs.items():
+            for _, module in _matching(model, pattern):
+                module.register_forward_pre_hook(_scatter_input_hook(comm, dim))
     for pattern, values in plan.attributes.items():
         for _, module in _matching(model, pattern):
             for key, value in values.items():
