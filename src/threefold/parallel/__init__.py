@@ -28,6 +28,7 @@ from .data import AllReduceHook, parallelize_data
 from .master import Piece, ShardedAdamW
 from .precision import MixedPrecision, apply_precision
 from .remat import apply_remat
+from .tensor_plan import parallelize_tensor
 from .zero import ZeroReducer
 from .zero3 import Zero3
 
@@ -84,7 +85,10 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
-    placements = {name: Placement.whole(name, p.shape) for name, p in model.named_parameters()}
+    from ..models.plan import decoder_plan  # not at the top: models/plan.py imports the plan styles from here
+
+    # 1. tensor parallelism
+    placements = parallelize_tensor(model, mesh, comm, decoder_plan(cfg.model), cfg.parallel.sequence_parallel)
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat)
     # 4. mixed precision

@@ -47,24 +47,20 @@ def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], co
     stages and replicas of any layout give the single-device norm.
     """
     mesh = comm.mesh
+    owned = [p.grad for p, place in zip(params, placements)
+             if p.grad is not None and all(mesh.rank(axis) == 0 for axis in place.replicated_over)]
     # on the mesh's device: the collective needs it (offloaded master gradients live on the host)
     sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    for p, place in zip(params, placements):
-        if p.grad is not None and all(mesh.rank(axis) == 0 for axis in place.replicated_over):
-            sumsq += p.grad.float().pow(2).sum().to(mesh.device)
+    if owned:
+        sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
     for axis in ("tp", "pp", "dp"):
         comm.all_reduce(sumsq, axis, tag="grad_norm")
     return sumsq.sqrt()
 
 
 def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    if max_norm <= 0:
-        return
-    scale = max_norm / (float(norm) + 1e-6)
-    if scale < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
 
 
 def accumulate(model: nn.Module, micro_batches: list[Batch], grad_sync: GradSync, global_tokens: int,

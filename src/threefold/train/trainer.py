@@ -21,6 +21,13 @@ from .metrics import MetricsLog, plot_run
 from .step import TrainStep
 
 
+def share_cpu_threads(device: torch.device) -> None:
+    """Give each local process its share of the cores (torch would start one thread per core in each)."""
+    if device.type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+
+
 def configure_determinism(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     if deterministic:
@@ -35,6 +42,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         device = pick_device(cfg.run.device)
         init_distributed(device, cfg.run.collective_timeout_s)
+        share_cpu_threads(device)
         self.cfg = cfg = cfg.validate(dist.get_world_size())
         configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel

@@ -1,0 +1,71 @@
+import pytest
+
+from threefold.config import Config, load_config
+from threefold.errors import ConfigError
+
+
+def test_defaults_presets_and_overrides(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\npreset = "small"\nlayers = 6\n[train]\nlr = 1\n')
+    cfg = load_config(toml, ["train.steps=7", "parallel.tp=2", "train.deterministic=true"])
+    assert cfg.model.hidden == 256 and cfg.model.layers == 6  # preset, then file
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.steps == 7 and cfg.parallel.tp == 2 and cfg.train.deterministic is True
+    with pytest.raises(Exception):
+        cfg.train.steps = 3  # frozen
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["model.preset=tiny-llama", "train.lr=0.003", "data.source=stdlib"])
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path) == cfg
+
+
+def test_validate_fills_dp():
+    assert load_config(None, ["parallel.tp=2"]).validate(4).parallel.dp == 2
+
+
+@pytest.mark.parametrize("overrides, world, field, words", [
+    (["model.foo=1"], 1, "model.foo", "unknown key"),
+    (["modle.layers=1"], 1, "modle.layers", "unknown config section"),
+    (["model.layers=four"], 1, "model.layers", "expected int"),
+    (["train.deterministic=maybe"], 1, "train.deterministic", "expected bool"),
+    (["model.mlp=relu"], 1, "model.mlp", "not one of"),
+    (["model.preset=gpt5"], 1, "model.preset", "unknown preset"),
+    (["parallel.tp=2", "parallel.pp=2"], 6, "parallel", "product is 6"),
+    (["parallel.dp=3"], 4, "parallel", "does not match the world size 4"),
+    (["parallel.zero=4"], 1, "parallel.zero", "unknown ZeRO stage"),
+    (["train.global_batch=6"], 4, "train.global_batch", "multiple of 4"),
+    (["data.source=/no/such/dir"], 1, "data.source", "does not exist"),
+    (["train.seq_len=100"], 1, "train.seq_len", "max_seq"),
+    (["model.heads=5"], 1, "model.hidden", "not divisible"),
+    (["parallel.pp=3"], 3, "parallel.pp", "layers"),
+    (["fault.rank=4"], 4, "fault.rank", "does not exist"),
+])
+def test_mistakes_name_the_field_and_the_fix(overrides, world, field, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides).validate(world)
+    assert info.value.field == field
+    assert words in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    bad.write_text("[model]\nlayers = 'four'\n")
+    with pytest.raises(ConfigError, match="model.layers: expected int"):
+        load_config(bad)
+    bad.write_text("[optimizer]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="unknown config section"):
+        load_config(bad)
+
+
+def test_every_section_is_typed():
+    cfg = Config()
+    assert set(cfg.to_dict()) == {"model", "parallel", "pipeline", "precision", "remat", "compress", "train",
+                                  "data", "checkpoint", "run", "fault"}
