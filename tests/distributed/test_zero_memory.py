@@ -36,7 +36,7 @@ def test_model_state_bytes_follow_the_zero_formulas(worlds, tmp_path):
             mem = rank_reports[stage]["mem"]
             assert (mem["params"], mem["grads"], mem["optimizer"]) == expected[stage], (stage, mem)
             assert mem["params"] + mem["grads"] + mem["optimizer"] == totals[stage]
-            assert mem["offloaded"] == 0 and mem["activations"] > 0
+            assert "offloaded" not in mem and mem["activations"] > 0
         for i, stage in enumerate((1, 2, 3)):
             offloaded = rank_reports[4 + i]
             mem = offloaded["mem"]

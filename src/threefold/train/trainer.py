@@ -66,7 +66,7 @@ class Trainer:
         """Bytes this rank holds, each storage counted once: model states and the step's activations.
 
         `optimizer` is what stays in the compute device's pool (fp32 masters not shared with the
-        model, Adam moments); `offloaded` what `parallel.offload` moved to the host pool.
+        model, Adam moments); with `parallel.offload`, `offloaded` is what moved to the host pool.
         """
         params = storage_bytes(self.parallel.param_tensors())
         grads = storage_bytes(self.parallel.grad_tensors())
@@ -76,8 +76,10 @@ class Trainer:
         peak = params + grads + optim + activations
         if self.mesh.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.mesh.device)
-        return {"params": params, "grads": grads, "optimizer": optim, "offloaded": offloaded,
-                "activations": activations, "peak": peak}
+        mem = {"params": params, "grads": grads, "optimizer": optim, "activations": activations, "peak": peak}
+        if self.optimizer.offload:
+            mem["offloaded"] = offloaded
+        return mem
 
     def _inject_fault(self, step: int) -> None:
         fault = self.cfg.fault
