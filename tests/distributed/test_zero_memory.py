@@ -37,6 +37,8 @@ def test_model_state_bytes_follow_the_zero_formulas(worlds, tmp_path):
             assert (mem["params"], mem["grads"], mem["optimizer"]) == expected[stage], (stage, mem)
             assert mem["params"] + mem["grads"] + mem["optimizer"] == totals[stage]
             assert "offloaded" not in mem and mem["activations"] > 0
+            # sharding changes no activation (ZeRO-3's whole parameters are not counted as such)
+            assert mem["activations"] == rank_reports[0]["mem"]["activations"]
         for i, stage in enumerate((1, 2, 3)):
             offloaded = rank_reports[4 + i]
             mem = offloaded["mem"]
