@@ -89,3 +89,14 @@ def test_zero_stages_match_dp_on_4_ranks_uneven_shapes(worlds, tmp_path):
     reports = check_stages(worlds, tmp_path, 4, UNEVEN, micro=1)
     s = sizes(BASE + UNEVEN, 4)
     assert s["G"] % 4 and s["W3"] > sum(math.prod(p.global_shape) for p in reports[0][0]["placements"].values())
+
+
+def test_zero_composes_with_tensor_parallelism_and_checkpointing(worlds, tmp_path):
+    """tp=2 x dp=2 with sequence parallelism and full recomputation: ZeRO 2 and 3 still equal plain DP."""
+    overrides = BASE + ["train.steps=8", "parallel.tp=2", "parallel.sequence_parallel=true", "remat.policy=full"]
+    reports = worlds(4).run(train_stages, [overrides + [f"parallel.zero={z}"] for z in (0, 2, 3)], str(tmp_path))
+    dp = assemble([r[0]["params"] for r in reports], [r[0]["placements"] for r in reports])
+    for i, stage in ((1, 2), (2, 3)):
+        got = assemble([r[i]["params"] for r in reports], [r[i]["placements"] for r in reports])
+        for name in dp:
+            assert rel_err(got[name], dp[name]) <= 1e-5, (stage, name)
