@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..comm import Comm
+from ..comm.compression import make_comm_hook
 from ..config import Config
 from ..mesh import Mesh
 from ..sharding import Placement
@@ -42,6 +43,7 @@ class ParallelModel:
 
 def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
     placements = {name: Placement.whole(name, p.shape) for name, p in model.named_parameters()}
-    grad_sync = parallelize_data(model, comm, cfg.parallel.bucket_mb)
+    hook = make_comm_hook(cfg, mesh.size("dp"))  # cfg.compress: plain, cast, or compressed sums
+    grad_sync = parallelize_data(model, comm, cfg.parallel.bucket_mb, hook)
     placements = {name: place.replicated("dp") for name, place in placements.items()}
     return ParallelModel(model, grad_sync, placements)
