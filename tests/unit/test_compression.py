@@ -19,11 +19,14 @@ def test_sign_packing_round_trip_and_best_scale():
     assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
     assert torch.equal(unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
     scales, signs = compress(x)
-    assert torch.allclose(scales, x.abs().mean(1))
+    assert torch.allclose(scales, x.abs().mean(1, keepdim=True))  # one scale per row by default
     approx = decompress(scales, signs)
     for s in (0.9, 1.1):  # mean |x| minimises ||x - s sign(x)||
         assert (x - approx).norm() < (x - decompress(scales * s, signs)).norm()
     assert OneBitAllReduce(1001, 4).chunk == 256  # blocks of whole sign bytes covering the tensor
+    assert OneBitAllReduce(5000, 4).chunk == 1280 and OneBitAllReduce(5000, 4).groups == 5
+    scales, signs = compress(x, group=16)
+    assert scales.shape == (3, 4) and torch.allclose(decompress(scales, signs).abs(), scales.repeat_interleave(16, 1))
 
 
 def test_dgc_warm_up_schedule():

@@ -51,7 +51,7 @@ class DGCHook:
         return _START_DENSITY * (final / _START_DENSITY) ** (step / self.warmup_steps)
 
     def selected(self, numel: int, step: int) -> int:
-        return min(numel, max(1, math.ceil(self.density(step) * numel)))
+        return min(numel, max(1, math.ceil(self.density(step) * numel - 1e-6)))  # 1 - 0.999 is not exact
 
     def launch(self, bucket, comm: Comm, axis: str):
         g, state = bucket.buffer, bucket.state

@@ -1,7 +1,7 @@
 """1-bit (sign) compression with error feedback, and the compressed all-reduce built on it.
 
-A block x of c values is sent as one fp32 scale s = mean |x| (the s minimising ||x - s sign x||)
-and c sign bits. What the rounding loses, x - s sign(x), is kept and added to the next
+A group x of values is sent as one fp32 scale s = mean |x| (the s minimising ||x - s sign x||)
+and one sign bit per value. What the rounding loses, x - s sign(x), is kept and added to the next
 step's input (error feedback; Seide et al. 2014, Karimireddy et al. 2019), so over steps the
 sum of what was sent tracks the sum of the inputs.
 
@@ -13,8 +13,9 @@ sum of what was sent tracks the sum of the inputs.
     2. server: rank j sums its n decompressed blocks, compresses the sum (+ server error),
        all_gather: every rank receives every compressed block sum
 
-Bytes per rank: 2 (n-1) (4 + c/8) with c = numel / n (padded to a multiple of 8): for large
-tensors 2 (n-1)/n numel / 8, i.e. 32x less than the fp32 ring all-reduce's 2 (n-1)/n numel 4.
+Bytes per rank: 2 (n-1) (4 c/g + c/8) with c = numel / n (padded to a multiple of the group
+g = 256): about 2 (n-1)/n numel 1.125/8, i.e. 28x less than the fp32 ring all-reduce's
+2 (n-1)/n numel 4 (32x with one scale per block, which follows the layers' scales worse).
 
 `OneBitHook` applies it to each gradient bucket (any optimizer; `warmup_steps` uncompressed
 steps first). 1-bit Adam, which compresses the momentum instead, is in onebit_adam.py.
@@ -43,32 +44,42 @@ def unpack_signs(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return bits.to(dtype).mul_(2).sub_(1).flatten(-2)
 
 
-def compress(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales (rows,), packed signs (rows, c/8)) of blocks (rows, c)."""
-    return blocks.abs().mean(-1), pack_signs(blocks)
+def compress(rows: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales (r, c/group), packed signs (r, c/8)) of rows (r, c): one scale per `group` values."""
+    group = group or rows.shape[-1]
+    scales = rows.view(rows.shape[0], -1, group).abs().mean(-1)
+    return scales, pack_signs(rows)
 
 
 def decompress(scales: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return unpack_signs(packed, scales.dtype) * scales.unsqueeze(-1)
+    signs = unpack_signs(packed, scales.dtype)
+    return (signs.view(*scales.shape, -1) * scales.unsqueeze(-1)).flatten(-2)
 
 
 def _to_bytes(scales: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """One message row per block: [scale as 4 bytes][sign bytes]."""
-    return torch.cat([scales.float().unsqueeze(-1).view(torch.uint8), packed], dim=-1)
+    """One message row per block: [scales as 4 bytes each][sign bytes]."""
+    return torch.cat([scales.float().contiguous().view(torch.uint8), packed], dim=-1)
 
 
-def _from_bytes(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scales = message[:, :_SCALE_BYTES].clone().view(torch.float32).squeeze(-1)
-    return scales, message[:, _SCALE_BYTES:]
+def _from_bytes(message: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = message[:, : groups * _SCALE_BYTES].clone().view(torch.float32)
+    return scales, message[:, groups * _SCALE_BYTES:]
 
 
 class OneBitAllReduce:
-    """Compressed sum over `axis` of flat tensors of `numel` elements; memory lives in `state`."""
+    """Compressed sum over `axis` of flat tensors of `numel` elements; memory lives in `state`.
 
-    def __init__(self, numel: int, ranks: int, error_feedback: bool = True):
+    Each rank's block of `chunk` values carries one scale per `group` values (default 256:
+    1 + 32/256 = 1.125 bits per value, 28x less than fp32; finer scales follow the very
+    different magnitudes of the layers packed in one bucket).
+    """
+
+    def __init__(self, numel: int, ranks: int, error_feedback: bool = True, group: int = 256):
         self.numel = numel
         self.ranks = ranks
-        self.chunk = -(-numel // (8 * ranks)) * 8  # elements per block, whole bytes of signs
+        self.group = min(group, -(-numel // (8 * ranks)) * 8)  # a multiple of 8: whole bytes of signs
+        self.chunk = -(-numel // (self.group * ranks)) * self.group  # elements per rank's block
+        self.groups = self.chunk // self.group
         self.error_feedback = error_feedback
 
     def init_state(self, state: dict, like: torch.Tensor) -> None:
@@ -81,8 +92,7 @@ class OneBitAllReduce:
         self.init_state(state, x)
         y = state["worker_error"].clone()
         y[: self.numel] += x.float()
-        blocks = y.view(self.ranks, self.chunk)
-        scales, packed = compress(blocks)
+        scales, packed = compress(y.view(self.ranks, self.chunk), self.group)
         if self.error_feedback:
             state["worker_error"] = y.sub_(decompress(scales, packed).flatten())
             state["worker_error"][self.numel:] = 0  # padding carries nothing forward
@@ -91,15 +101,15 @@ class OneBitAllReduce:
         return comm.all_to_all(received, message, axis, async_op=True)
 
     def finish(self, x: torch.Tensor, state: dict, comm: Comm, axis: str) -> None:
-        scales, packed = _from_bytes(state.pop("_received"))
+        scales, packed = _from_bytes(state.pop("_received"), self.groups)
         block_sum = decompress(scales, packed).sum(0) + state["server_error"]
-        scale, signs = compress(block_sum.unsqueeze(0))
+        scale, signs = compress(block_sum.unsqueeze(0), self.group)
         if self.error_feedback:
             state["server_error"] = block_sum.sub_(decompress(scale, signs).squeeze(0))
         message = _to_bytes(scale, signs).squeeze(0)
         gathered = torch.empty(self.ranks * message.numel(), dtype=torch.uint8, device=x.device)
         comm.all_gather(gathered, message, axis)
-        scales, packed = _from_bytes(gathered.view(self.ranks, -1))
+        scales, packed = _from_bytes(gathered.view(self.ranks, -1), self.groups)
         x.copy_(decompress(scales, packed).flatten()[: self.numel])
 
     def all_reduce(self, x: torch.Tensor, state: dict, comm: Comm, axis: str) -> None:
