@@ -83,14 +83,19 @@ class RematConfig:
 
 @dataclass(frozen=True)
 class CompressConfig:
+    """Gradient communication over dp (comm/compression/, docs/compression.md)."""
+
     method: Literal["none", "fp16", "bf16", "dgc", "onebit", "powersgd"] = "none"
-    dgc_sparsity: float = 0.999
-    dgc_warmup_steps: int = 0
+    dgc_sparsity: float = 0.999  # fraction of entries NOT sent once the warm-up is over
+    dgc_warmup_steps: int = 0  # density shrinks geometrically from 25% to 1 - dgc_sparsity over these steps
     dgc_momentum: float = 0.9
+    dgc_momentum_correction: bool = True  # accumulate velocity (momentum) instead of raw gradients
+    dgc_local_clip: bool = True  # clip each rank's gradient at train.grad_clip / sqrt(dp) before accumulating
+    onebit_adam: bool = True  # onebit: 1-bit Adam (compressed momentum); false: 1-bit gradients, any optimizer
     powersgd_rank: int = 4
     warmup_steps: int = 0  # uncompressed steps before compression starts (1-bit, PowerSGD)
-    error_feedback: bool = True
-    hierarchical: bool = False
+    error_feedback: bool = True  # keep what compression dropped and send it later (dgc, onebit, powersgd)
+    hierarchical: bool = False  # dense sums: reduce in each node, all-reduce across nodes, broadcast
 
 
 @dataclass(frozen=True)
@@ -338,6 +343,7 @@ def _validate(c: Config, world_size: int) -> Config:
     resume = c.checkpoint.resume
     if resume not in ("none", "auto") and not Path(resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{resume}' is not a checkpoint directory; use auto, none or a path")
+    _validate_compress(c.compress, p.zero)
     if c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
     return replace(c, parallel=replace(p, dp=dp))
@@ -362,3 +368,36 @@ def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig)
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by parallel.tp={p.tp}, which sequence "
                           f"parallelism splits it over; use a multiple of {p.tp}")
+
+
+def _validate_compress(c: CompressConfig, zero: int) -> None:
+    """Ranges and the combinations with ZeRO that a compressor cannot serve."""
+    if not 0.0 <= c.dgc_sparsity < 1.0:
+        raise ConfigError("compress.dgc_sparsity", f"must be in [0, 1), got {c.dgc_sparsity}; e.g. 0.999")
+    if not 0.0 <= c.dgc_momentum < 1.0:
+        raise ConfigError("compress.dgc_momentum", f"must be in [0, 1), got {c.dgc_momentum}; e.g. 0.9")
+    for key, value in [("compress.dgc_warmup_steps", c.dgc_warmup_steps), ("compress.warmup_steps", c.warmup_steps)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if c.powersgd_rank < 1:
+        raise ConfigError("compress.powersgd_rank", f"must be at least 1, got {c.powersgd_rank}")
+    method = c.method
+    if zero == 3 and method in ("dgc", "onebit", "powersgd"):
+        raise ConfigError("compress.method", f"{method} needs each rank's whole gradient, which ZeRO-3 never forms; "
+                          "use parallel.zero<=2, or compress.method none/fp16/bf16")
+    if method == "onebit" and c.onebit_adam and zero >= 1:
+        raise ConfigError("compress.method", "1-bit Adam keeps the full momentum and frozen variance on every rank "
+                          "and replaces the optimizer, which ZeRO shards; use parallel.zero=0, or set "
+                          "compress.onebit_adam=false (1-bit gradients) with parallel.zero<=1")
+    if method == "onebit" and zero >= 2:
+        raise ConfigError("compress.method", "1-bit gradients are summed whole, not reduce-scattered as ZeRO-2 "
+                          "needs; use parallel.zero<=1")
+    if method == "onebit" and c.onebit_adam and c.warmup_steps < 1:
+        raise ConfigError("compress.warmup_steps", "1-bit Adam needs uncompressed warm-up steps to estimate the "
+                          "variance it then freezes; set it to about 15-25% of train.steps")
+    if c.hierarchical and method in ("dgc", "onebit"):
+        raise ConfigError("compress.hierarchical", f"{method} exchanges with all-gather / all-to-all, which have no "
+                          "hierarchical form here; use it with none, fp16, bf16 or powersgd")
+    if c.hierarchical and zero >= 2:
+        raise ConfigError("compress.hierarchical", "the hierarchical all-reduce replaces the all-reduce of plain data "
+                          "parallelism and ZeRO-1; ZeRO-2/3 reduce-scatter instead; use parallel.zero<=1")

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .launch import free_port
 
 AXES = ("pp", "dp", "tp")
+NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
 
 
 def pick_device(kind: str = "auto") -> torch.device:
@@ -26,6 +27,11 @@ def pick_device(kind: str = "auto") -> torch.device:
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def local_world_size() -> int:
+    """Processes per node, as the launcher (torchrun, the elastic agent, Slurm) describes it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
@@ -59,9 +65,15 @@ class Layout:
 
 
 class Mesh:
-    """Process groups and coordinates for the axes pp, dp, tp of the current world."""
+    """Process groups and coordinates for the axes pp, dp, tp of the current world.
 
-    def __init__(self, layout: Layout, device: torch.device):
+    With `node_size` (processes per node, launcher order: node i holds global ranks
+    i*node_size ..), dp is also split by node into `dp_intra` (this rank's dp peers on its
+    node) and `dp_inter` (one dp peer per node with the same intra coordinate), for
+    hierarchical collectives (comm/hierarchical.py).
+    """
+
+    def __init__(self, layout: Layout, device: torch.device, node_size: int = 0):
         world = dist.get_world_size()
         if layout.world_size != world:
             raise ValueError(f"layout {layout} needs {layout.world_size} processes, the world has {world}")
@@ -70,6 +82,30 @@ class Mesh:
         self.device_mesh: DeviceMesh = init_device_mesh(
             device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
         self._groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
+        self._node_ranks: dict[str, list[int]] = {}
+        if node_size:
+            self._build_node_axes(node_size)
+
+    def _build_node_axes(self, node_size: int) -> None:
+        """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""
+        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
+        dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+        first = dp_groups[0]
+        intra = sum(1 for r in first if r // node_size == first[0] // node_size)
+        for ranks in dp_groups:
+            runs = [ranks[i: i + intra] for i in range(0, len(ranks), intra)]
+            if len(ranks) % intra or any(len({r // node_size for r in run}) != 1 for run in runs) \
+                    or len({run[0] // node_size for run in runs}) != len(runs):
+                raise ValueError(f"the dp groups of layout {self.layout} do not split evenly over nodes of "
+                                 f"{node_size} processes; use a node size that is a multiple of tp and divides "
+                                 "dp x tp (or the reverse)")
+        intra_lists = [ranks[i: i + intra] for ranks in dp_groups for i in range(0, len(ranks), intra)]
+        inter_lists = [ranks[i::intra] for ranks in dp_groups for i in range(intra)]
+        me = dist.get_rank()
+        for axis, lists in (("dp_intra", intra_lists), ("dp_inter", inter_lists)):
+            group, _ = dist.new_subgroups_by_enumeration(lists)
+            self._groups[axis] = group
+            self._node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
 
     @property
     def global_rank(self) -> int:
@@ -80,17 +116,33 @@ class Mesh:
         return self.layout.world_size
 
     def size(self, axis: str) -> int:
+        if axis in NODE_AXES:
+            return len(self._node_axis(axis))
         return getattr(self.layout, axis)
 
     def rank(self, axis: str) -> int:
         """This process's coordinate along `axis` (0 .. size-1)."""
+        if axis in NODE_AXES:
+            return self._node_axis(axis).index(dist.get_rank())
         return self.device_mesh.get_local_rank(axis)
 
+    def has_node_axes(self) -> bool:
+        return bool(self._node_ranks)
+
+    def _node_axis(self, axis: str) -> list[int]:
+        if axis not in self._node_ranks:
+            raise ValueError(f"axis '{axis}' exists only on a Mesh built with node_size")
+        return self._node_ranks[axis]
+
     def group(self, axis: str) -> dist.ProcessGroup:
+        if axis in NODE_AXES:
+            self._node_axis(axis)  # a clear error when the node axes were not built
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this process's group along `axis`, ordered by coordinate."""
+        if axis in NODE_AXES:
+            return list(self._node_axis(axis))
         return dist.get_process_group_ranks(self._groups[axis])
 
     def global_rank_of(self, axis: str, index: int) -> int:

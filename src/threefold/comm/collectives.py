@@ -9,6 +9,8 @@
     reduce_scatter  S_in - S_out     ((n-1)/n of the input)
     all_gather      S_out - S_in     ((n-1)/n of the output)
     broadcast       S, except the last rank of the chain from the source
+    reduce          S, except the destination (the chain ends there)
+    all_to_all      S_in - own block ((n-1)/n of the input)
     send            S                (recv: 0)
   These are the figures the scaling formulas of the papers use, so tests compare them exactly.
 * **a flight record** - each call's sequence number, op, axis, shape, dtype, bytes, Python call
@@ -182,6 +184,29 @@ class Comm:
         record = self._start("broadcast", axis, tensor, nbytes)
         work = dist.broadcast(tensor, src=self.mesh.global_rank_of(axis, src), group=self.mesh.group(axis),
                               async_op=async_op)
+        return self._finish(work, record, async_op)
+
+    def reduce(self, tensor: torch.Tensor, axis: str, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """The member with coordinate `dst` along `axis` receives the reduction, in place.
+
+        The other members' `tensor` is scratch afterwards (its content is unspecified).
+        """
+        if self._trivial(axis):
+            return _DONE if async_op else None
+        nbytes = 0 if self.mesh.rank(axis) == dst else tensor.numel() * tensor.element_size()
+        record = self._start("reduce", axis, tensor, nbytes)
+        work = dist.reduce(tensor, dst=self.mesh.global_rank_of(axis, dst), op=op, group=self.mesh.group(axis),
+                           async_op=async_op)
+        return self._finish(work, record, async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False):
+        """Block j of `input` (n equal blocks along dim 0) goes to member j; block i of `output` comes from i."""
+        if self._trivial(axis):
+            output.copy_(input)
+            return _DONE if async_op else None
+        nbytes = (input.numel() - input.numel() // self.mesh.size(axis)) * input.element_size()
+        record = self._start("all_to_all", axis, input, nbytes)
+        work = dist.all_to_all_single(output, input, group=self.mesh.group(axis), async_op=async_op)
         return self._finish(work, record, async_op)
 
     def barrier(self, axis: str) -> None:

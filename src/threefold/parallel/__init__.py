@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm.compression import make_comm_hook
 from ..config import Config, TrainConfig
 from ..mesh import Mesh
 from ..sharding import Placement
-from .data import AllReduceHook, parallelize_data
+from .data import parallelize_data
 from .master import Piece, ShardedAdamW
 from .precision import MixedPrecision, apply_precision
 from .remat import apply_remat
@@ -98,7 +99,7 @@ def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> Parall
     wire = precision.reduce_dtype
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     if stage == 0:
-        hook = AllReduceHook(wire if wire != precision.compute_dtype else None)
+        hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)

@@ -81,6 +81,39 @@ class DataParallelReducer:
     def zero_grad(self) -> None:
         self.buckets.zero_grad()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The hook's memory (compression residuals, momenta, warm-up position) as named tensors.
+
+        "bucket.<index>.<name>" for what the hook keeps per bucket, "hook.<name>" for the rest.
+        Every rank has its own (residuals differ between dp ranks); an empty dict for plain sums.
+        """
+        out = {f"bucket.{b.index}.{name}": t for b in self.buckets.buckets for name, t in b.state.items()
+               if not name.startswith("_") and isinstance(t, torch.Tensor)}
+        if hasattr(self.hook, "state_dict"):
+            out.update({f"hook.{name}": t for name, t in self.hook.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned (same dp rank, layout and bucket sizes)."""
+        hook_state = {}
+        for key, tensor in state.items():
+            kind, _, rest = key.partition(".")
+            if kind == "hook":
+                hook_state[rest] = tensor
+                continue
+            index, _, name = rest.partition(".")
+            if kind != "bucket" or not index.isdigit() or int(index) >= len(self.buckets.buckets):
+                raise ValueError(f"compression state '{key}' does not belong to this model's "
+                                 f"{len(self.buckets.buckets)} gradient buckets")
+            bucket = self.buckets.buckets[int(index)]
+            held = bucket.state.get(name)
+            if held is not None and held.shape != tensor.shape:
+                raise ValueError(f"compression state '{key}' has shape {tuple(tensor.shape)}, this bucket needs "
+                                 f"{tuple(held.shape)} (saved with another layout or bucket size)")
+            bucket.state[name] = tensor.clone().to(bucket.buffer.device)
+        if hook_state:
+            self.hook.load_state_dict(hook_state)
+
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)
 

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from ..comm.compression import adapt_optimizer
 from ..config import Config
 from ..data import Sampler, load_tokens
-from ..mesh import Layout, Mesh, init_distributed, pick_device
+from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.decoder import build_model
 from ..observe.memory import storage_bytes
 from ..parallel import parallelize
@@ -46,7 +47,8 @@ class Trainer:
         self.cfg = cfg = cfg.validate(dist.get_world_size())
         configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
-        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device)
+        node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
+        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
         self.comm = Comm(self.mesh)
         self.out = Path(cfg.run.out)
         self.is_writer = self.mesh.global_rank == 0
@@ -54,8 +56,9 @@ class Trainer:
         self.sampler = Sampler(tokens, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
         model = build_model(cfg.model, cfg.train.seed, device)
         self.parallel = parallelize(model, self.mesh, self.comm, cfg)
-        # AdamW with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards)
-        self.optimizer = self.parallel.make_optimizer(cfg.train)
+        # AdamW with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
+        # 1-bit Adam takes its place when compress.method=onebit asks for it
+        self.optimizer = adapt_optimizer(self.parallel.make_optimizer(cfg.train), self.parallel.grad_sync)
         self.step_fn = TrainStep(self.parallel.module, self.parallel.grad_sync, self.optimizer, self.comm,
                                  cfg.train, self.parallel.params, self.parallel.param_placements,
                                  scaler=self.parallel.scaler, weights=self.parallel.weight_tensors())
