@@ -14,6 +14,7 @@ from .errors import UserError
 
 COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
+    "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
 }
 
 
