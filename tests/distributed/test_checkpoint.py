@@ -85,3 +85,42 @@ def test_resume_auto_skips_a_corrupt_checkpoint(worlds, tmp_path):
     assert verify(ckpts / step_dir_name(6))[1] == []
     metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 6
+
+
+def async_snapshot_task(out: str) -> dict:
+    """An async save returns before its snapshot is taken; the next optimizer step waits for it."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    import threefold.checkpoint.checkpointer as checkpointer_module
+    from threefold.train.trainer import Trainer
+
+    trainer = Trainer(make_config(BASE + ["train.steps=3", "checkpoint.async_save=true"], out))
+    trainer.train_one_step()
+    release, real_snapshot = threading.Event(), checkpointer_module.snapshot
+    returned_before_snapshot = []
+
+    def held_snapshot(*args, **kwargs):
+        returned_before_snapshot.append(release.wait(timeout=30))
+        return real_snapshot(*args, **kwargs)
+
+    checkpointer_module.snapshot = held_snapshot
+    try:
+        trainer.save_checkpoint()  # would deadlock for 30 s if save() waited for the snapshot
+        saved = {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
+        threading.Timer(1.0, release.set).start()  # the snapshot happens while the next step runs...
+        trainer.train_one_step()  # ...whose optimizer update must wait for it
+        trainer.checkpointer.close()
+    finally:
+        checkpointer_module.snapshot = real_snapshot
+    stored = load_file(f"{out}/checkpoints/{step_dir_name(1)}/rank-00000.safetensors")
+    changed = any(not torch.equal(p, saved[n]) for n, p in trainer.parallel.module.named_parameters())
+    same = all(torch.equal(stored[f"model/{n}@" + ",".join("0" * p.dim())], p) for n, p in saved.items())
+    return {"returned_before_snapshot": returned_before_snapshot, "changed": changed, "same": same}
+
+
+def test_async_snapshot_overlaps_the_next_step_but_not_its_update(worlds, tmp_path):
+    result = worlds(1).run(async_snapshot_task, str(tmp_path))[0]
+    assert result["returned_before_snapshot"] == [True]
+    assert result["changed"] and result["same"]

@@ -9,6 +9,7 @@ finished writing from their part records on the shared file system.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,12 @@ class Checkpointer:
         self.world_size = mesh.world_size
         self.coords = {axis: mesh.rank(axis) for axis in AXES}
         self.writer = BackgroundWriter()
+        self._staging: dict = {}  # async saves: host buffers reused from save to save
+        self._staged = threading.Event()  # set while no snapshot is in flight
+        self._staged.set()
+        self._guarded = False
         self.last_stall_s = 0.0  # how long the last save() held up training
+        self.last_write_s = 0.0  # how long the last save's writing took (in the background when async)
 
     def _agree(self, value: int, op=dist.ReduceOp.MIN) -> int:
         """The reduction of `value` over the whole world (also a barrier)."""
@@ -49,9 +55,14 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, state: TrainingState, meta: dict, kill_midway=None) -> None:
-        """Save `state` as checkpoint `step`. Synchronous: visible on return. Async: after the
-        snapshot, writing goes on in the background; the next save (or `wait`) waits for it.
-        `meta` holds the layout, data position and config for the manifest."""
+        """Save `state` as checkpoint `step`; `meta` holds the layout, data position and config.
+
+        Synchronous: snapshot and write, visible on every rank on return. Asynchronous: the
+        background thread first copies the owned pieces to host memory (the snapshot), then
+        writes; training goes on meanwhile, and only the next optimizer step (see `guard`) waits
+        for the snapshot, so the copy overlaps the next forward and backward. The next save
+        waits for the whole write.
+        """
         start = time.perf_counter()
         self.writer.wait()  # one save in flight at a time
         partial = self.root / partial_dir_name(step)
@@ -60,22 +71,51 @@ class Checkpointer:
             remove_partials(self.root)
             partial.mkdir()
         self._agree(0)  # the partial directory exists before anyone writes into it
-        pieces = snapshot(state.entries(), self.coords)
+        entries = state.entries()
         rng = capture_rng(self.mesh.device)
         meta = {**meta, "extra": state.extra()}
-        rank, world_size, keep, timeout_s = self.rank, self.world_size, self.keep, self.timeout_s
+        # the copy must see every kernel queued so far (the last optimizer step) and nothing later
+        ready = None
+        if self.mesh.device.type == "cuda":
+            ready = (self.mesh.device, torch.cuda.Event())
+            ready[1].record()
+        staging = self._staging if self.async_save else None
+        rank, world_size, keep, timeout_s, staged = self.rank, self.world_size, self.keep, self.timeout_s, self._staged
 
         def job():
+            begin = time.perf_counter()
+            try:
+                pieces = snapshot(entries, self.coords, staging, ready)
+            finally:
+                staged.set()
             write_rank(partial, rank, pieces, rng, kill_midway)
             if rank == 0:
                 finalize(partial, step, world_size, meta, keep, timeout_s)
+            self.last_write_s = time.perf_counter() - begin
 
+        self.last_stall_s = 0.0
         if self.async_save:
+            staged.clear()
             self.writer.submit(job)
+            if not self._guarded:
+                self.wait_staged()
         else:
             job()
             self._agree(0)  # visible to every rank on return
-        self.last_stall_s = time.perf_counter() - start
+        self.last_stall_s += time.perf_counter() - start
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` - the only thing that changes what a checkpoint saves - wait for
+        the snapshot of an async save in flight. Without a guard, async saves snapshot at once."""
+        optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+        self._guarded = True
+
+    def wait_staged(self) -> None:
+        """Block until the snapshot of the save in flight is in host memory (counted as stall)."""
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.last_stall_s += time.perf_counter() - start
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; re-raises its error."""

@@ -42,21 +42,43 @@ class SavedPiece:
     data: torch.Tensor  # host copy of the box, contiguous
 
 
-def snapshot(entries: list[Entry], coords: dict[str, int]) -> list[SavedPiece]:
-    """Host copies of every piece this rank owns (the only part of a save that pauses training)."""
-    out, on_gpu = [], False
+def snapshot(entries: list[Entry], coords: dict[str, int], staging: dict | None = None,
+             ready: tuple | None = None) -> list[SavedPiece]:
+    """Host copies of every piece this rank owns: after it, training may change the tensors.
+
+    `staging` keeps the host buffers from one save to the next (async saves): refilling warm
+    memory is several times faster than faulting in fresh pages. The caller must not reuse it
+    before the previous write has finished. GPU tensors are copied to pinned memory on a side
+    stream that first waits for `ready` = (device, CUDA event recorded by the training thread).
+    """
+    if ready is None:
+        return _copy_pieces(entries, coords, staging)
+    device, event = ready
+    with torch.cuda.device(device):  # the current device is per thread: a background thread starts on 0
+        stream = torch.cuda.Stream()
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            out = _copy_pieces(entries, coords, staging)
+        stream.synchronize()
+    return out
+
+
+def _copy_pieces(entries: list[Entry], coords: dict[str, int], staging: dict | None) -> list[SavedPiece]:
+    out = []
     for entry in entries:
         if not entry.writer or not is_owner(entry.placement, coords):
             continue
         for piece in local_pieces(entry.placement):
             view = local_view(entry.tensor, entry.placement, piece)
             pin = view.device.type == "cuda"
-            on_gpu |= pin
-            copy = torch.empty(piece.shape, dtype=view.dtype, device="cpu", pin_memory=pin)
+            key = (entry.name, piece.offsets)
+            copy = staging.get(key) if staging is not None else None
+            if copy is None or tuple(copy.shape) != piece.shape or copy.dtype != view.dtype:
+                copy = torch.empty(piece.shape, dtype=view.dtype, device="cpu", pin_memory=pin)
+                if staging is not None:
+                    staging[key] = copy
             copy.copy_(view.detach(), non_blocking=pin)
             out.append(SavedPiece(entry.name, tuple(entry.placement.global_shape), piece.offsets, copy))
-    if on_gpu:
-        torch.cuda.synchronize()
     return out
 
 

@@ -60,6 +60,7 @@ class Trainer:
         self.stateful: dict[str, object] = {}
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.mesh, self.comm, cfg.checkpoint.keep,
                                          cfg.checkpoint.async_save, cfg.run.collective_timeout_s)
+        self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
         self.resumed_from: Path | None = None
         self._restore()
 
