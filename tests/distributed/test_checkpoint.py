@@ -124,3 +124,24 @@ def test_async_snapshot_overlaps_the_next_step_but_not_its_update(worlds, tmp_pa
     result = worlds(1).run(async_snapshot_task, str(tmp_path))[0]
     assert result["returned_before_snapshot"] == [True]
     assert result["changed"] and result["same"]
+
+
+def init_from_task(overrides: list[str], out: str) -> dict:
+    from threefold.train.trainer import Trainer
+
+    trainer = Trainer(make_config(overrides, out))
+    return {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
+
+
+def test_run_starts_from_an_exported_model(worlds, tmp_path, reference):
+    from safetensors.torch import load_file
+
+    from threefold.checkpoint import export_model
+
+    out, _ = reference
+    exported = tmp_path / "model.safetensors"
+    export_model(out / "checkpoints" / step_dir_name(10), exported)
+    full = load_file(exported)
+    for params in worlds(2).run(init_from_task, BASE + [f"checkpoint.init_from={exported}"], str(tmp_path)):
+        assert params.keys() == full.keys()
+        assert all(torch.equal(params[n], full[n]) for n in full)

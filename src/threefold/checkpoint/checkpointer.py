@@ -149,9 +149,10 @@ class Checkpointer:
                       file=sys.stderr, flush=True)
             if explicit:
                 raise CheckpointError(f"checkpoint {ckpt} failed verification (the reason is printed above)")
-        if candidates and self.rank == 0:
-            print(f"threefold: no checkpoint under {self.root} passed verification; starting from scratch",
-                  file=sys.stderr, flush=True)
+        if self.rank == 0:
+            what = "passed verification" if candidates else "exists"
+            print(f"threefold: no checkpoint under {self.root} {what}; starting from scratch", file=sys.stderr,
+                  flush=True)
         return None
 
     def _verify_share(self, ckpt: Path) -> tuple[list[str], bool]:

@@ -123,6 +123,7 @@ def write_rank(partial: Path, rank: int, pieces: list[SavedPiece], rng: dict[str
                 os.fsync(f.fileno())
             kill_midway()
         save_file(tensors, str(path), metadata={"format": "pt"})
+        os.chmod(path, partial.stat().st_mode & 0o666)  # safetensors creates 0600; follow the umask like the rest
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         record["file"] = {"name": name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
