@@ -13,9 +13,9 @@ import torch
 from tests.checkpoint_layouts import local_entries, save_synthetic
 from tests.unit.test_checkpoint_slices import GLOBAL, full_tensors, layout
 from threefold.checkpoint import export_model, import_model
-from threefold.checkpoint.pieces import local_pieces, local_view
 from threefold.checkpoint.format import (MANIFEST, CheckpointError, partial_dir_name, read_manifest,
                                          step_dir_name)
+from threefold.checkpoint.pieces import local_pieces, local_view
 from threefold.checkpoint.reader import load_entries
 from threefold.checkpoint.state import (Entry, TrainingState, capture_rng, create_optimizer_state,
                                         restore_rng)
