@@ -184,11 +184,18 @@ def _first_attempt() -> bool:
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records of steps after the resumed checkpoint (a crashed attempt ran past it)."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines()
-                 if line.strip() and json.loads(line).get("step", 0) <= last_step]
-        path.write_text("".join(line + "\n" for line in lines))
+    """Drop records of steps after the resumed checkpoint (a crashed attempt ran past it, and may
+    have died halfway through a line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def train(cfg: Config) -> list[dict]:
