@@ -129,3 +129,11 @@ def test_missing_and_mismatched_tensors_fail_cleanly(tmp_path):
     with pytest.raises(CheckpointError, match="no tensor 'nope'"):
         load_entries(ckpt, manifest.tensors, absent)
     assert load_entries(ckpt, manifest.tensors, absent, missing_ok=("no",)) == ["nope"]
+
+
+def test_a_broken_placement_contract_fails_the_save(tmp_path):
+    """Two ranks that both claim to own the same box (replication not declared) must not produce a checkpoint."""
+    places = {"bias": Placement.whole("bias", (9,))}
+    with pytest.raises(CheckpointError, match="replicated"):
+        save_synthetic(tmp_path / "ckpts", 1, [({"dp": 0}, places), ({"dp": 1}, places)], full_tensors())
+    assert not (tmp_path / "ckpts" / "step-00000001").exists()

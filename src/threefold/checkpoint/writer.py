@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from .format import (DTYPE_NAMES, MANIFEST, PARTIAL_SUFFIX, CheckpointError, FileInfo, Manifest, Slice, TensorInfo,
-                     data_file_name, piece_key, step_dir_name, step_of)
+                     data_file_name, parse_manifest, piece_key, step_dir_name, step_of)
 from .pieces import is_owner, local_pieces, local_view
 from .state import Entry
 
@@ -170,7 +170,13 @@ def finalize(partial: Path, step: int, world_size: int, meta: dict, keep: int, t
     """Merge the parts into the manifest and make the checkpoint visible; returns its directory."""
     parts = wait_for_parts(partial, world_size, timeout_s)
     manifest = merge_parts(parts, step, meta)
-    _write_json_atomic(partial / MANIFEST, manifest.to_json())
+    text = manifest.to_json()
+    try:  # the readers' own check, now: a broken placement contract fails the save, not a later resume
+        parse_manifest(json.loads(text), str(partial / MANIFEST))
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; the ranks' placements do not tile every tensor exactly once (a copy held by "
+                              "several ranks must name the axes it is replicated over)") from None
+    _write_json_atomic(partial / MANIFEST, text)
     for r in range(world_size):
         (partial / f"rank-{r:05d}.part.json").unlink()
     fsync_dir(partial)
