@@ -15,6 +15,7 @@ from .errors import UserError
 COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
     "plan": ("threefold.planner.command", "predict memory and speed of layouts and find the fastest that fits"),
+    "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
 }
 
 

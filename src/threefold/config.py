@@ -123,10 +123,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save_every: int = 0
-    async_save: bool = False
-    resume: str = "none"  # none | auto | a checkpoint directory
-    keep: int = 3
+    save_every: int = 0  # save every N optimizer steps and at the last step; 0: never
+    async_save: bool = False  # snapshot to host memory, write on a background thread
+    resume: str = "none"  # none | auto (newest checkpoint that verifies) | a checkpoint or run directory
+    keep: int = 3  # newest checkpoints kept; 0 keeps all
+    init_from: str = ""  # a safetensors file of whole model tensors to start from (when not resuming)
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,13 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Fault injection for tests: make `rank` fail at the start of `step`."""
+    """Fault injection for tests: make `rank` fail at the start of `step` (raise, or SIGKILL), or
+    (kill_in_save) SIGKILL it halfway through writing its file of the checkpoint of `step`.
+    Only the first attempt of a job fails: a process restarted by the launcher does not."""
 
     rank: int = -1
     step: int = 0
-    kind: Literal["raise", "kill"] = "raise"
+    kind: Literal["raise", "kill", "kill_in_save"] = "raise"
 
 
 @dataclass(frozen=True)
@@ -340,9 +343,15 @@ def _validate(c: Config, world_size: int) -> Config:
     if source not in ("synthetic", "stdlib") and not Path(source).exists():
         raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
                           "text files, a .npy token file, or 'synthetic' / 'stdlib'")
-    resume = c.checkpoint.resume
-    if resume not in ("none", "auto") and not Path(resume).is_dir():
-        raise ConfigError("checkpoint.resume", f"'{resume}' is not a checkpoint directory; use auto, none or a path")
+    ck = c.checkpoint
+    if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
+        raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
+    for key, value in [("checkpoint.save_every", ck.save_every), ("checkpoint.keep", ck.keep)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if ck.init_from and not Path(ck.init_from).is_file():
+        raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
+                          "written by `threefold ckpt export` (or with the same tensor names)")
     _validate_compress(c.compress, p.zero)
     if c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")

@@ -66,6 +66,11 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         port = free_port()
     else:
         check_port(port)
+    if max_restarts > 0:
+        # The agent's shared TCPStore outlives a restart with the dead workers' gloo addresses in
+        # it, and restarted workers intermittently connect to those (refused, then a hang until
+        # the timeout). Without sharing, rank 0 of every attempt hosts a fresh store.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"threefold-{uuid.uuid4().hex[:8]}",
                           max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")

@@ -54,6 +54,7 @@ class ShardedAdamW:
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor] | None = None,
                  offload: bool = False, after_step: Callable[[], None] | None = None):
         self.pieces = pieces
+        self._pre_hooks: list[Callable] = []
         self.offload = offload
         self.after_step = after_step
         fp32_init = fp32_init or {}
@@ -116,9 +117,16 @@ class ShardedAdamW:
                     master.grad.mul_(inv_scale)
         return self.masters, self.placements
 
+    def register_step_pre_hook(self, hook: Callable) -> None:
+        """Run hook(optimizer, args, kwargs) before every step (as torch optimizers do): an async
+        checkpoint snapshot in flight must finish before the update changes what it copies."""
+        self._pre_hooks.append(hook)
+
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on the masters, then the model's pieces from them, then `after_step` (all-gathers)."""
+        for hook in self._pre_hooks:
+            hook(self, (), {})
         self.inner.step()
         for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
             if not alias:
@@ -158,6 +166,19 @@ class ShardedAdamW:
 
     def step_count(self) -> int:
         return int(self.inner.state[self.masters[0]]["step"]) if self.masters else 0
+
+    @torch.no_grad()
+    def after_load(self, step: int, masters_loaded: bool) -> None:
+        """After a checkpoint filled the states in place: set the step count and make masters
+        and model agree (from the loaded masters, or, written without them, from the model)."""
+        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
+            self.inner.state[master]["step"].fill_(float(step))
+            if alias:
+                continue
+            if masters_loaded:
+                piece.model.copy_(master)
+            else:
+                master.copy_(piece.model)
 
     @torch.no_grad()
     def load_named_state(self, tensors: dict[str, torch.Tensor], step: int) -> None:

@@ -54,15 +54,13 @@ class DynamicLossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors for the checkpoint (replicated: identical on every rank)."""
-        return {"loss_scaler.scale": torch.tensor(self.scale, dtype=torch.float64),
-                "loss_scaler.clean_steps": torch.tensor(self.clean_steps, dtype=torch.int64),
-                "loss_scaler.skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64)}
+        """Plain JSON values for the checkpoint manifest (identical on every rank)."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.scale = float(state["loss_scaler.scale"])
-        self.clean_steps = int(state["loss_scaler.clean_steps"])
-        self.skipped_steps = int(state["loss_scaler.skipped_steps"])
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
 
 
 @dataclass

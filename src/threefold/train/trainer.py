@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import Checkpointer, TrainingState, import_model
 from ..comm import Comm
 from ..comm.compression import adapt_optimizer
 from ..config import Config
@@ -64,6 +67,68 @@ class Trainer:
                                  scaler=self.parallel.scaler, weights=self.parallel.weight_tensors())
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.step = 0  # optimizer steps completed
+        # State outside parameters and optimizer that checkpoints carry (e.g. {"loss_scaler": scaler}):
+        # objects with state_dict() / load_state_dict() of plain JSON values.
+        self.stateful: dict[str, object] = {}
+        if self.parallel.scaler is not None:
+            self.stateful["loss_scaler"] = self.parallel.scaler
+        self.checkpointer = Checkpointer(self.out / "checkpoints", self.mesh, self.comm, cfg.checkpoint.keep,
+                                         cfg.checkpoint.async_save, cfg.run.collective_timeout_s)
+        self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
+        self.resumed_from: Path | None = None
+        self._restore()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def training_state(self) -> TrainingState:
+        return TrainingState(list(self.parallel.module.named_parameters()), self.parallel.placements,
+                             self.optimizer, self.stateful)
+
+    def _restore(self) -> None:
+        """Resume from a checkpoint (parameters, optimizer, RNG, data position = step), or start
+        from an exported model file, or from the seeded initialisation."""
+        ck = self.cfg.checkpoint
+        path = self.checkpointer.find_resume(ck.resume)
+        if path is not None:
+            manifest = self.checkpointer.load(path, self.training_state())
+            self.step = manifest.step
+            self.optimizer.after_load(manifest.step, any(n.endswith("/master") for n in manifest.tensors))
+            self.resumed_from = path
+            if self.is_writer:
+                print(f"threefold: resumed from {path} (step {manifest.step}, written with "
+                      f"{' '.join(f'{k}={v}' for k, v in manifest.layout.items())})", file=sys.stderr, flush=True)
+                self._warn_data_mismatch(manifest.data)
+        elif ck.init_from:
+            import_model(Path(ck.init_from), list(self.parallel.module.named_parameters()), self.parallel.placements)
+
+    def _warn_data_mismatch(self, data: dict) -> None:
+        t = self.cfg.train
+        changed = [f"{k} {data[k]} -> {v}" for k, v in (("global_batch", t.global_batch), ("seq_len", t.seq_len),
+                                                        ("seed", t.seed)) if k in data and data[k] != v]
+        if changed:
+            print(f"threefold: warning: the checkpoint was written with other data settings ({', '.join(changed)}); "
+                  "the continued run is not the run that would have happened", file=sys.stderr, flush=True)
+
+    def _checkpoint_meta(self) -> dict:
+        cfg, p = self.cfg, self.cfg.parallel
+        return {"layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size},
+                # the sampler is a pure function of the step: the step is the whole data position
+                "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
+                         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed},
+                "config": cfg.to_dict()}
+
+    def save_checkpoint(self) -> None:
+        fault = self.cfg.fault
+        kill = None
+        if (fault.kind == "kill_in_save" and fault.rank == self.mesh.global_rank and fault.step == self.step
+                and _first_attempt()):
+            def kill():
+                os.kill(os.getpid(), signal.SIGKILL)
+        self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
+
+    def _save_due(self) -> bool:
+        every = self.cfg.checkpoint.save_every
+        return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
 
     def memory(self) -> dict:
         """Bytes this rank holds, each storage counted once: model states and the step's activations.
@@ -86,7 +151,8 @@ class Trainer:
 
     def _inject_fault(self, step: int) -> None:
         fault = self.cfg.fault
-        if fault.rank == self.mesh.global_rank and fault.step == step:
+        if fault.kind != "kill_in_save" and fault.rank == self.mesh.global_rank and fault.step == step \
+                and _first_attempt():
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected fault on rank {fault.rank} at step {step}")
@@ -112,6 +178,8 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train to cfg.train.steps; returns every step's record (on every rank)."""
         cfg = self.cfg
+        if self.is_writer and self.resumed_from is not None:
+            _truncate_metrics(self.out / "metrics.jsonl", self.step)
         log = MetricsLog(self.out, cfg.run.progress, cfg.run.tensorboard, cfg.train.steps,
                          self.step + 1) if self.is_writer else None
         records = []
@@ -121,12 +189,36 @@ class Trainer:
                 records.append(record)
                 if log is not None:
                     log.write(record)
+                if self._save_due():
+                    self.save_checkpoint()
+            if cfg.checkpoint.save_every > 0:
+                self.checkpointer.close()
         finally:
             if log is not None:
                 log.close()
         if log is not None and cfg.run.plot and records:
             plot_run(log.path, self.out / "loss.png")
         return records
+
+
+def _first_attempt() -> bool:
+    """False in a process the elastic launcher restarted: injected faults fire only once."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records of steps after the resumed checkpoint (a crashed attempt ran past it, and may
+    have died halfway through a line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def train(cfg: Config) -> list[dict]:

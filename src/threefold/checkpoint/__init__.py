@@ -1,0 +1,21 @@
+"""Distributed, universal checkpoints: each rank writes what it owns, any layout loads any checkpoint.
+
+    format.py        directory names, the JSON manifest and its strict validation
+    pieces.py        slice arithmetic on placements: held boxes and their storage views
+    state.py         the training state as named entries (model, optimizer), RNG, extra state
+    writer.py        snapshot, per-rank file, atomic finalize, retention, background writer
+    reader.py        universal load: read only the overlapping slices
+    verify.py        checksums, completeness, which checkpoint to resume from
+    checkpointer.py  the distributed orchestration (save / resume / load)
+    export.py        one Hugging Face-style safetensors file: export and import
+    command.py       `threefold ckpt inspect | verify | export`
+"""
+
+from .checkpointer import Checkpointer
+from .export import export_model, import_model
+from .format import CheckpointError, Manifest, read_manifest
+from .state import Entry, TrainingState
+from .verify import find_checkpoint_dir, verify
+
+__all__ = ["Checkpointer", "CheckpointError", "Entry", "Manifest", "TrainingState", "export_model",
+           "find_checkpoint_dir", "import_model", "read_manifest", "verify"]

@@ -1,0 +1,174 @@
+"""The distributed side: every rank saves what it owns, agrees on what to resume, loads its slices.
+
+Collectives (small int64 all-reduces over tp, dp and pp in turn, i.e. over the whole world) run
+only on the training thread, at save and resume time: a background writer never communicates,
+so it cannot interleave with the training's collectives. Rank 0 learns that the other ranks
+finished writing from their part records on the shared file system.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from ..mesh import AXES, Mesh
+from .format import CheckpointError, Manifest, partial_dir_name, read_manifest
+from .reader import load_entries
+from .state import TrainingState, capture_rng, restore_rng
+from .verify import find_checkpoint_dir, verify_files
+from .writer import BackgroundWriter, complete_checkpoints, finalize, remove_partials, snapshot, write_rank
+
+
+class Checkpointer:
+    def __init__(self, root: Path, mesh: Mesh, comm: Comm, keep: int = 3, async_save: bool = False,
+                 timeout_s: float = 600.0):
+        self.root = Path(root)
+        self.mesh = mesh
+        self.comm = comm
+        self.keep = keep
+        self.async_save = async_save
+        self.timeout_s = timeout_s
+        self.rank = mesh.global_rank
+        self.world_size = mesh.world_size
+        self.coords = {axis: mesh.rank(axis) for axis in AXES}
+        self.writer = BackgroundWriter()
+        self._staging: dict = {}  # async saves: host buffers reused from save to save
+        self._staged = threading.Event()  # set while no snapshot is in flight
+        self._staged.set()
+        self._guarded = False
+        self.last_stall_s = 0.0  # how long the last save() held up training
+        self.last_write_s = 0.0  # how long the last save's writing took (in the background when async)
+
+    def _agree(self, value: int, op=dist.ReduceOp.MIN) -> int:
+        """The reduction of `value` over the whole world (also a barrier)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.mesh.device)
+        for axis in ("tp", "dp", "pp"):
+            self.comm.all_reduce(t, axis, op=op, tag="checkpoint")
+        return int(t.item())
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: TrainingState, meta: dict, kill_midway=None) -> None:
+        """Save `state` as checkpoint `step`; `meta` holds the layout, data position and config.
+
+        Synchronous: snapshot and write, visible on every rank on return. Asynchronous: the
+        background thread first copies the owned pieces to host memory (the snapshot), then
+        writes; training goes on meanwhile, and only the next optimizer step (see `guard`) waits
+        for the snapshot, so the copy overlaps the next forward and backward. The next save
+        waits for the whole write.
+        """
+        start = time.perf_counter()
+        self.writer.wait()  # one save in flight at a time
+        partial = self.root / partial_dir_name(step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_partials(self.root)
+            partial.mkdir()
+        self._agree(0)  # the partial directory exists before anyone writes into it
+        entries = state.entries()
+        rng = capture_rng(self.mesh.device)
+        meta = {**meta, "extra": state.extra()}
+        # the copy must see every kernel queued so far (the last optimizer step) and nothing later
+        ready = None
+        if self.mesh.device.type == "cuda":
+            ready = (self.mesh.device, torch.cuda.Event())
+            ready[1].record()
+        staging = self._staging if self.async_save else None
+        rank, world_size, keep, timeout_s, staged = self.rank, self.world_size, self.keep, self.timeout_s, self._staged
+
+        def job():
+            begin = time.perf_counter()
+            try:
+                pieces = snapshot(entries, self.coords, staging, ready)
+            finally:
+                staged.set()
+            write_rank(partial, rank, pieces, rng, kill_midway)
+            if rank == 0:
+                finalize(partial, step, world_size, meta, keep, timeout_s)
+            self.last_write_s = time.perf_counter() - begin
+
+        self.last_stall_s = 0.0
+        if self.async_save:
+            staged.clear()
+            self.writer.submit(job)
+            if not self._guarded:
+                self.wait_staged()
+        else:
+            job()
+            self._agree(0)  # visible to every rank on return
+        self.last_stall_s += time.perf_counter() - start
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` - the only thing that changes what a checkpoint saves - wait for
+        the snapshot of an async save in flight. Without a guard, async saves snapshot at once."""
+        optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+        self._guarded = True
+
+    def wait_staged(self) -> None:
+        """Block until the snapshot of the save in flight is in host memory (counted as stall)."""
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.last_stall_s += time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written; re-raises its error."""
+        self.writer.wait()
+
+    def close(self) -> None:
+        """End of training: the last checkpoint is complete and visible on every rank."""
+        self.wait()
+        self._agree(0)
+
+    # ------------------------------------------------------------------ resume
+
+    def find_resume(self, spec: str) -> Path | None:
+        """The checkpoint to resume from: `none`, `auto` (newest that verifies) or a path.
+
+        Verification is shared: each rank hashes a share of the files and the verdict is agreed
+        over the world. A failing checkpoint is reported (by the rank that found the problem)
+        and, under `auto`, skipped for the previous one.
+        """
+        if spec == "none":
+            return None
+        explicit = spec != "auto"
+        candidates = [find_checkpoint_dir(Path(spec))] if explicit else complete_checkpoints(self.root)[::-1]
+        for ckpt in candidates:
+            problems, shared = self._verify_share(ckpt)
+            if self._agree(0 if problems else 1) == 1:
+                return ckpt
+            if problems and (self.rank == 0 or not shared):
+                action = "cannot resume from it" if explicit else "skipping it for an earlier checkpoint"
+                print(f"threefold: checkpoint {ckpt} failed verification ({'; '.join(problems)}); {action}",
+                      file=sys.stderr, flush=True)
+            if explicit:
+                raise CheckpointError(f"checkpoint {ckpt} failed verification (the reason is printed above)")
+        if self.rank == 0:
+            what = "passed verification" if candidates else "exists"
+            print(f"threefold: no checkpoint under {self.root} {what}; starting from scratch", file=sys.stderr,
+                  flush=True)
+        return None
+
+    def _verify_share(self, ckpt: Path) -> tuple[list[str], bool]:
+        """(problems found by this rank, whether every rank finds them: manifest-level)."""
+        try:
+            manifest = read_manifest(ckpt)
+        except CheckpointError as e:
+            return [str(e)], True
+        names = sorted(manifest.files)[self.rank::self.world_size]
+        return verify_files(ckpt, manifest, names), False
+
+    def load(self, ckpt: Path, state: TrainingState) -> Manifest:
+        """Fill this rank's parameters, optimizer state, RNG and extra state from `ckpt`."""
+        manifest = read_manifest(ckpt)
+        load_entries(ckpt, manifest.tensors, state.entries_to_load(manifest))
+        if self.rank in manifest.rng:  # ranks that did not exist when it was written keep the seeded RNG
+            restore_rng(manifest.rng[self.rank], self.mesh.device)
+        state.load_extra(manifest.extra)
+        return manifest

@@ -1,0 +1,91 @@
+"""`threefold ckpt inspect | verify | export`: look at, check and convert checkpoints.
+
+DIR may be a checkpoint (`.../checkpoints/step-00000010`), a `checkpoints/` directory or a run
+directory; the latter two mean their newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from .export import export_model
+from .format import read_manifest
+from .verify import find_checkpoint_dir, verify
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, parser_class=type(p))
+    inspect = sub.add_parser("inspect", help="layout, step, data position, files and tensors of a checkpoint")
+    inspect.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
+    inspect.add_argument("--json", action="store_true", help="print the manifest (without RNG states) as JSON")
+    check = sub.add_parser("verify", help="check completeness, sizes and sha256 of every file")
+    check.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
+    export = sub.add_parser("export", help="write the model as one Hugging Face-style safetensors file")
+    export.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
+    export.add_argument("out", help="output .safetensors file (start a run from it with checkpoint.init_from)")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+    return str(n)
+
+
+def inspect(path: Path, as_json: bool) -> int:
+    ckpt = find_checkpoint_dir(path)
+    m = read_manifest(ckpt)
+    if as_json:
+        raw = json.loads(m.to_json())
+        raw.pop("rng")
+        print(json.dumps(raw, indent=1))
+        return 0
+    layout = " ".join(f"{k}={v}" for k, v in m.layout.items())
+    data = m.data
+    print(f"checkpoint  {ckpt}")
+    print(f"step        {m.step}")
+    print(f"layout      {layout}")
+    if data:
+        print(f"data        continues at step {m.step + 1} (sample {data.get('samples', '?')}; "
+              f"global_batch {data.get('global_batch', '?')}, seq_len {data.get('seq_len', '?')}, "
+              f"seed {data.get('seed', '?')})")
+    if m.extra:
+        print(f"extra       {', '.join(sorted(m.extra))}")
+    print(f"files       {len(m.files)}, {_size(m.total_bytes())}")
+    for name, f in sorted(m.files.items()):
+        print(f"  {name}  rank {f.rank}  {_size(f.bytes)}  sha256 {f.sha256[:16]}...")
+    model = [n for n in m.tensors if n.startswith("model/")]
+    elements = sum(math.prod(m.tensors[n].shape) for n in model)
+    print(f"tensors     {len(m.tensors)} ({len(model)} model, {len(m.tensors) - len(model)} optimizer); "
+          f"model parameters {elements:,}")
+    width = max((len(n) for n in m.tensors), default=0)
+    for name, t in sorted(m.tensors.items()):
+        print(f"  {name:<{width}}  {str(list(t.shape)):<14} {t.dtype:<9} {len(t.slices)} slice(s)")
+    return 0
+
+
+def check(path: Path) -> int:
+    ckpt = find_checkpoint_dir(path)
+    manifest, problems = verify(ckpt)
+    if problems:
+        for problem in problems:
+            print(f"FAILED {problem}", file=sys.stderr)
+        return 1
+    print(f"OK {ckpt}: step {manifest.step}, {len(manifest.files)} files, {_size(manifest.total_bytes())}, "
+          f"{len(manifest.tensors)} tensors complete, checksums match")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "inspect":
+        return inspect(Path(args.dir), args.json)
+    if args.action == "verify":
+        return check(Path(args.dir))
+    ckpt, count = export_model(Path(args.dir), Path(args.out))
+    print(f"wrote {args.out}: {count} tensors from {ckpt}")
+    return 0

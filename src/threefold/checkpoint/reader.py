@@ -1,0 +1,128 @@
+"""Universal load: fill local tensors of any layout from the slices of any checkpoint.
+
+For each local piece (a global box this rank holds) and each stored slice of the same tensor
+that overlaps it, read just the overlap with safetensors' `get_slice` (the file is memory
+mapped; only the bytes of the overlap are touched) and copy it into the local storage view.
+The layout the checkpoint was written with never matters: only boxes do.
+
+The source is an index {tensor name: TensorInfo} - a checkpoint's manifest, or the header of a
+single Hugging Face-style safetensors file of full tensors (`index_of_file`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .format import CheckpointError, Slice, TensorInfo
+from .pieces import intersect, local_pieces, local_view, relative
+from .state import Entry
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class SliceReader:
+    """Open safetensors files of one directory on demand; read boxes of stored slices."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._stack = contextlib.ExitStack()
+        self._open: dict[str, object] = {}
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            path = self.directory / file
+            try:
+                self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._open[file]
+
+    def read(self, stored: Slice, info: TensorInfo, box) -> torch.Tensor:
+        """Elements `box` (global coordinates, inside `stored`) of the stored slice."""
+        handle = self._handle(stored.file)
+        where = f"{self.directory / stored.file}: tensor '{stored.key}'"
+        try:
+            view = handle.get_slice(stored.key)
+            shape, dtype = tuple(view.get_shape()), _SAFETENSORS_DTYPES.get(view.get_dtype())
+        except SafetensorError as e:
+            raise CheckpointError(f"{where} cannot be read ({e})") from None
+        if shape != tuple(stored.shape) or dtype != info.dtype:
+            raise CheckpointError(f"{where} is {dtype} {list(shape)}, the manifest says {info.dtype} "
+                                  f"{list(stored.shape)}")
+        try:
+            if not shape:
+                return handle.get_tensor(stored.key)
+            return view[relative(box, stored.offsets)]
+        except SafetensorError as e:
+            raise CheckpointError(f"{where} cannot be read ({e})") from None
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def __enter__(self) -> "SliceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@torch.no_grad()
+def load_entries(directory: Path, index: dict[str, TensorInfo], entries: list[Entry],
+                 missing_ok: tuple[str, ...] = ()) -> list[str]:
+    """Fill every entry from the index; returns the names of entries absent from it.
+
+    An entry whose name starts with one of `missing_ok` may be absent (e.g. optimizer state in
+    an exported model file); any other absence, or a global shape that differs, is an error.
+    """
+    absent = []
+    with SliceReader(directory) as reader:
+        for entry in entries:
+            info = index.get(entry.name)
+            if info is None:
+                if entry.name.startswith(missing_ok):
+                    absent.append(entry.name)
+                    continue
+                raise CheckpointError(f"{directory}: the checkpoint has no tensor '{entry.name}' (the model or "
+                                      "optimizer differs from the one that wrote it)")
+            if tuple(info.shape) != tuple(entry.placement.global_shape):
+                raise CheckpointError(f"{directory}: tensor '{entry.name}' has shape {list(info.shape)} in the "
+                                      f"checkpoint, the model expects {list(entry.placement.global_shape)}; "
+                                      "use the model config the checkpoint was written with")
+            for piece in local_pieces(entry.placement):
+                target = local_view(entry.tensor, entry.placement, piece)
+                filled = 0
+                for stored in info.slices:
+                    overlap = intersect(piece.box, (stored.offsets, stored.shape))
+                    if overlap is None:
+                        continue
+                    values = reader.read(stored, info, overlap)
+                    target[relative(overlap, piece.offsets)].copy_(values)
+                    filled += values.numel()
+                if filled != piece.numel():
+                    raise CheckpointError(f"{directory}: tensor '{entry.name}' covers only {filled} of the "
+                                          f"{piece.numel()} elements of box {list(piece.offsets)}+{list(piece.shape)}")
+    return absent
+
+
+def index_of_file(path: Path) -> dict[str, TensorInfo]:
+    """The index of one safetensors file of whole tensors (an export, or a Hugging Face checkpoint)."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            index = {}
+            for key in f.keys():
+                view = f.get_slice(key)
+                shape, dtype = tuple(view.get_shape()), _SAFETENSORS_DTYPES.get(view.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"{path}: tensor '{key}' has unsupported dtype {view.get_dtype()}")
+                index[key] = TensorInfo(shape, dtype, (Slice(path.name, key, (0,) * len(shape), shape),))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    return index
+
