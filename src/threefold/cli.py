@@ -14,6 +14,7 @@ from .errors import UserError
 
 COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
+    "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
 }
 
 
