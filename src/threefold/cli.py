@@ -14,6 +14,7 @@ from .errors import UserError
 
 COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
+    "plan": ("threefold.planner.command", "predict memory and speed of layouts and find the fastest that fits"),
     "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
 }
 

@@ -335,6 +335,7 @@ def _validate(c: Config, world_size: int) -> Config:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
+    _validate_tensor_parallel(p, m, t)
     if t.seq_len > m.max_seq:
         raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
     if t.global_batch % (dp * t.microbatches):
@@ -398,3 +399,24 @@ def _validate_debug(c: Config) -> None:
         parse_layout(f.layout, "fault.layout")
     if f.kind == "nan" and not f.module:
         raise ConfigError("fault.module", "name the module whose output becomes NaN, e.g. blocks.0.mlp.up")
+
+
+def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
+    """What tensor parallelism can split: whole heads, whole MLP features, whole sequence chunks.
+
+    The vocabulary needs no check: it is padded to a multiple of tp.
+    """
+    if p.tp == 1:
+        return
+    if m.heads % p.tp:
+        raise ConfigError("parallel.tp", f"model.heads={m.heads} attention heads cannot be split over tp={p.tp}; "
+                          "choose a tp that divides model.heads")
+    if m.kv_heads % p.tp and p.tp % m.kv_heads:
+        raise ConfigError("parallel.tp", f"model.kv_heads={m.kv_heads} key/value heads can be neither split over "
+                          f"tp={p.tp} nor replicated evenly; choose a tp that divides kv_heads or is a multiple of it")
+    if m.ffn_hidden % p.tp:
+        raise ConfigError("parallel.tp", f"model.ffn_hidden={m.ffn_hidden} MLP features cannot be split over "
+                          f"tp={p.tp}; choose a tp that divides model.ffn_hidden")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by parallel.tp={p.tp}, which sequence "
+                          f"parallelism splits it over; use a multiple of {p.tp}")

@@ -20,6 +20,7 @@ from ..config import Config
 from ..mesh import Mesh
 from ..sharding import Placement
 from .data import DataParallelReducer, parallelize_data
+from .tensor_plan import parallelize_tensor
 
 
 @dataclass
@@ -41,7 +42,9 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
-    placements = {name: Placement.whole(name, p.shape) for name, p in model.named_parameters()}
+    from ..models.plan import decoder_plan  # not at the top: models/plan.py imports the plan styles from here
+
+    placements = parallelize_tensor(model, mesh, comm, decoder_plan(cfg.model), cfg.parallel.sequence_parallel)
     grad_sync = parallelize_data(model, comm, cfg.parallel.bucket_mb)
     placements = {name: place.replicated("dp") for name, place in placements.items()}
     return ParallelModel(model, grad_sync, placements)

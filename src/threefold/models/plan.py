@@ -1,0 +1,40 @@
+"""The tensor plan of the reference decoder: which modules split over tp, and how.
+
+Megatron-LM's layout: per block, attention heads are split (q by heads, k/v by key/value
+heads or replicated when there are fewer of them than ranks), the attention output
+projection is row-parallel, the MLP is column (gate, up) then row (down). Attention and MLP
+are the two tensor-parallel regions of a block, so a block costs two all-reduces forward and
+two backward. The token embedding, the output head (tied or not) and the loss split the
+vocabulary, padded to a multiple of tp. Under sequence parallelism the norms run on
+sequence chunks and the learned position table is cut along the sequence.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..parallel.tensor_plan import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead,
+                                    VocabLoss)
+
+
+def decoder_plan(cfg: ModelConfig) -> TensorPlan:
+    heads = f"attention heads (model.heads={cfg.heads})"
+    ffn = f"MLP features (model.ffn_hidden={cfg.ffn_hidden})"
+    layers = {
+        "embed.tok": VocabEmbedding(cfg.vocab),
+        "blocks.*.attn.q": ColumnParallel(unit=cfg.head_dim, what=heads),
+        "blocks.*.attn.k": GroupedKV(cfg.heads, cfg.kv_heads, cfg.head_dim),
+        "blocks.*.attn.v": GroupedKV(cfg.heads, cfg.kv_heads, cfg.head_dim),
+        "blocks.*.attn.o": RowParallel(unit=cfg.head_dim, what=heads),
+        "blocks.*.mlp.up": ColumnParallel(what=ffn),
+        "blocks.*.mlp.down": RowParallel(what=ffn),
+        "head": VocabHead(cfg.vocab),
+        "loss": VocabLoss(cfg.vocab),
+    }
+    if cfg.mlp == "swiglu":
+        layers["blocks.*.mlp.gate"] = ColumnParallel(what=ffn)
+    return TensorPlan(
+        layers=layers,
+        regions=("blocks.*.attn", "blocks.*.mlp", "head"),
+        sequence=("blocks.*.attn_norm", "blocks.*.mlp_norm", "norm"),
+        scatter_sequence={"embed.pos": 0} if cfg.position == "learned" else {},
+    )

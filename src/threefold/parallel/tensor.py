@@ -1,0 +1,276 @@
+"""Tensor (Megatron-style) parallel layers and the sequence-parallel glue between them.
+
+Every layer holds only this rank's slice of its weight and runs the collectives of
+comm/autograd.py around its matmul, so every byte is counted on the "tp" axis:
+
+    entering a region      copy_to_group       fwd identity        bwd all-reduce    (Megatron "f")
+                           all_gather_from_group   fwd all-gather(s)  bwd reduce-scatter(s)  (SP)
+    ColumnParallelLinear   no collective: y_r = x W_r^T + b_r, this rank's output features
+    RowParallelLinear      reduce_from_group   fwd all-reduce      bwd identity      (Megatron "g")
+                           reduce_scatter_to_group fwd reduce-scatter(s) bwd all-gather(s) (SP)
+    VocabParallelEmbedding masked lookup of this rank's vocabulary rows, then the row-parallel reduce
+    vocab_parallel_cross_entropy  3 all-reduces of b*s numbers (max, target logit, sum of exp)
+
+A region (attention, MLP, output head) is entered once, so q, k and v (or gate and up) share
+one input collective: a block costs two all-reduces forward and two backward, of b*s*h each.
+Under sequence parallelism the activations between regions are split along the sequence and
+those all-reduces become all-gather / reduce-scatter pairs of the same total volume; the
+parameters used there (norm gains, row-parallel biases) then see only part of the tokens, so
+their gradients are summed over tp by a gradient hook (bytes filed under
+"all_reduce.partial_grads").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import (Comm, all_gather_from_group, copy_to_group, gather_from_group, reduce_from_group,
+                    reduce_scatter_to_group, scatter_to_group)
+from ..sharding import Placement
+
+AXIS = "tp"
+
+
+def padded_size(size: int, parts: int) -> int:
+    """`size` rounded up to a multiple of `parts` (vocabularies not divisible by tp)."""
+    return -(-size // parts) * parts
+
+
+def as_parameter(t: torch.Tensor | None) -> nn.Parameter | None:
+    """`t` as a Parameter, the same object when it already is one (tied weights stay tied)."""
+    if t is None or isinstance(t, nn.Parameter):
+        return t
+    return nn.Parameter(t, requires_grad=t.requires_grad)
+
+
+def sum_gradient_over(param: nn.Parameter, comm: Comm, axis: str = AXIS) -> None:
+    """Sum `param`'s gradient over `axis` in every backward pass.
+
+    For a replicated parameter that each rank applies to only part of the data (norm gains on
+    its sequence chunk, replicated key/value heads serving only its query heads): the true
+    gradient is the sum of the ranks' partial ones. The hook sees each backward pass's total
+    gradient of the leaf once, before it is accumulated into `.grad`.
+    """
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, axis, tag="partial_grads")
+        return grad
+
+    param.register_hook(hook)
+
+
+def enter_region(x: torch.Tensor, comm: Comm, sequence_parallel: bool, seq_dim: int = 1) -> torch.Tensor:
+    """Input of a tensor-parallel region: f (identity / all-reduce) or, under SP, all-gather of the sequence."""
+    if sequence_parallel:
+        return all_gather_from_group(x, comm, AXIS, seq_dim)
+    return copy_to_group(x, comm, AXIS)
+
+
+def leave_region(y: torch.Tensor, comm: Comm, sequence_parallel: bool, seq_dim: int = 1) -> torch.Tensor:
+    """Output of a region from partial sums: g (all-reduce) or, under SP, reduce-scatter along the sequence."""
+    if sequence_parallel:
+        return reduce_scatter_to_group(y, comm, AXIS, seq_dim)
+    return reduce_from_group(y, comm, AXIS)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_bs[o/tp] = x_bsh W_r^T + b_r: this rank's slice of the output features.
+
+    No collective on the input: the enclosing region entered the tp group once for all its
+    column-parallel layers. `rows` (start, count) uses only some rows of a replicated weight
+    (key/value heads of grouped-query attention when there are fewer of them than tp ranks).
+    `gather_output` all-gathers the features (fwd all-gather, bwd own chunk) and drops the
+    padding beyond `out_features`: for users that need the whole output, e.g. a library loss.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
+                 rows: tuple[int, int] | None = None, gather_output: bool = False, out_features: int | None = None):
+        super().__init__()
+        self.comm = comm
+        self.weight = as_parameter(weight)
+        self.bias = as_parameter(bias)
+        self.rows = rows
+        self.gather_output = gather_output
+        self.in_features = weight.shape[1]
+        self.out_features = out_features or (rows[1] if rows else weight.shape[0])
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.rows is not None:
+            weight = weight.narrow(0, *self.rows)
+            bias = None if bias is None else bias.narrow(0, *self.rows)
+        y = F.linear(x_bsh, weight, bias)
+        if self.gather_output:
+            y = gather_from_group(y, self.comm, AXIS, -1)[..., : self.out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, rows={self.rows}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(nn.Module):
+    """y_bsh = sum_r x_r W_r^T + b: partial products summed over tp, then the (replicated) bias.
+
+    Forward all-reduce (Megatron "g"), or reduce-scatter along the sequence under SP, where the
+    bias then meets only this rank's tokens and its gradient is summed over tp.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, sequence_parallel: bool,
+                 seq_dim: int = 1):
+        super().__init__()
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.seq_dim = seq_dim
+        self.weight = as_parameter(weight)
+        self.bias = as_parameter(bias)
+        self.in_features = weight.shape[1] * comm.mesh.size(AXIS)
+        self.out_features = weight.shape[0]
+        if self.bias is not None and sequence_parallel and self.bias.requires_grad:
+            sum_gradient_over(self.bias, comm)
+
+    def forward(self, x_bsf: torch.Tensor) -> torch.Tensor:
+        y = leave_region(F.linear(x_bsf, self.weight), self.comm, self.sequence_parallel, self.seq_dim)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"local={tuple(self.weight.shape)}, sequence_parallel={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + n) of the (padded) embedding table; other ids look up zeros.
+
+    The ranks' partial lookups are summed: all-reduce, or reduce-scatter along the sequence
+    under SP (which is where the sequence-parallel region of the model begins).
+    """
+
+    def __init__(self, weight: torch.Tensor, start: int, vocab: int, comm: Comm, sequence_parallel: bool,
+                 padding_idx: int | None = None, seq_dim: int = 1):
+        super().__init__()
+        self.comm = comm
+        self.weight = as_parameter(weight)
+        self.start = start
+        self.num_embeddings = vocab
+        self.embedding_dim = weight.shape[1]
+        self.sequence_parallel = sequence_parallel
+        self.seq_dim = seq_dim
+        local_pad = None if padding_idx is None else padding_idx - start
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < weight.shape[0] else None
+
+    def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        local = tokens_bs - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(x, self.comm, self.sequence_parallel, self.seq_dim)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.weight.shape[0]} of {self.num_embeddings}"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """-log softmax(logits)[target] per token, from this rank's vocabulary slice only.
+
+    Forward: three all-reduces of one number per token (max, target logit, sum of exp), so the
+    softmax over the whole vocabulary is exact while each rank holds only (tokens, vocab/tp).
+    Backward: softmax - one_hot(target) on the local slice, no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_nv, targets_n, comm, start, valid):
+        logits = logits_nv.float()
+        if valid < logits.shape[-1]:  # padded vocabulary columns never count
+            logits = logits.clone()
+            logits[:, valid:] = -math.inf
+        maxes = logits.max(dim=-1).values
+        comm.all_reduce(maxes, AXIS, op=dist.ReduceOp.MAX)
+        shifted = logits - maxes.unsqueeze(-1)
+        local = targets_n - start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        comm.all_reduce(picked, AXIS)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, AXIS)
+        loss = sum_exp.log() - picked
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.input_dtype = logits_nv.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_n):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax  # reused in place: backward runs once
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).to(grad.dtype)
+        grad.mul_(grad_n.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_nv: torch.Tensor, targets_n: torch.Tensor, comm: Comm, start: int,
+                                 vocab: int) -> torch.Tensor:
+    """Per-token loss (n,) from local logits (n, vocab_slice) whose first column is global id `start`."""
+    valid = max(0, min(logits_nv.shape[-1], vocab - start))
+    return _VocabParallelCrossEntropy.apply(logits_nv, targets_n, comm, start, valid)
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Sum of token losses from vocabulary-sharded logits (b, s, vocab/tp); never gathers them."""
+
+    def __init__(self, comm: Comm, start: int, vocab: int):
+        super().__init__()
+        self.comm, self.start, self.vocab = comm, start, vocab
+
+    def forward(self, logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_bsv.flatten(0, 1), targets_bs.flatten(), self.comm, self.start,
+                                            self.vocab).sum()
+
+
+def scatter_sequence(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """This rank's chunk of a replicated tensor along the sequence (fwd own chunk, bwd all-gather)."""
+    return scatter_to_group(x, comm, AXIS, dim)
+
+
+def gather_vocab(logits_bsv: torch.Tensor, comm: Comm, vocab: int) -> torch.Tensor:
+    """Whole-vocabulary logits from the shards (all-gather; padding dropped): for inspection and sampling."""
+    return gather_from_group(logits_bsv, comm, AXIS, -1)[..., :vocab]
+
+
+@torch.no_grad()
+def gather_full(tensors: dict[str, torch.Tensor], placements: dict[str, Placement], comm: Comm,
+                axis: str = AXIS) -> dict[str, torch.Tensor]:
+    """Whole global tensors, by global name, from tensors split over `axis` (padding dropped).
+
+    Reads the placements only: a tensor replicated over `axis` is already whole; a split one is
+    all-gathered (every rank of the axis holds the same box shape) and each rank's box is put
+    at its offsets. Every rank of `axis` must call this with the same names in the same order.
+    Used by checkpoint export and by parity tests to compare gradients and parameters.
+    """
+    out = {}
+    for local_name, t in tensors.items():
+        place = placements[local_name]
+        if place.flat_range is not None:
+            raise ValueError(f"{local_name}: flat shards (ZeRO) are not gathered here")
+        if axis in place.replicated_over or comm.mesh.size(axis) == 1:
+            out[place.name] = t.detach()[tuple(slice(0, g) for g in place.global_shape)].clone()
+            continue
+        n = comm.mesh.size(axis)
+        pieces = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        comm.all_gather(pieces, t.contiguous(), axis)
+        offsets = torch.tensor(place.offsets, dtype=torch.int64, device=t.device)
+        all_offsets = torch.empty(n * offsets.numel(), dtype=torch.int64, device=t.device)
+        comm.all_gather(all_offsets, offsets, axis)
+        all_offsets = all_offsets.view(n, -1).tolist()
+        extent = [max([g] + [o[d] + s for o in all_offsets]) for d, (g, s) in
+                  enumerate(zip(place.global_shape, place.shape))]
+        full = torch.zeros(extent, dtype=t.dtype, device=t.device)
+        for piece, offs in zip(pieces.chunk(n), all_offsets):
+            full[tuple(slice(o, o + s) for o, s in zip(offs, place.shape))] = piece
+        out[place.name] = full[tuple(slice(0, g) for g in place.global_shape)].clone()
+    return out

@@ -1,0 +1,296 @@
+"""Tensor plans: a model declares how its modules split over tp; `parallelize_tensor` applies it.
+
+A plan names modules by pattern (`*` matches one name component, e.g. `blocks.*.attn.q`):
+
+    layers       module -> style: ColumnParallel, GroupedKV, RowParallel, VocabEmbedding,
+                 VocabHead, VocabLoss. The module is replaced by its parallel
+                 version holding this rank's slice of the single-device weights; parameter
+                 names do not change.
+    regions      modules whose input enters the tp region once (f, or the SP all-gather),
+                 e.g. attention and MLP, so q, k, v share one collective.
+    sequence     modules that run on sequence-split activations under SP (norms): their
+                 parameters' gradients are summed over tp.
+    scatter_sequence  module -> dim: outputs that are cut along the sequence under SP (a
+                 learned position table, added to the sequence-split embedding).
+    scatter_inputs    module -> dim: first inputs cut along the sequence under SP (where a
+                 library model's sequence-parallel region begins).
+    attributes   module -> {attribute: value} to set after sharding (a library model's
+                 cached head counts).
+
+Splitting a single-device model (rather than building shards directly) keeps the init rule
+"weights depend only on seed and name": every layout starts from the same numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..errors import UserError
+from ..mesh import Mesh
+from ..sharding import Placement
+from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
+                     VocabParallelEmbedding, as_parameter, enter_region, padded_size, scatter_sequence, sum_gradient_over)
+
+
+class TensorPlanError(UserError):
+    """A model cannot be split as asked: names the module, the size and the constraint."""
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """Output features split over tp in whole units (a head's width), e.g. q, MLP up/gate."""
+
+    unit: int = 1
+    what: str = "output features"  # named in errors, e.g. "attention heads (model.heads)"
+
+
+@dataclass(frozen=True)
+class GroupedKV:
+    """Key/value projection of grouped-query attention.
+
+    kv_heads divisible by tp: split by whole kv heads (each rank's q heads use exactly its kv
+    heads). tp divisible by kv_heads: the weight is replicated, each rank uses the one kv head
+    its q heads belong to, and the gradient is summed over tp. Anything else: an error.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """Input features split over tp (attention output, MLP down); output summed over tp."""
+
+    unit: int = 1
+    what: str = "input features"
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Embedding rows split over the vocabulary, padded to a multiple of tp with zero rows.
+
+    Under SP its reduction is a reduce-scatter along the sequence (the SP region starts here),
+    unless `sequence_output` is False (a library model that reads the sequence length off the
+    embedding's output; its plan cuts the sequence later with `scatter_inputs`).
+    """
+
+    vocab: int
+    sequence_output: bool = True
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """Output projection split over the (padded) vocabulary; `gather_output` for library losses."""
+
+    vocab: int
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class VocabLoss:
+    """Token cross-entropy (sum) on vocabulary-split logits: never gathers them."""
+
+    vocab: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    layers: dict[str, object]
+    regions: tuple[str, ...] = ()
+    sequence: tuple[str, ...] = ()
+    scatter_sequence: dict[str, int] = field(default_factory=dict)
+    scatter_inputs: dict[str, int] = field(default_factory=dict)
+    attributes: dict[str, dict] = field(default_factory=dict)
+    seq_dim: int = 1  # the sequence dimension of the activations between regions (b, s, h)
+    supports_sequence_parallel: bool = True
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part)
+                                       for part in pattern.split(".")) + "$")
+
+
+def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    rx = _pattern(pattern)
+    found = [(name, m) for name, m in model.named_modules() if rx.match(name)]
+    if not found:
+        raise TensorPlanError(f"tensor plan: pattern '{pattern}' matches no module of {type(model).__name__}")
+    return found
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+class _Sharder:
+    """Cuts parameters into this rank's slices, once per parameter (tied weights stay tied)."""
+
+    def __init__(self, model: nn.Module, tp: int, rank: int):
+        self.tp, self.rank = tp, rank
+        self.global_name = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        self.done: dict[int, tuple[tuple, nn.Parameter, torch.Tensor]] = {}  # originals kept alive: ids stay unique
+        self.placements: dict[int, Placement] = {}  # id(new parameter) -> placement
+
+    def split(self, param: torch.Tensor | None, dim: int, pad_to: int | None = None) -> nn.Parameter | None:
+        """This rank's part of `param` along `dim` (after zero-padding to `pad_to` along it)."""
+        if param is None:
+            return None
+        key = ("split", dim, pad_to)
+        if id(param) in self.done:
+            prev_key, new, _ = self.done[id(param)]
+            if prev_key != key:
+                raise TensorPlanError(f"tensor plan: tied parameter {self.global_name[id(param)]} is split two ways")
+            return new
+        data = param.detach()
+        if pad_to is not None and pad_to > data.shape[dim]:
+            pad_shape = list(data.shape)
+            pad_shape[dim] = pad_to - data.shape[dim]
+            data = torch.cat([data, data.new_zeros(pad_shape)], dim)
+        local = data.chunk(self.tp, dim)[self.rank].clone()
+        new = nn.Parameter(local, requires_grad=param.requires_grad)
+        place = Placement.whole(self.global_name[id(param)], param.shape)
+        if pad_to is not None:
+            place = place.padded(dim, pad_to)
+        self.placements[id(new)] = place.split(dim, self.rank, self.tp)
+        self.done[id(param)] = (key, new, param)
+        return new
+
+    def keep(self, param: torch.Tensor | None) -> nn.Parameter | None:
+        """`param` whole (replicated over tp)."""
+        return as_parameter(param)
+
+
+def _linear_parts(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(module, nn.Linear):
+        raise TensorPlanError(f"tensor plan: {name} is a {type(module).__name__}, not a torch.nn.Linear")
+    return module.weight, module.bias
+
+
+def _check_units(name: str, size: int, unit: int, tp: int, what: str) -> None:
+    if size % unit or (size // unit) % tp:
+        raise TensorPlanError(f"{name}: {size // unit} {what} cannot be split over parallel.tp={tp}; "
+                              f"the count must be divisible by tp (choose a tp that divides {size // unit})")
+
+
+def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, sp: bool, plan: TensorPlan):
+    tp, rank = sharder.tp, sharder.rank
+    if isinstance(style, ColumnParallel):
+        w, b = _linear_parts(module, name)
+        _check_units(name, w.shape[0], style.unit, tp, style.what)
+        return ColumnParallelLinear(sharder.split(w, 0), sharder.split(b, 0), comm)
+    if isinstance(style, GroupedKV):
+        w, b = _linear_parts(module, name)
+        if style.kv_heads % tp == 0:
+            return ColumnParallelLinear(sharder.split(w, 0), sharder.split(b, 0), comm)
+        if tp % style.kv_heads or style.heads % tp:
+            raise TensorPlanError(
+                f"{name}: {style.kv_heads} key/value heads cannot be split over parallel.tp={tp} nor replicated "
+                f"evenly; kv_heads must divide tp or be divisible by it (and tp must divide heads={style.heads})")
+        # fewer kv heads than ranks: every rank keeps the whole (small) weight and uses the kv
+        # head its q heads [rank*heads/tp, ...) belong to; partial gradients are summed over tp
+        used = rank // (tp // style.kv_heads)
+        layer = ColumnParallelLinear(sharder.keep(w), sharder.keep(b), comm,
+                                     rows=(used * style.head_dim, style.head_dim))
+        for p in (layer.weight, layer.bias):
+            if p is not None and p.requires_grad:
+                sum_gradient_over(p, comm)
+        return layer
+    if isinstance(style, RowParallel):
+        w, b = _linear_parts(module, name)
+        _check_units(name, w.shape[1], style.unit, tp, style.what)
+        return RowParallelLinear(sharder.split(w, 1), sharder.keep(b), comm, sp, plan.seq_dim)
+    if isinstance(style, VocabEmbedding):
+        if not isinstance(module, nn.Embedding):
+            raise TensorPlanError(f"tensor plan: {name} is a {type(module).__name__}, not a torch.nn.Embedding")
+        padded = padded_size(style.vocab, tp)
+        weight = sharder.split(module.weight, 0, pad_to=padded)
+        return VocabParallelEmbedding(weight, rank * (padded // tp), style.vocab, comm, sp and style.sequence_output,
+                                      module.padding_idx, plan.seq_dim)
+    if isinstance(style, VocabHead):
+        w, b = _linear_parts(module, name)
+        padded = padded_size(style.vocab, tp)
+        return ColumnParallelLinear(sharder.split(w, 0, pad_to=padded), sharder.split(b, 0, pad_to=padded), comm,
+                                    gather_output=style.gather_output, out_features=style.vocab)
+    if isinstance(style, VocabLoss):
+        padded = padded_size(style.vocab, tp)
+        return VocabParallelCrossEntropy(comm, rank * (padded // tp), style.vocab)
+    raise TensorPlanError(f"tensor plan: unknown style {style!r} for {name}")
+
+
+def _region_hook(comm: Comm, sp: bool, seq_dim: int):
+    def hook(module, args, kwargs):
+        if args:
+            return (enter_region(args[0], comm, sp, seq_dim),) + tuple(args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": enter_region(kwargs["hidden_states"], comm, sp, seq_dim)}
+        raise TypeError(f"{type(module).__name__}: a tensor-parallel region needs its input as the first "
+                        "argument or as hidden_states=")
+    return hook
+
+
+def _scatter_hook(comm: Comm, dim: int):
+    return lambda module, args, output: scatter_sequence(output, comm, dim)
+
+
+def _scatter_input_hook(comm: Comm, dim: int):
+    return lambda module, args: (scatter_sequence(args[0], comm, dim),) + tuple(args[1:])
+
+
+def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
+                       sequence_parallel: bool = False) -> dict[str, Placement]:
+    """Shard `model` in place over the mesh's tp axis by `plan`; return every parameter's Placement.
+
+    Split parameters get `Placement.whole(...)[.padded(...)].split(dim, tp_rank, tp)`; all others
+    are whole and `.replicated("tp")`. With tp = 1 nothing changes (and nothing is replicated).
+    """
+    tp, rank = mesh.size(AXIS), mesh.rank(AXIS)
+    if tp == 1:
+        return {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()}
+    if sequence_parallel and not plan.supports_sequence_parallel:
+        raise TensorPlanError(f"parallel.sequence_parallel: the tensor plan of {type(model).__name__} does not "
+                              "support sequence parallelism; set parallel.sequence_parallel=false")
+    sp = sequence_parallel
+    sharder = _Sharder(model, tp, rank)
+    for pattern, style in plan.layers.items():
+        for name, module in _matching(model, pattern):
+            _set_module(model, name, _build(style, name, module, sharder, comm, sp, plan))
+    for pattern in plan.regions:
+        for _, module in _matching(model, pattern):
+            module.register_forward_pre_hook(_region_hook(comm, sp, plan.seq_dim), with_kwargs=True)
+    if sp:
+        for pattern in plan.sequence:
+            for _, module in _matching(model, pattern):
+                for p in module.parameters(recurse=False):
+                    if p.requires_grad:
+                        sum_gradient_over(p, comm)
+        for pattern, dim in plan.scatter_sequence.items():
+            for _, module in _matching(model, pattern):
+                module.register_forward_hook(_scatter_hook(comm, dim))
+        for pattern, dim in plan.scatter_inputs.items():
+            for _, module in _matching(model, pattern):
+                module.register_forward_pre_hook(_scatter_input_hook(comm, dim))
+    for pattern, values in plan.attributes.items():
+        for _, module in _matching(model, pattern):
+            for key, value in values.items():
+                setattr(module, key, value)
+    _check_ties(model, sharder)
+    placements = {}
+    for name, p in model.named_parameters():
+        placements[name] = sharder.placements.get(id(p)) or Placement.whole(name, p.shape).replicated(AXIS)
+    return placements
+
+
+def _check_ties(model: nn.Module, sharder: _Sharder) -> None:
+    """Tied modules that the plan both split share one shard (the sharder's memo); a plan that
+    split only one of them would silently untie them: refuse."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in sharder.done:
+            raise TensorPlanError(f"tensor plan: {name} is tied to a split parameter but is not split itself; "
+                                  "give every module sharing the weight the same style")

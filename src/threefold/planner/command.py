@@ -1,0 +1,191 @@
+"""`threefold plan`: will the model fit, and which layout is fastest.
+
+With layout options (--dp --tp --pp --zero --microbatches --activation-checkpointing ...) the
+planner evaluates that layout (searching only the knobs left open); without them it searches.
+Prints a table (or `--json`: the contract in DESIGN.md, best first); `--scaling PNG` adds the
+predicted throughput and scaling efficiency of the best layout from 8 to 8192 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import load_config
+from ..errors import ConfigError, UserError
+from .hardware import GiB, PRESETS, load_gpu
+from .search import PlanResult, search
+from .workload import Workload, total_parameters
+
+FIXABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
+           "activation_checkpointing": "remat", "schedule": "schedule", "virtual_stages": "virtual_stages"}
+DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step when --global-batch is not given
+SCALING_GPUS = [8 * 2**i for i in range(11)]  # 8 .. 8192
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", metavar="NAME", help="preset of the reference model")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="model field, repeatable, e.g. --set model.layers=48")
+    p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
+    p.add_argument("--gpu", default="h100-80gb", metavar="KIND",
+                   help=f"{', '.join(PRESETS)} or a .toml file with a [gpu] table (default h100-80gb)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: ~4M tokens)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    for opt in ("dp", "tp", "pp", "zero", "microbatches", "virtual_stages"):
+        p.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int, metavar="N", help=f"fix {opt}")
+    p.add_argument("--activation-checkpointing", choices=["none", "selective", "full", "every-k"], help="fix the policy")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], help="fix the pipeline schedule")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--scaling", nargs="?", const="plan-scaling.png", metavar="PNG",
+                   help="also predict 8..8192 GPUs and draw throughput and efficiency (default plan-scaling.png)")
+    p.add_argument("--scaling-max", type=int, default=SCALING_GPUS[-1], metavar="N",
+                   help=f"largest GPU count of --scaling (default {SCALING_GPUS[-1]})")
+
+
+def _workload(args) -> Workload:
+    cfg = load_config(None, [f"model.preset={args.model}", *args.overrides])
+    m = cfg.model
+    seq = args.seq_len or m.max_seq
+    if seq < 1:
+        raise ConfigError("--seq-len", f"must be at least 1, got {seq}")
+    if seq > m.max_seq:
+        raise ConfigError("--seq-len", f"{seq} exceeds model.max_seq={m.max_seq}; add --set model.max_seq={seq}")
+    batch = args.global_batch or max(args.gpus, DEFAULT_BATCH_TOKENS // seq)
+    if batch < 1:
+        raise ConfigError("--global-batch", f"must be at least 1, got {batch}")
+    if m.hidden % m.heads or m.heads % m.kv_heads:
+        raise ConfigError("model.hidden", "hidden must divide by heads and heads by kv_heads")
+    return Workload(m, batch, seq)
+
+
+def _fixed(args) -> dict:
+    fixed = {key: getattr(args, opt) for opt, key in FIXABLE.items() if getattr(args, opt) is not None}
+    for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+        if key in fixed and fixed[key] < 1:
+            raise ConfigError("--" + key.replace("_", "-"), f"must be at least 1, got {fixed[key]}")
+    if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
+        raise ConfigError("--zero", f"unknown ZeRO stage {fixed['zero']}; choose 0, 1, 2 or 3")
+    layout = [fixed.get(k) for k in ("dp", "tp", "pp")]
+    if all(layout) and layout[0] * layout[1] * layout[2] != args.gpus:
+        raise ConfigError("--gpus", f"dp x tp x pp = {layout[0] * layout[1] * layout[2]} but --gpus is {args.gpus}; "
+                          "make the product equal the GPU count")
+    if "virtual_stages" in fixed and fixed["virtual_stages"] > 1 and "schedule" not in fixed:
+        fixed["schedule"] = "interleaved"
+    return fixed
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpus < 1:
+        raise ConfigError("--gpus", f"must be at least 1, got {args.gpus}")
+    gpu = load_gpu(args.gpu)
+    w = _workload(args)
+    result = search(w, args.gpus, gpu, _fixed(args), args.precision)
+    scaling = scaling_points(w, gpu, args.precision, args.scaling_max) if args.scaling else None
+    if args.json:
+        print(json.dumps(to_json(result, scaling), indent=1))
+    else:
+        print(render(result, args.top))
+        if scaling:
+            print(render_scaling(scaling))
+    if scaling:
+        from .scaling import plot_scaling
+
+        path = plot_scaling(scaling, args.scaling, f"{w.model.preset} on {gpu.name}, global batch {w.global_batch}")
+        print(f"scaling plot: {path}", file=sys.stderr if args.json else sys.stdout)
+    if not result.feasible:
+        raise UserError(result.message)
+    return 0
+
+
+# ------------------------------------------------------------------ output
+
+
+def model_summary(w: Workload) -> dict:
+    m = w.model
+    return {"preset": m.preset, "params": total_parameters(m), "layers": m.layers, "hidden": m.hidden,
+            "heads": m.heads, "kv_heads": m.kv_heads, "ffn_hidden": m.ffn_hidden, "vocab": m.vocab,
+            "mlp": m.mlp, "position": m.position}
+
+
+def to_json(r: PlanResult, scaling: list[dict] | None = None) -> dict:
+    g = r.gpu
+    out = {
+        "model": model_summary(r.workload),
+        "gpu": {"name": g.name, "peak_flops": g.peak_flops, "memory_bytes": g.memory_bytes, "nvlink": g.nvlink,
+                "infiniband": g.infiniband, "gpus_per_node": g.gpus_per_node},
+        "gpus": r.gpus,
+        "workload": {"global_batch": r.workload.global_batch, "seq_len": r.workload.seq_len,
+                     "tokens_per_step": r.workload.tokens},
+        "feasible": r.feasible, "message": r.message, "evaluated": r.evaluated,
+        "candidates": [c.as_dict() for c in r.candidates],
+    }
+    if scaling is not None:
+        out["scaling"] = scaling
+    return out
+
+
+def render(r: PlanResult, top: int = 10) -> str:
+    w, g = r.workload, r.gpu
+    lines = [f"{w.model.preset}: {total_parameters(w.model) / 1e9:.3g}B parameters, global batch {w.global_batch} x "
+             f"{w.seq_len} tokens, {r.gpus} x {g.name} ({g.memory_bytes / GiB:.0f} GiB, {g.nvlink}, "
+             f"{g.infiniband} InfiniBand); {r.evaluated} strategies evaluated", ""]
+    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>11} " \
+             f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'tokens/s':>10} {'MFU':>5}"
+    lines += [header, "-" * len(header)]
+    for i, c in enumerate(r.candidates[:top], 1):
+        st = c.strategy
+        sched = (st.schedule + (f"x{st.virtual_stages}" if st.schedule == "interleaved" else "")) if st.pp > 1 else "-"
+        step = f"{c.time.total_s:8.3g}" if c.time else f"{'-':>8}"
+        lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
+                     f"{sched:>11} {c.memory.total / GiB:>8.1f} {'yes' if c.fits else 'no':>4} {step} "
+                     f"{c.tokens_per_s:>10,.0f} {c.mfu:>5.1%}")
+    lines.append("")
+    if r.feasible:
+        best = r.candidates[0]
+        lines.append(f"best: {best.strategy.label()} - {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%}, "
+                     f"{best.memory.total / GiB:.1f} of {g.memory_bytes / GiB:.0f} GiB")
+        lines.append("why the others lose:")
+        for i, c in enumerate(r.candidates[1:top], 2):
+            lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
+        rest = [c for c in r.candidates[top:] if not c.fits]
+        if rest:
+            lines.append(f"  ... and {len(rest)} more layouts that do not fit, e.g. {rest[-1].strategy.label()}: "
+                         f"{rest[-1].why}")
+    else:
+        lines.append("no layout fits; the closest:")
+        for i, c in enumerate(r.candidates[:top], 1):
+            lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
+    return "\n".join(lines)
+
+
+def scaling_points(w: Workload, gpu, precision: str, largest: int = SCALING_GPUS[-1]) -> list[dict]:
+    """Best predicted layout at each size of SCALING_GPUS up to `largest` (same global batch)."""
+    points = []
+    for n in (n for n in SCALING_GPUS if n <= largest):
+        r = search(w, n, gpu, None, precision)
+        if not r.feasible:
+            points.append({"gpus": n, "fits": False})
+            continue
+        best = r.best
+        points.append({"gpus": n, "fits": True, "tokens_per_s": best.tokens_per_s, "mfu": best.mfu,
+                       "layout": best.strategy.label(), "step_time_s": best.time.total_s})
+    first = next((p for p in points if p["fits"]), None)
+    for p in points:
+        if p["fits"]:
+            p["efficiency"] = (p["tokens_per_s"] / p["gpus"]) / (first["tokens_per_s"] / first["gpus"])
+    return points
+
+
+def render_scaling(points: list[dict]) -> str:
+    lines = ["", "scaling (same global batch):", f"{'GPUs':>6} {'tokens/s':>12} {'efficiency':>10} {'MFU':>6}  layout"]
+    for p in points:
+        if p["fits"]:
+            lines.append(f"{p['gpus']:>6} {p['tokens_per_s']:>12,.0f} {p['efficiency']:>10.1%} {p['mfu']:>6.1%}  "
+                         f"{p['layout']}")
+        else:
+            lines.append(f"{p['gpus']:>6} {'does not fit':>12}")
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""FLOPs of a training step of the reference decoder, and model FLOPs utilisation (MFU).
+
+Counted per token, one multiply-add = 2 FLOPs, as in Narayanan et al. 2021 (appendix) and the
+PaLM paper's MFU: a block's forward does 2 x (its weight-matrix parameters) FLOPs plus 4*s*h for
+attention (q.k^T and the weighted sum over all s keys; the causal half is not discounted, the
+usual convention). The output projection adds 2*h*V. Backward costs twice the forward.
+Recomputation adds the forward of what is checkpointed: every block (`full`), one block in k
+(`every-k`) or the attention core's 4*s*h (`selective`). MFU counts model FLOPs only
+(3 x forward); "hardware" FLOPs include recomputation (Megatron-LM's reported TFLOP/s do).
+For GPT-3 175B this reproduces Narayanan et al.'s 96*B*s*l*h^2*(1 + s/6h + V/16lh) exactly
+when recomputation is full.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import ModelConfig
+from .workload import Strategy, Workload
+
+
+def block_matmul_params(m: ModelConfig) -> int:
+    """Weights of one block's matrix multiplications (biases and norms do no matmul)."""
+    kv = m.kv_heads * m.head_dim
+    attn = 2 * m.hidden * m.hidden + 2 * m.hidden * kv
+    return attn + (3 if m.mlp == "swiglu" else 2) * m.hidden * m.ffn_hidden
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    return 4 * seq_len * m.hidden
+
+
+def block_forward_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    return 2 * block_matmul_params(m) + attention_flops_per_token(m, seq_len)
+
+
+def head_forward_flops_per_token(m: ModelConfig) -> float:
+    return 2 * m.hidden * m.vocab
+
+
+def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str, layers: int, every: int = 2) -> float:
+    if policy == "full":
+        return layers * block_forward_flops_per_token(m, seq_len)
+    if policy == "every-k":
+        return math.ceil(layers / max(1, every)) * block_forward_flops_per_token(m, seq_len)
+    if policy == "selective":
+        return layers * attention_flops_per_token(m, seq_len)
+    return 0.0
+
+
+def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Forward + backward of the whole model, no recomputation."""
+    return 3 * (m.layers * block_forward_flops_per_token(m, seq_len) + head_forward_flops_per_token(m))
+
+
+def step_flops(w: Workload, st: Strategy, hardware: bool = True) -> float:
+    """FLOPs of one optimizer step over all GPUs (with recomputation when `hardware`)."""
+    per_token = model_flops_per_token(w.model, w.seq_len)
+    if hardware:
+        per_token += recomputed_forward_flops_per_token(w.model, w.seq_len, st.remat, w.model.layers, st.remat_every)
+    return per_token * w.tokens
+
+
+def mfu(w: Workload, step_time_s: float, gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: model FLOPs per second over the cluster's dense peak."""
+    return step_flops(w, Strategy(), hardware=False) / (step_time_s * gpus * peak_flops)

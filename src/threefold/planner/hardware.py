@@ -1,0 +1,156 @@
+"""GPU kinds the planner knows: compute peak, memory, and the two levels of the network.
+
+Numbers are per GPU. Bandwidths are bytes per second in one direction (what one GPU can push
+while it also receives at the same rate), which is what the alpha-beta formulas in comm.py use.
+A custom kind is read from a TOML file (see `load_gpu`).
+
+Sources (vendor data sheets):
+  A100: NVIDIA A100 Tensor Core GPU data sheet (2021) - 312 TFLOP/s dense BF16, HBM2e 1,555 GB/s
+        (40GB) / 2,039 GB/s (80GB SXM), NVLink 3 at 600 GB/s total (12 links x 50 GB/s); DGX A100
+        user guide: 6 NVSwitch (gen 2), 8 x HDR 200 Gb/s InfiniBand ports per node.
+  H100: NVIDIA H100 Tensor Core GPU data sheet (SXM5) - 989 TFLOP/s dense BF16 (1,979 with
+        sparsity), HBM3 3.35 TB/s, NVLink 4 at 900 GB/s total (18 links x 50 GB/s); DGX H100: NVSwitch
+        gen 3, 8 x ConnectX-7 NDR 400 Gb/s.
+  H200: NVIDIA H200 data sheet (SXM) - same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 4.
+  B200: NVIDIA DGX B200 / HGX B200 data sheet - 2.25 PFLOP/s dense BF16 per GPU (4.5 with
+        sparsity), HBM3e 8 TB/s, 180 GB usable per GPU in DGX B200 (1,440 GB per node; 192 GB
+        physical), NVLink 5 at 1.8 TB/s total, NVSwitch gen 4, 8 x ConnectX-7 400 Gb/s.
+  InfiniBand generations: EDR 100, HDR 200, NDR 400, XDR 800 Gb/s per port (InfiniBand Trade
+        Association roadmap); one port per GPU as in the DGX nodes above.
+
+`compute_efficiency` is not a vendor number: it is the fraction of the dense peak that the
+matrix multiplications of a transformer layer sustain in a real training loop (kernel
+efficiency, launch gaps, memory-bound epilogues). It is calibrated on Megatron-LM's published
+A100 results (Narayanan et al. 2021, table 2: 153-171 TFLOP/s per A100 for 175B/530B with
+pipeline bubbles under 3%, i.e. ~0.55-0.6 of peak); Hopper and Blackwell reach a smaller share
+of their much higher peaks in the same software (~0.45-0.5, e.g. Llama 3 405B: 380-430 TFLOP/s
+per H100, Dubey et al. 2024, table 4).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ..errors import UserError
+
+GiB = 2**30
+GB = 10**9
+
+# InfiniBand data rates per port, bits per second.
+INFINIBAND_GBPS = {"edr": 100, "hdr": 200, "ndr": 400, "xdr": 800}
+
+# NVLink generations: total (both directions) bandwidth per GPU in GB/s.
+NVLINK_TOTAL_GBPS = {"nvlink3": 600, "nvlink4": 900, "nvlink5": 1800}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    peak_flops: float  # dense BF16/FP16 tensor-core FLOP/s
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    nvlink: str  # generation name, for display
+    intra_bytes_per_s: float  # NVLink/NVSwitch, one direction, per GPU
+    inter_bytes_per_s: float  # InfiniBand, one direction, per GPU
+    infiniband: str = "ndr"
+    gpus_per_node: int = 8
+    intra_latency_s: float = 5e-6  # per message step of a collective inside a node
+    inter_latency_s: float = 12e-6  # per message step across nodes
+    link_efficiency: float = 0.8  # achievable share of the nominal link rate (NCCL bus bandwidth)
+    compute_efficiency: float = 0.55  # see the module docstring
+    fp32_flops: float = 0.0  # non-tensor-core FP32 peak, for --precision fp32 (0: peak / 16)
+
+    def flops(self, precision: str) -> float:
+        if precision == "fp32":
+            return self.fp32_flops or self.peak_flops / 16
+        return self.peak_flops
+
+
+def _nvlink(gen: str) -> float:
+    return NVLINK_TOTAL_GBPS[gen] / 2 * GB  # one direction
+
+
+def _ib(gen: str) -> float:
+    return INFINIBAND_GBPS[gen] / 8 * GB
+
+
+PRESETS: dict[str, Gpu] = {
+    "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GiB, 1555 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
+                     infiniband="hdr", compute_efficiency=0.58, fp32_flops=19.5e12),
+    "a100-80gb": Gpu("a100-80gb", 312e12, 80 * GiB, 2039 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
+                     infiniband="hdr", compute_efficiency=0.58, fp32_flops=19.5e12),
+    "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
+                     infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
+    "h200-141gb": Gpu("h200-141gb", 989e12, 141 * GiB, 4800 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
+                      infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
+    "b200-192gb": Gpu("b200-192gb", 2250e12, 180 * GiB, 8000 * GB, "nvlink5", _nvlink("nvlink5"), _ib("ndr"),
+                      infiniband="ndr", compute_efficiency=0.45, fp32_flops=80e12),
+}
+
+# Keys of a custom GPU's TOML table [gpu] and what they mean (units in the name).
+TOML_KEYS = {
+    "name": "display name",
+    "peak_tflops": "dense BF16 tensor-core TFLOP/s",
+    "memory_gib": "memory per GPU in GiB",
+    "hbm_tbps": "memory bandwidth in TB/s",
+    "nvlink": "intra-node link name (display)",
+    "nvlink_gbps": "intra-node bandwidth per GPU, GB/s in one direction",
+    "infiniband": "inter-node network name (display)",
+    "ib_gbps": "inter-node bandwidth per GPU, Gb/s (bits) in one direction",
+    "gpus_per_node": "GPUs joined by the intra-node link",
+    "compute_efficiency": "sustained fraction of peak for a transformer layer (default 0.5)",
+    "link_efficiency": "achievable fraction of link rates (default 0.8)",
+    "intra_latency_us": "latency of one collective step inside a node, microseconds",
+    "inter_latency_us": "latency of one collective step across nodes, microseconds",
+}
+
+
+def load_gpu(kind: str) -> Gpu:
+    """A preset by name, or a custom GPU from a TOML file with a [gpu] table (keys: TOML_KEYS)."""
+    if kind in PRESETS:
+        return PRESETS[kind]
+    path = Path(kind)
+    if not path.suffix == ".toml":
+        raise UserError(f"--gpu: unknown GPU kind '{kind}'; choose one of {', '.join(PRESETS)} "
+                        "or give a .toml file with a [gpu] table")
+    if not path.is_file():
+        raise UserError(f"--gpu: file '{kind}' does not exist")
+    try:
+        table = tomllib.loads(path.read_text()).get("gpu")
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"--gpu: '{kind}' is not valid TOML ({e})") from None
+    if not isinstance(table, dict):
+        raise UserError(f"--gpu: '{kind}' has no [gpu] table; keys: {', '.join(TOML_KEYS)}")
+    unknown = set(table) - set(TOML_KEYS)
+    if unknown:
+        raise UserError(f"--gpu: unknown key(s) {', '.join(sorted(unknown))} in '{kind}'; valid: {', '.join(TOML_KEYS)}")
+    required = ["peak_tflops", "memory_gib", "hbm_tbps", "nvlink_gbps", "ib_gbps"]
+    missing = [k for k in required if k not in table]
+    if missing:
+        raise UserError(f"--gpu: '{kind}' lacks {', '.join(missing)} in its [gpu] table")
+    for key, value in table.items():
+        if key not in ("name", "nvlink", "infiniband") and (not isinstance(value, (int, float)) or value <= 0):
+            raise UserError(f"--gpu: {key} in '{kind}' must be a positive number, got {value!r}")
+    defaults = {f.name: f.default for f in fields(Gpu)}
+    return Gpu(
+        name=str(table.get("name", path.stem)),
+        peak_flops=table["peak_tflops"] * 1e12,
+        memory_bytes=int(table["memory_gib"] * GiB),
+        hbm_bytes_per_s=table["hbm_tbps"] * 1e12,
+        nvlink=str(table.get("nvlink", "custom")),
+        intra_bytes_per_s=table["nvlink_gbps"] * GB,
+        inter_bytes_per_s=table["ib_gbps"] / 8 * GB,
+        infiniband=str(table.get("infiniband", "custom")),
+        gpus_per_node=int(table.get("gpus_per_node", defaults["gpus_per_node"])),
+        intra_latency_s=table.get("intra_latency_us", defaults["intra_latency_s"] * 1e6) * 1e-6,
+        inter_latency_s=table.get("inter_latency_us", defaults["inter_latency_s"] * 1e6) * 1e-6,
+        link_efficiency=float(table.get("link_efficiency", defaults["link_efficiency"])),
+        compute_efficiency=float(table.get("compute_efficiency", 0.5)),
+    )
+
+
+# A CPU "device" for predicting the memory of CPU runs: no allocator margin, nothing reserved.
+CPU = Gpu("cpu", 1e11, 1 << 40, 2e10, "none", 1e10, 1e10, infiniband="none", gpus_per_node=1 << 20,
+          compute_efficiency=1.0, fp32_flops=1e11)

@@ -1,0 +1,232 @@
+"""Layout search: enumerate strategies, drop what does not fit, rank by predicted tokens/s.
+
+The space: tp over divisors of the GPU count that fit in a node and divide the heads (and kv
+heads, and the MLP width); pp over divisors of what is left, at most the layer count; dp the
+rest, dividing the global batch; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
+checkpointing none / selective / full; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
+interleaved (2 virtual stages when the layers divide). Sequence parallelism is on whenever
+tp > 1 (same traffic as plain tensor parallelism, less memory). Any knob fixed by the caller
+is not searched.
+
+The answer names the best strategy and, for every other (dp, tp, pp, zero) family, its best
+member with the reason it loses: memory short by how much, or slower by how much and where
+the time goes (bubble, tensor-parallel or data-parallel communication, recomputation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from itertools import product
+
+from .compute import mfu
+from .hardware import GiB, Gpu
+from .memory import MemoryBreakdown, rank_memory
+from .step_time import StepTime, step_time
+from .workload import Strategy, Workload, total_parameters
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+REMAT_POLICIES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "gpipe")
+
+
+@dataclass
+class Candidate:
+    strategy: Strategy
+    memory: MemoryBreakdown
+    fits: bool
+    time: StepTime | None = None
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        st = self.strategy
+        mem = self.memory.as_dict()
+        return {
+            "dp": st.dp, "tp": st.tp, "pp": st.pp, "zero": st.zero, "microbatches": st.microbatches,
+            "activation_checkpointing": st.remat, "schedule": st.schedule if st.pp > 1 else None,
+            "virtual_stages": st.virtual_stages, "sequence_parallel": st.sequence_parallel,
+            "precision": st.precision,
+            "memory_bytes": {k: mem[k] for k in ("params", "grads", "optimizer", "activations", "transient",
+                                                 "buffers", "margin", "total")},
+            "fits": self.fits,
+            "step_time_s": self.time.total_s if self.time else None,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "step_breakdown_s": self.time.as_dict() if self.time else None,
+            "why": self.why,
+        }
+
+
+@dataclass
+class PlanResult:
+    workload: Workload
+    gpu: Gpu
+    gpus: int
+    candidates: list[Candidate]  # best first: fitting by tokens/s, then the rest by memory
+    evaluated: int
+    feasible: bool
+    message: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.feasible else None
+
+
+# ------------------------------------------------------------------ the space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None,
+                         precision: str = "bf16") -> list[Strategy]:
+    """Every strategy of the space for `gpus` GPUs; `fixed` pins knobs (dp, tp, pp, zero,
+    microbatches, remat, schedule, virtual_stages, sequence_parallel)."""
+    fixed = fixed or {}
+    m = w.model
+    out = []
+    tps = [t for t in _divisors(gpus) if t <= gpu.gpus_per_node and m.heads % t == 0 and m.kv_heads % t == 0
+           and m.ffn_hidden % t == 0]
+    for tp in tps if "tp" not in fixed else [fixed["tp"]]:
+        if gpus % tp:
+            continue
+        pps = [p for p in _divisors(gpus // tp) if p <= m.layers]
+        for pp in pps if "pp" not in fixed else [fixed["pp"]]:
+            if (gpus // tp) % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp or w.global_batch % dp:
+                continue
+            per_rank = w.global_batch // dp
+            zeros = fixed["zero"] if "zero" in fixed else (range(4) if dp > 1 else [0])
+            for zero in [zeros] if isinstance(zeros, int) else zeros:
+                if "microbatches" in fixed:
+                    mbs = [fixed["microbatches"]] if per_rank % fixed["microbatches"] == 0 else []
+                else:
+                    mbs = [per_rank // b for b in MICRO_BATCH_SIZES if per_rank % b == 0]
+                remats = [fixed["remat"]] if "remat" in fixed else REMAT_POLICIES
+                schedules = [fixed["schedule"]] if "schedule" in fixed else (SCHEDULES if pp > 1 else ("1f1b",))
+                for micro, remat, schedule in product(mbs, remats, schedules):
+                    v = 1
+                    if schedule == "interleaved":
+                        v = fixed.get("virtual_stages", 2)
+                        if v < 2 or m.layers % (pp * v) or micro % pp:
+                            continue
+                    out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
+                                        schedule=schedule, virtual_stages=v,
+                                        sequence_parallel=fixed.get("sequence_parallel", tp > 1),
+                                        precision=precision))
+    return out
+
+
+def evaluate(w: Workload, st: Strategy, gpu: Gpu) -> Candidate:
+    mem = rank_memory(w, st, gpu)
+    t = step_time(w, st, gpu)
+    return Candidate(st, mem, mem.total <= gpu.memory_bytes, t, w.tokens / t.total_s,
+                     mfu(w, t.total_s, st.world_size, gpu.flops(st.precision)))
+
+
+# ------------------------------------------------------------------ explanations
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def shortfall(c: Candidate, gpu: Gpu) -> str:
+    mem = c.memory
+    return (f"does not fit: needs {_gib(mem.total)} per GPU, {_gib(mem.total - gpu.memory_bytes)} more than the "
+            f"{_gib(gpu.memory_bytes)} of a {gpu.name} (model states {_gib(mem.model_states)}, activations "
+            f"{_gib(mem.activations)}, buffers/transients/margin {_gib(mem.transient + mem.buffers + mem.margin)})")
+
+
+def _components(t: StepTime) -> dict[str, float]:
+    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s
+    return {"compute (incl. recomputation)": compute, "pipeline bubble": t.bubble_s,
+            "tensor-parallel communication": t.tp_comm_s, "exposed data-parallel/ZeRO communication": t.dp_exposed_s,
+            "optimizer update": t.optimizer_s}
+
+
+def slower(c: Candidate, best: Candidate) -> str:
+    a, b = _components(c.time), _components(best.time)
+    deltas = sorted(((a[k] - b[k], k) for k in a), reverse=True)
+    worst = ", ".join(f"{k} +{d:.3g} s" for d, k in deltas[:2] if d > 0)
+    pct = c.time.total_s / best.time.total_s - 1
+    return (f"{pct:.1%} slower ({c.time.total_s:.3g} s vs {best.time.total_s:.3g} s per step, "
+            f"{c.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s): {worst or 'about equal'}")
+
+
+# ------------------------------------------------------------------ the search
+
+
+def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precision: str = "bf16") -> PlanResult:
+    strategies = enumerate_strategies(w, gpus, gpu, fixed, precision)
+    if not strategies:
+        return PlanResult(w, gpu, gpus, [], 0, False, _no_layout_message(w, gpus, gpu, fixed))
+    families: dict[tuple, Candidate] = {}
+    for st in strategies:
+        mem = rank_memory(w, st, gpu)
+        fits = mem.total <= gpu.memory_bytes
+        key = (st.dp, st.tp, st.pp, st.zero)
+        held = families.get(key)
+        if not fits:  # keep the smallest non-fitting member until a fitting one shows up
+            if held is None or (not held.fits and mem.total < held.memory.total):
+                families[key] = Candidate(st, mem, False)
+            continue
+        c = evaluate(w, st, gpu)
+        if held is None or not held.fits or c.tokens_per_s > held.tokens_per_s:
+            families[key] = c
+    ranked = sorted(families.values(), key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else c.memory.total))
+    for i, c in enumerate(ranked):
+        if c.time is None:
+            ranked[i] = c = replace(evaluate(w, c.strategy, gpu), fits=False)
+    feasible = ranked[0].fits
+    best = ranked[0]
+    for c in ranked:
+        if not c.fits:
+            c.why = shortfall(c, gpu)
+        elif c is best:
+            c.why = "fastest layout that fits"
+        else:
+            c.why = slower(c, best)
+    message = "" if feasible else nothing_fits_message(w, gpus, gpu, best, precision, constrained=bool(fixed))
+    return PlanResult(w, gpu, gpus, ranked, len(strategies), feasible, message)
+
+
+def _no_layout_message(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None) -> str:
+    return (f"no layout of {gpus} GPUs matches the constraints {fixed or {}} for {w.model.preset} with global batch "
+            f"{w.global_batch}: dp x tp x pp must equal {gpus}, tp must divide the heads ({w.model.heads}) and kv heads "
+            f"({w.model.kv_heads}) and be at most {gpu.gpus_per_node}, pp at most the layers ({w.model.layers}), and dp "
+            "must divide the global batch")
+
+
+def min_gpus_to_fit(w: Workload, gpu: Gpu, start: int, precision: str = "bf16", limit: int = 1 << 20) -> int | None:
+    """The smallest power-of-two multiple of `start` GPUs on which some strategy fits."""
+    n = start * 2
+    while n <= limit:
+        batch = max(w.global_batch, n)  # more GPUs need a batch they can divide
+        wn = replace(w, global_batch=batch - batch % n if batch % n else batch)
+        for st in enumerate_strategies(wn, n, gpu, {"remat": "full", "zero": 3} if n > 1 else {"remat": "full"},
+                                       precision):
+            if rank_memory(wn, st, gpu).total <= gpu.memory_bytes:
+                return n
+        n *= 2
+    return None
+
+
+def nothing_fits_message(w: Workload, gpus: int, gpu: Gpu, closest: Candidate, precision: str,
+                         constrained: bool = False) -> str:
+    params = total_parameters(w.model)
+    if constrained:
+        return (f"{w.model.preset} ({params / 1e9:.1f}B parameters) does not fit the requested layout on {gpus} x "
+                f"{gpu.name}: the smallest variant ({closest.strategy.label()}) needs {_gib(closest.memory.total)} per "
+                f"GPU of {_gib(gpu.memory_bytes)}, short by {_gib(closest.memory.total - gpu.memory_bytes)}; drop some "
+                "layout options to let the planner search")
+    need = min_gpus_to_fit(w, gpu, gpus, precision)
+    more = f"; at least {need} {gpu.name} GPUs are needed" if need else ""
+    return (f"{w.model.preset} ({params / 1e9:.1f}B parameters) fits no layout of {gpus} x {gpu.name}: the smallest "
+            f"({closest.strategy.label()}) needs {_gib(closest.memory.total)} per GPU of {_gib(gpu.memory_bytes)}, "
+            f"short by {_gib(closest.memory.total - gpu.memory_bytes)} (model states alone "
+            f"{_gib(closest.memory.model_states)}){more}")

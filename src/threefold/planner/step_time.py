@@ -1,0 +1,191 @@
+"""Step time = pipeline makespan of compute and tensor-parallel communication
+             + data-parallel / ZeRO communication not hidden behind backward + optimizer update.
+
+Per micro-batch on the slowest pipeline stage (first or last):
+    forward   its FLOPs / (peak * compute_efficiency) + tensor-parallel all-reduces + p2p send
+    backward  2 x forward FLOPs + recomputation, same rate + tensor-parallel all-reduces + p2p
+Tensor parallelism (Megatron-LM) all-reduces the block's (b, s, h) activations twice in forward
+and twice in backward (again twice for a fully recomputed forward); with sequence parallelism
+these become reduce-scatter + all-gather pairs of the same volume. They sit on the critical
+path (not overlapped), as in Megatron-LM.
+
+The pipeline's makespan comes from `threefold.pipeline.simulate` when that module is present
+(the event simulator of the real schedules) and from the closed forms otherwise:
+    gpipe, 1f1b   (m + p - 1) (F + B)
+    interleaved   m (F + B) + (p - 1) (F + B) / v
+    zb-h1         m (F + B) + (p - 1) (F + B - 2 W)       W = weight-gradient half of B
+
+Data parallelism: gradients (in the precision's gradient bytes) are all-reduced bucket by bucket
+during the last micro-batch's backward, so only what exceeds that backward is exposed. ZeRO-1
+reduce-scatters the same way and all-gathers the updated parameters after the step (exposed);
+ZeRO-2 must reduce-scatter after every micro-batch (its gradients are sharded), each hidden
+behind that micro-batch's backward; ZeRO-3 also all-gathers each layer's parameters before its
+forward and its backward (prefetched, hidden behind compute when compute is longer).
+The optimizer update is memory-bound: ~32 bytes per local parameter over HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from . import comm
+from .compute import (block_forward_flops_per_token, head_forward_flops_per_token,
+                      recomputed_forward_flops_per_token, step_flops)
+from .hardware import Gpu
+from .memory import bytes_per_param, compute_bytes
+from .workload import Strategy, Workload, rank_parameters, stage_layers
+
+OPTIMIZER_BYTES_PER_PARAM = 32  # Adam: read master, m, v, grad; write master, m, v, compute copy
+
+
+@dataclass(frozen=True)
+class StepTime:
+    forward_s: float  # one micro-batch on the slowest stage, incl. tp communication
+    backward_s: float
+    pipeline_s: float  # makespan of all micro-batches (includes the bubble)
+    bubble_s: float
+    tp_comm_s: float  # per step, on the critical path
+    dp_comm_s: float  # total data-parallel / ZeRO traffic time per step
+    dp_exposed_s: float  # the part not hidden behind compute
+    optimizer_s: float
+    total_s: float
+    simulated: bool  # pipeline makespan from the schedule simulator
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+def _simulator():
+    """The schedule simulator, when the pipeline package provides it."""
+    try:
+        from ..pipeline.schedules import build_schedule
+        from ..pipeline.simulate import Costs, simulate
+    except ImportError:
+        return None
+    return build_schedule, Costs, simulate
+
+
+SIMULATE_MAX_ACTIONS = 4096  # above this, the closed form (exact for uniform stages) is used
+
+
+@lru_cache(maxsize=4096)
+def _simulated_makespan(schedule: str, p: int, m: int, v: int, f: float, b_input: float, b_weight: float) -> float:
+    build_schedule, Costs, simulate = _simulator()
+    return simulate(build_schedule(schedule, p, m, v), Costs(f / v, b_input / v, b_weight / v)).makespan
+
+
+def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Makespan of m micro-batches over p stages; f, b per micro-batch per stage (all its chunks)."""
+    steady = m * (f + b)
+    if p == 1:
+        return steady
+    if schedule == "interleaved" and v > 1:
+        return steady + (p - 1) * (f + b) / v
+    if schedule == "zb-h1":
+        return steady + (p - 1) * max(f + b - 2 * w, 0.0)
+    return steady + (p - 1) * (f + b)
+
+
+def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> tuple[float, bool]:
+    """(makespan, whether the simulator computed it)."""
+    v = v if schedule == "interleaved" else 1
+    if p > 1 and _simulator() is not None and 3 * p * m * v <= SIMULATE_MAX_ACTIONS:
+        return _simulated_makespan(schedule, p, m, v, f, b - w, w), True
+    return closed_form_makespan(schedule, p, m, v, f, b, w), False
+
+
+# ------------------------------------------------------------------ one step
+
+
+def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float, float]:
+    """(forward, backward, weight-gradient part of backward) compute seconds of one micro-batch."""
+    m, s = w.model, w.seq_len
+    layers = stage_layers(m, st.pp)[stage]
+    tokens = st.micro_batch_size(w) * s
+    fwd = layers * block_forward_flops_per_token(m, s)
+    if stage == st.pp - 1:
+        fwd += head_forward_flops_per_token(m)
+    recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every)
+    rate = gpu.flops(st.precision) * gpu.compute_efficiency * st.tp
+    f = tokens * fwd / rate
+    return f, tokens * (2 * fwd + recompute) / rate, tokens * fwd / rate
+
+
+def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, float]:
+    """Tensor-parallel all-reduce seconds of one micro-batch's (forward, backward) on a stage."""
+    if st.tp == 1:
+        return 0.0, 0.0
+    nbytes = compute_bytes(st.precision) * st.micro_batch_size(w) * w.seq_len * w.model.hidden
+    link = comm.axis_link(gpu, "tp", st.tp, st.dp, st.tp)
+    one = comm.ring_all_reduce(nbytes, st.tp, link)
+    backward_count = 2 + (2 if st.remat == "full" else 0)
+    if st.remat == "every-k":
+        backward_count += 2 / max(1, st.remat_every)
+    return 2 * layers * one, backward_count * layers * one
+
+
+def _p2p(w: Workload, st: Strategy, gpu: Gpu) -> float:
+    if st.pp == 1:
+        return 0.0
+    sp = st.tp if st.sequence_parallel else 1
+    nbytes = compute_bytes(st.precision) * st.micro_batch_size(w) * w.seq_len * w.model.hidden / sp
+    link = comm.axis_link(gpu, "pp", st.tp, st.dp, st.pp)
+    v = st.virtual_stages if st.schedule == "interleaved" else 1
+    return v * comm.point_to_point(nbytes, link)
+
+
+def _data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,
+                   forward_s: float) -> tuple[float, float]:
+    """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
+    if st.dp == 1:
+        return 0.0, 0.0
+    count = rank_parameters(w.model, st.tp, st.pp, stage)
+    _, grad_bytes, _ = bytes_per_param(st.precision)
+    param_bytes = compute_bytes(st.precision)
+    link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)
+    grads = count.trainable * grad_bytes
+    params = count.total * param_bytes
+    m = st.microbatches
+    if st.zero == 0:
+        t = comm.all_reduce(grads, st.dp, link)
+        return t, max(0.0, t - backward_s)
+    rs = comm.reduce_scatter(grads, st.dp, link)
+    ag = comm.all_gather(params, st.dp, link)
+    if st.zero == 1:
+        return rs + ag, max(0.0, rs - backward_s) + ag
+    if st.zero == 2:
+        return m * rs + ag, m * max(0.0, rs - backward_s) + ag
+    # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
+    exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag + rs - backward_s))
+    return m * (2 * ag + rs), exposed
+
+
+def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
+    best = None
+    for stage in sorted({0, st.pp - 1}):
+        f, b, wgrad = _stage_compute(w, st, gpu, stage)
+        layers = stage_layers(w.model, st.pp)[stage]
+        tp_f, tp_b = _tp_comm(w, st, gpu, layers)
+        p2p = _p2p(w, st, gpu)
+        fwd, bwd = f + tp_f + p2p, b + tp_b + p2p
+        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b)
+        best = candidate if best is None or candidate[0] > best[0] else best
+    _, stage, f, b, wgrad, fwd, bwd, tp = best
+    v = st.virtual_stages if st.schedule == "interleaved" else 1
+    makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
+    bubble = makespan - st.microbatches * (fwd + bwd)
+    dp_total, dp_exposed = _data_parallel(w, st, gpu, stage, b, f)
+    local = rank_parameters(w.model, st.tp, st.pp, stage).trainable / (st.dp if st.zero >= 1 else 1)
+    optimizer = local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s
+    total = makespan + dp_exposed + optimizer
+    return StepTime(fwd, bwd, makespan, bubble, st.microbatches * tp, dp_total, dp_exposed, optimizer, total,
+                    simulated)
+
+
+def hardware_tflops_per_gpu(w: Workload, st: Strategy, seconds: float) -> float:
+    """FLOP/s per GPU including recomputation, in TFLOP/s (what Megatron-LM papers report)."""
+    return step_flops(w, st, hardware=True) / (seconds * st.world_size) / 1e12

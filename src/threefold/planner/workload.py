@@ -1,0 +1,142 @@
+"""What the planner reasons about: a workload (model + batch) and a strategy (layout + knobs).
+
+`Strategy` is one point of the search space; `from_config` reads the same knobs out of a
+threefold `Config`, so a planned layout and a real run are described by the same object.
+Parameter counts here are analytic (no tensors) and equal `models.decoder.count_parameters`
+(a unit test checks every preset); `rank_parameters` says which of them one rank holds under
+tensor and pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config import Config, ModelConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Strategy:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1  # per data-parallel rank per step
+    remat: str = "none"  # none | selective | full | every-k
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (only matters when pp > 1)
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    remat_every: int = 2
+    bucket_mb: float = 25.0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def micro_batch_size(self, w: Workload) -> int:
+        return w.global_batch // (self.dp * self.microbatches)
+
+    def label(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}", f"m={self.microbatches}",
+                 f"ckpt={self.remat}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"x{self.virtual_stages}" if self.schedule == "interleaved" else ""))
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+
+def from_config(cfg: Config, world_size: int) -> tuple[Workload, Strategy]:
+    """The workload and strategy of a threefold run with this config on `world_size` processes."""
+    cfg = cfg.validate(world_size)
+    p = cfg.parallel
+    strategy = Strategy(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, microbatches=cfg.train.microbatches,
+                        remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,
+                        virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=p.sequence_parallel,
+                        precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb)
+    return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len), strategy
+
+
+# ------------------------------------------------------------------ parameter counts
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters one rank holds: `total` of them, `frozen` not trained (no grads/optimizer)."""
+
+    total: float
+    frozen: float = 0.0
+
+    @property
+    def trainable(self) -> float:
+        return self.total - self.frozen
+
+    def __add__(self, other: "ParamCount") -> "ParamCount":
+        return ParamCount(self.total + other.total, self.frozen + other.frozen)
+
+
+def _norm_params(m: ModelConfig) -> int:
+    return m.hidden * (2 if m.norm == "layernorm" and m.bias else 1)
+
+
+def layer_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
+    """One transformer block: column-parallel q/k/v/gate/up and row-parallel o/down split over tp;
+    norms and row-parallel biases replicated. The GPT key bias is frozen (decoder.py)."""
+    h, kv = m.hidden, m.kv_heads * m.head_dim
+    b = 1 if m.bias else 0
+    column = h * (h + 2 * kv) + b * (h + 2 * kv)  # q, k, v
+    row = h * h  # o
+    replicated = b * h + 2 * _norm_params(m)
+    mats = 3 if m.mlp == "swiglu" else 2
+    column += (mats - 1) * h * m.ffn_hidden + b * (mats - 1) * m.ffn_hidden  # gate, up
+    row += m.ffn_hidden * h  # down
+    replicated += b * h
+    return ParamCount(column / tp + row / tp + replicated, frozen=b * kv / tp)
+
+
+def embedding_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
+    pos = m.max_seq * m.hidden if m.position == "learned" else 0
+    return ParamCount(m.vocab * m.hidden / tp + pos)
+
+
+def head_parameters(m: ModelConfig, tp: int = 1, with_embedding: bool = True) -> ParamCount:
+    """Final norm and output projection; a tied head is shared with the embedding on one stage."""
+    head = 0 if (m.tie_embeddings and with_embedding) else m.vocab * m.hidden / tp
+    return ParamCount(_norm_params(m) + head)
+
+
+def total_parameters(m: ModelConfig) -> int:
+    """The whole model's parameter count (tied weights once), equal to count_parameters(m)."""
+    return int(m.layers * layer_parameters(m).total + embedding_parameters(m).total + head_parameters(m).total)
+
+
+def stage_layers(m: ModelConfig, pp: int) -> list[int]:
+    """Balanced split of the blocks over pp stages (earlier stages take the remainder)."""
+    base, extra = divmod(m.layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int) -> ParamCount:
+    """Parameters held by one rank of pipeline stage `stage` (tp shards of every matrix)."""
+    layers = stage_layers(m, pp)[stage]
+    count = ParamCount(layers * layer_parameters(m, tp).total, layers * layer_parameters(m, tp).frozen)
+    if stage == 0:
+        count = count + embedding_parameters(m, tp)
+    if stage == pp - 1:
+        count = count + head_parameters(m, tp, with_embedding=pp == 1)
+    return count
+
+
+def with_model(w: Workload, **changes) -> Workload:
+    return replace(w, model=replace(w.model, **changes))

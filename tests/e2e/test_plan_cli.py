@@ -1,0 +1,84 @@
+"""`threefold plan` end to end: table, --json contract, --scaling PNG, one-line errors."""
+
+import json
+
+import pytest
+
+from threefold.cli import main
+
+
+def plan(capsys, *argv):
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_prints_a_table_with_the_best_layout_and_reasons(capsys):
+    code, out, _ = plan(capsys, "--model", "llama-70b", "--gpus", "64", "--gpu", "h100-80gb", "--top", "8")
+    assert code == 0
+    assert "llama-70b: 69B parameters" in out and "64 x h100-80gb" in out
+    assert "best: dp=" in out and "why the others lose:" in out
+    assert "% slower" in out and "does not fit: needs" in out
+
+
+def test_json_follows_the_contract(capsys):
+    code, out, _ = plan(capsys, "--model", "llama-7b", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "64",
+                        "--seq-len", "2048", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["model"]["params"] == 6_738_415_616
+    assert doc["workload"] == {"global_batch": 64, "seq_len": 2048, "tokens_per_step": 64 * 2048}
+    cands = doc["candidates"]
+    assert cands and cands[0]["fits"]
+    for c in cands:
+        assert {"dp", "tp", "pp", "zero", "microbatches", "activation_checkpointing", "fits", "step_time_s",
+                "tokens_per_s", "mfu"} <= set(c)
+        mem = c["memory_bytes"]
+        assert mem["total"] >= mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+        assert c["dp"] * c["tp"] * c["pp"] == 16
+    speeds = [c["tokens_per_s"] for c in cands if c["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_layout_options_evaluate_that_layout(capsys):
+    code, out, _ = plan(capsys, "--model", "gpt3-175b", "--gpus", "384", "--gpu", "a100-80gb", "--tp", "8", "--pp",
+                        "12", "--microbatches", "384", "--activation-checkpointing", "full", "--schedule", "1f1b",
+                        "--zero", "0", "--global-batch", "1536", "--json")
+    assert code == 0
+    cands = json.loads(out)["candidates"]
+    assert len(cands) == 1
+    c = cands[0]
+    assert (c["dp"], c["tp"], c["pp"], c["microbatches"], c["fits"]) == (4, 8, 12, 384, True)
+
+
+def test_scaling_writes_a_png(capsys, tmp_path):
+    png = tmp_path / "scaling.png"
+    code, out, _ = plan(capsys, "--model", "gpt2-124m", "--gpus", "8", "--gpu", "h100-80gb", "--global-batch", "256",
+                        "--scaling", str(png), "--scaling-max", "64", "--top", "2")
+    assert code == 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "scaling (same global batch):" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0] in {"8", "16", "32", "64"}]
+    assert [int(r[0]) for r in rows] == [8, 16, 32, 64]
+
+
+def test_a_model_that_fits_nowhere_exits_2_with_one_line(capsys):
+    code, out, err = plan(capsys, "--model", "llama-405b", "--gpus", "8", "--gpu", "a100-40gb")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "fits no layout" in lines[0] and "short by" in lines[0]
+    assert "at least 256 a100-40gb GPUs are needed" in lines[0]
+    assert "no layout fits; the closest:" in out and "does not fit: needs" in out
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--gpu", "v100"], "unknown GPU kind"),
+    (["--gpus", "8", "--dp", "3", "--tp", "2", "--pp", "1"], "dp x tp x pp = 6"),
+    (["--seq-len", "9999"], "exceeds model.max_seq"),
+    (["--set", "model.layers=x"], "model.layers"),
+    (["--model", "gpt5"], "unknown preset"),
+])
+def test_bad_inputs_exit_2_with_one_line(capsys, argv, fragment):
+    code, _, err = plan(capsys, "--model", "tiny", *argv) if "--model" not in argv else plan(capsys, *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and fragment in err
