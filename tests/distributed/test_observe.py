@@ -18,6 +18,7 @@ def test_nan_in_one_rank_layer_is_named_with_rank_and_module(worlds, tmp_path):
     for r in results:
         step2 = r["records"][1]
         assert step2["nonfinite"]["ranks"] == [2]
+        assert step2["nonfinite"]["first"] == {"rank": 2, "module": "blocks.1.mlp.up"}
         assert step2["nonfinite"]["modules"] == {"2": "blocks.1.mlp.up"}
         assert step2["skipped"]  # the NaN reached the gradients: the optimizer step was skipped
         assert all("nonfinite" not in rec for i, rec in enumerate(r["records"]) if i != 1)
@@ -32,6 +33,17 @@ def test_nan_in_one_rank_layer_is_named_with_rank_and_module(worlds, tmp_path):
     events = json.loads((tmp_path / "trace" / "all.json").read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
     assert any(e["name"] == "all_reduce.metrics" for e in events)
+
+
+def test_nan_origin_among_tensor_parallel_partners(worlds, tmp_path):
+    # rank 3 makes its attention output NaN; its tp partner, rank 2, receives it through the next
+    # row-parallel all-reduce, in a later module: the report orders them and names rank 3 first
+    results = worlds(4).run(train_and_report, [
+        *QUICK, "train.steps=2", "parallel.tp=2", "debug.nan_check=true",
+        "fault.kind=nan", "fault.rank=3", "fault.step=2", "fault.module=blocks.0.attn.o"], str(tmp_path))
+    event = results[0]["records"][1]["nonfinite"]
+    assert event["first"] == {"rank": 3, "module": "blocks.0.attn.o"}
+    assert event["ranks"] == [3, 2] and "first on rank 3 in module blocks.0.attn.o; then rank 2" in event["message"]
 
 
 def test_slow_rank_is_flagged_as_the_straggler(worlds, tmp_path):

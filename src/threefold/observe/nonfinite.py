@@ -5,7 +5,10 @@ the module's floating-point output is all finite (`torch.isfinite(out).all()`, a
 Hooks fire when a module *finishes*, so the order of the flags is execution order with children
 before their parents: the first non-finite flag belongs to the innermost module that produced
 the first non-finite value (everything after it only inherits it). `first()` synchronises once
-per step. The trainer all-gathers the verdicts so that one report names the rank(s) and module.
+per step. The trainer all-gathers the verdicts so that one report names the rank(s) and module;
+`first_position()` (how many module outputs this rank produced before the bad one) orders ranks
+that run the same modules, e.g. a tensor-parallel partner that received the NaN through a
+collective comes after the rank that produced it.
 """
 
 from __future__ import annotations
@@ -35,12 +38,17 @@ class NonFiniteMonitor:
 
     def first(self) -> str | None:
         """The module whose output was the first non-finite one since `reset()`, or None."""
+        position = self.first_position()
+        return None if position is None else self._names[position]
+
+    def first_position(self) -> int | None:
+        """Index of the first non-finite output since `reset()` in execution order, or None."""
         if not self._flags:
             return None
         finite = torch.stack(self._flags)
         if bool(finite.all()):
             return None
-        return self._names[int((~finite).nonzero()[0])]
+        return int((~finite).nonzero()[0])
 
     def close(self) -> None:
         for handle in self._handles:

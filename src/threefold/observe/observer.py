@@ -152,10 +152,14 @@ class Observer:
         return out[::-1]
 
     def _gather(self, step: int, step_s: float, loss_sum: torch.Tensor, grad_norm: float, local_tokens: int) -> dict:
-        first_bad = self.nonfinite.first() if self.nonfinite is not None else None
+        position = self.nonfinite.first_position() if self.nonfinite is not None else None
+        first_bad = self.nonfinite.first() if position is not None else None
         blocked = blocked_seconds(self.comm.records, self._seq0)
         loss = float(loss_sum) / max(1, local_tokens)
-        row = torch.tensor([step_s, blocked, loss, grad_norm, float(first_bad is not None)],
+        # a non-finite output is ordered by (pipeline stage, position in this rank's forward):
+        # activations flow from earlier stages and positions to later ones, never back in a forward
+        order = -1.0 if position is None else float(self.mesh.rank("pp") * 2**32 + position)
+        row = torch.tensor([step_s, blocked, loss, grad_norm, order],
                            dtype=torch.float64, device=self.mesh.device)
         table = gather_world(self.comm, row).cpu().tolist()
         split = split_step([r[0] for r in table], [r[1] for r in table])
@@ -165,7 +169,7 @@ class Observer:
                            "loss": [r[2] for r in table], "grad_norm": [r[3] for r in table]},
                  "straggler": flagged}
         bad_loss = [i for i, r in enumerate(table) if not math.isfinite(r[2])]
-        flagged_modules = [i for i, r in enumerate(table) if r[4]]
+        flagged_modules = sorted((i for i, r in enumerate(table) if r[4] >= 0), key=lambda i: (table[i][4], i))
         if flagged_modules or bad_loss:
             extra["nonfinite"] = self._nonfinite_event(step, first_bad, flagged_modules, bad_loss)
         return extra
@@ -175,7 +179,10 @@ class Observer:
         if flagged:  # a second all-gather, only in the step where it happens: the module names
             names = gather_world(self.comm, encode_name(first_bad or "").to(self.mesh.device), tag="nonfinite")
             event["modules"] = {str(r): decode_name(names[r].cpu()) for r in flagged}
-            where = "; ".join(f"rank {r} in module {event['modules'][str(r)]}" for r in flagged)
+            event["first"] = {"rank": flagged[0], "module": event["modules"][str(flagged[0])]}
+            where = f"rank {flagged[0]} in module {event['first']['module']}"
+            if len(flagged) > 1:
+                where += "; then " + ", ".join(f"rank {r} in {event['modules'][str(r)]}" for r in flagged[1:])
         else:
             where = (f"rank{'s' if len(bad_loss) > 1 else ''} {','.join(map(str, bad_loss))} (loss; "
                      "set debug.nan_check=true to name the module)")
