@@ -2,7 +2,8 @@
 
     threefold parity --layouts "1,1,1 2,1,1 1,2,1 1,1,2 2,2,2" --steps N [train options]
 
-Each layout "dp,tp,pp" runs as its own local world of dp*tp*pp processes (launch.py), from the
+Each layout "dp,tp,pp" runs as its own local world of dp*tp*pp processes (launch.py; a world of
+one runs in the harness's own process), from the
 same seed - so the same initial weights and the same global batches (the contract of
 docs/architecture.md) - into DIR/layout-D-T-P/, writing its metrics and, at the end, the
 parameter boxes each rank owns (debug.dump_params, observe/params.py). The harness then compares
@@ -91,8 +92,36 @@ def run_layout(layout: tuple[int, int, int], overrides: list[str], config: str |
     for stale in (out / "params").glob("rank-*.safetensors"):
         stale.unlink()
     (out / "config.toml").write_text(cfg.to_toml())
+    if world == 1:
+        return _run_here(cfg)
     return launch_local(world, ["train", "--config", str(out / "config.toml")],
                         hang_report=out / "flight" / "hang-report.txt")
+
+
+def _run_here(cfg) -> int:
+    """A world of one runs in this process: no communication to launch, one interpreter start saved."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    from ..train.trainer import train
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    try:
+        train(cfg)
+        return 0
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in saved.items():  # the launcher of the next layouts must not see a world here
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def rel(a: float, b: float) -> float:
