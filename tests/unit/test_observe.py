@@ -231,3 +231,17 @@ def test_recorder_off_excludes_the_tools_that_need_it():
     load_config(None, ["fault.rank=3", "fault.layout=4,1,1"]).validate(1)
     with pytest.raises(ConfigError, match="fault.rank"):
         load_config(None, ["fault.rank=3", "fault.layout=1,1,1"]).validate(1)
+
+
+def test_an_earlier_hang_report_survives_a_restart(tmp_path):
+    from threefold.observe.hang import clear_flight_dir
+
+    flight = tmp_path / "flight"
+    flight.mkdir()
+    (flight / "hang-report.json").write_text("{}")
+    clear_flight_dir(flight)
+    assert not flight.exists() and [p.name.startswith("flight.") for p in tmp_path.iterdir()] == [True]
+    flight.mkdir()
+    (flight / "rank-0.json").write_text("{}")  # records without a report: just removed
+    clear_flight_dir(flight)
+    assert len(list(tmp_path.iterdir())) == 1

@@ -17,7 +17,8 @@ One daemon thread per rank polls `Comm.records` (the flight record) every `poll_
    report (launch.py); no process is left behind waiting in a collective.
 
 DIR/flight is the meeting point, so on several nodes DIR must be on a shared filesystem (as
-checkpoints already require). Rank 0 empties it before the watchdogs start (`clear_flight_dir`).
+checkpoints already require). Rank 0 empties it before the watchdogs start (`clear_flight_dir`;
+an earlier attempt's report is kept as DIR/flight.<unix time>).
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ class CollectiveHang(RuntimeError):
 
 
 def clear_flight_dir(flight_dir: Path) -> None:
-    """Remove the records of an earlier run (call on one rank, then synchronise the world)."""
+    """Make room for this run's records (call on one rank, then synchronise the world).
+
+    An earlier attempt's hang report (e.g. before the elastic agent restarted the world) is kept
+    as DIR/flight.<unix time>; other leftovers are removed.
+    """
+    flight_dir = Path(flight_dir)
+    if (flight_dir / REPORT_JSON).exists():
+        flight_dir.rename(flight_dir.with_name(f"{flight_dir.name}.{int(time.time())}"))
     shutil.rmtree(flight_dir, ignore_errors=True)
 
 
