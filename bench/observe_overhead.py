@@ -9,8 +9,9 @@ alternate between them one by one, so machine noise hits all alike:
     debugging  on + NaN hooks on every module + replica hash and collective fingerprint every
                10 steps + trace (a debugging session's settings; informative, no target)
 
-Prints the median step time of each variant over `--steps` steps and its overhead against `off`
-(ratio of the medians; the median keeps a step that a busy machine slowed from deciding it).
+Prints the median step time of each variant over `--steps` steps and its overhead against `off`:
+the median over the steps of the ratio to the `off` step run next to it (adjacent steps see the
+same machine load; the median keeps a step that a busy machine slowed from deciding it).
 On a shared machine that end-to-end figure carries a few percent of noise either way, so the
 bench also *accounts* the cost of `on` directly: the time spent inside the observer's step hooks
 (statistics all-gather included) plus the flight record's cost per collective (measured over
@@ -57,8 +58,9 @@ def bench_rank(args: dict, out: str) -> dict:
             trainer.train_one_step()
     hooks_s.clear()
     times = {name: [] for name in trainers}
-    for _ in range(args["steps"]):
-        for name, trainer in trainers.items():
+    order = list(trainers.items())
+    for i in range(args["steps"]):
+        for name, trainer in (order if i % 2 == 0 else order[::-1]):  # no variant always goes first
             torch.distributed.barrier()
             start = time.perf_counter()
             trainer.train_one_step()  # ends with the loss all-reduce: every rank is done
@@ -117,8 +119,8 @@ def main() -> None:
     print(f"{'variant':>10} {'step s (median)':>16} {'overhead vs off':>16}")
     off = statistics.median(times["off"])
     for name, steps in times.items():
-        median = statistics.median(steps)
-        print(f"{name:>10} {median:>16.4f} {100 * (median / off - 1):>15.2f}%")
+        ratio = statistics.median(t / o for t, o in zip(steps, times["off"]))
+        print(f"{name:>10} {statistics.median(steps):>16.4f} {100 * (ratio - 1):>15.2f}%")
     accounted = result["hooks_s"] + result["calls_per_step"] * result["record_s"]
     print(f"accounted cost of 'on' per step: {1e3 * result['hooks_s']:.2f} ms in the observer's step hooks + "
           f"{result['calls_per_step']:.1f} collectives x {1e6 * result['record_s']:.1f} us of flight record = "
