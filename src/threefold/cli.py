@@ -16,6 +16,7 @@ COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
     "plan": ("threefold.planner.command", "predict memory and speed of layouts and find the fastest that fits"),
     "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
+    "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
 }
 
 

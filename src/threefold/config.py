@@ -138,18 +138,45 @@ class RunConfig:
     progress: bool = True
     tensorboard: bool = False
     plot: bool = True
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = 600.0  # the hang watchdog reports and stops the job after this
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """Debugging and reproducibility tools (observe/, docs/observe.md)."""
+
+    history: int = 2048  # collectives kept in each rank's flight record; 0 turns the recorder off
+    watchdog: bool = True  # report and stop when a collective is in flight too long
+    hang_timeout_s: float = 0.0  # the watchdog's limit; 0 = run.collective_timeout_s
+    hang_grace_s: float = 10.0  # how long the ranks wait for each other's flight records
+    fingerprint_every: int = 0  # steps between checks that ranks issued the same collectives; 0 = off
+    stats: bool = False  # per-rank step time split, loss, grad norm, stragglers (all-gathered each step)
+    straggler_ratio: float = 1.5  # a rank whose compute time exceeds this x the median is a straggler
+    nan_check: bool = False  # forward hooks name the first module with a non-finite output
+    replica_check_every: int = 0  # steps between hash comparisons of dp replicas; 0 = off
+    trace: bool = False  # DIR/trace/rank-N.json: Chrome / Perfetto trace of steps and collectives
+    dump_params: bool = False  # DIR/params/rank-N.safetensors: final owned parameter boxes (parity)
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Fault injection for tests: make `rank` fail at the start of `step` (raise, or SIGKILL), or
-    (kill_in_save) SIGKILL it halfway through writing its file of the checkpoint of `step`.
-    Only the first attempt of a job fails: a process restarted by the launcher does not."""
+    """Fault injection for tests, on `rank` from the start of `step` (docs/observe.md).
+
+    raise / kill: fail at that step (raise, or SIGKILL). kill_in_save: SIGKILL halfway through
+    writing its file of the checkpoint of `step`. skip_collective: do not join the step's loss
+    all-reduce and stall outside communication. nan: the output of `module` becomes NaN in that
+    step. slow: sleep `delay_s` before the computation of every step from `step` on. perturb: that
+    step's targets are shifted by one token id (the loss and the whole run change, as a broken
+    layout would). `layout` ("dp,tp,pp") limits the fault to runs of that layout; "" = any.
+    Only the first attempt of a job fails: a process restarted by the launcher does not.
+    """
 
     rank: int = -1
     step: int = 0
-    kind: Literal["raise", "kill", "kill_in_save"] = "raise"
+    kind: Literal["raise", "kill", "kill_in_save", "skip_collective", "nan", "slow", "perturb"] = "raise"
+    module: str = "blocks.0.mlp"
+    delay_s: float = 0.2
+    layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -164,6 +191,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def validate(self, world_size: int) -> "Config":
@@ -353,9 +381,52 @@ def _validate(c: Config, world_size: int) -> Config:
         raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
                           "written by `threefold ckpt export` (or with the same tensor names)")
     _validate_compress(c.compress, p.zero)
-    if c.fault.rank >= world_size:
+    _validate_debug(c)
+    if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
     return replace(c, parallel=replace(p, dp=dp))
+
+
+def parse_layout(text: str, key: str) -> tuple[int, int, int]:
+    """ "dp,tp,pp" -> (dp, tp, pp), each at least 1."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1:
+        raise ConfigError(key, f"'{text}' is not a layout; write dp,tp,pp with positive integers, e.g. 2,1,1")
+    return values
+
+
+def fault_applies(fault: FaultConfig, layout: tuple[int, int, int]) -> bool:
+    """Whether the injected fault is meant for a run of `layout` (dp, tp, pp)."""
+    return fault.rank >= 0 and (not fault.layout or parse_layout(fault.layout, "fault.layout") == tuple(layout))
+
+
+def _validate_debug(c: Config) -> None:
+    d, f = c.debug, c.fault
+    for key, value in [("debug.history", d.history), ("debug.fingerprint_every", d.fingerprint_every),
+                       ("debug.replica_check_every", d.replica_check_every), ("debug.hang_timeout_s", d.hang_timeout_s),
+                       ("fault.delay_s", f.delay_s)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if d.hang_grace_s <= 0:
+        raise ConfigError("debug.hang_grace_s", f"must be positive, got {d.hang_grace_s}")
+    if c.run.collective_timeout_s <= 0:
+        raise ConfigError("run.collective_timeout_s", f"must be positive, got {c.run.collective_timeout_s}")
+    if d.straggler_ratio <= 1:
+        raise ConfigError("debug.straggler_ratio", f"must exceed 1 (slowest / median), got {d.straggler_ratio}")
+    if d.history == 0:
+        for key, on in [("debug.watchdog", d.watchdog), ("debug.fingerprint_every", d.fingerprint_every),
+                        ("debug.stats", d.stats), ("debug.trace", d.trace)]:
+            if on:
+                raise ConfigError(key, "needs the flight recorder, which debug.history=0 turns off; "
+                                  "keep debug.history > 0 or turn this off")
+    if f.layout:
+        parse_layout(f.layout, "fault.layout")
+    if f.kind == "nan" and not f.module:
+        raise ConfigError("fault.module", "name the module whose output becomes NaN, e.g. blocks.0.mlp.up")
 
 
 def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import uuid
+from pathlib import Path
 
 from .errors import UserError
 
@@ -53,12 +55,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(nproc: int, argv: list[str], port: int | None = None, max_restarts: int = 0) -> int:
+def launch_local(nproc: int, argv: list[str], port: int | None = None, max_restarts: int = 0,
+                 hang_report: Path | None = None) -> int:
     """Run `python -m threefold *argv` on `nproc` local processes; returns the exit code.
 
     A failing worker makes the agent stop the others; its rank and error are printed on one line
     each. A worker that exited with 2 (a user error found late, e.g. in the data) gives 2.
+    When the hang watchdog stopped the world, its report (`hang_report`, written during this
+    launch) follows.
     """
+    started = time.time()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -84,6 +90,8 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         if len(failures) > 1:
             others = ", ".join(str(rank) for rank, _ in failures[1:])
             print(f"threefold: ranks {others} were stopped after rank {first_rank} failed", file=sys.stderr)
+        if hang_report is not None and hang_report.exists() and hang_report.stat().st_mtime >= started - 1:
+            print(hang_report.read_text().rstrip(), file=sys.stderr)
         return 2 if first.exitcode == 2 else 1
     return 0
 

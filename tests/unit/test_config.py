@@ -68,4 +68,4 @@ def test_bad_files(tmp_path):
 def test_every_section_is_typed():
     cfg = Config()
     assert set(cfg.to_dict()) == {"model", "parallel", "pipeline", "precision", "remat", "compress", "train",
-                                  "data", "checkpoint", "run", "fault"}
+                                  "data", "checkpoint", "run", "debug", "fault"}

@@ -13,9 +13,12 @@
     all_to_all      S_in - own block ((n-1)/n of the input)
     send            S                (recv: 0)
   These are the figures the scaling formulas of the papers use, so tests compare them exactly.
-* **a flight record** - each call's sequence number, op, axis, shape, dtype, bytes, Python call
-  site and start/end times, kept for the last `history` calls, so that a hang or a mismatch
-  between ranks can be explained.
+* **a flight record** - each call's sequence number, op, axis, the group's global ranks, the
+  call's index among this rank's calls on that axis, shape, dtype, bytes, Python call site and
+  start / wait / end times, kept for the last `history` calls (0: no record), so that a hang or
+  a mismatch between ranks can be explained (observe/hang.py, observe/fingerprint.py) and step
+  time split into compute and communication (observe/stats.py). `listeners` are called with
+  each new record (the collective-sequence fingerprint is one).
 
 Groups of size one need no communication: such calls return at once and are not recorded.
 """
@@ -45,8 +48,12 @@ class CollectiveRecord:
     dtype: str
     bytes: int
     callsite: str
-    start: float
+    start: float  # time.monotonic() when issued
     end: float | None = None  # None while in flight
+    group: tuple = ()  # global ranks of the group, in coordinate order
+    axis_seq: int = 0  # 1-based index of this call among this rank's calls on `axis`
+    wait: float | None = None  # when the caller started to block on it (== start for blocking calls)
+    peer: int | None = None  # send / recv: the other side's global rank
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -60,6 +67,8 @@ class Handle:
         self.record = record
 
     def wait(self) -> None:
+        if self.record is not None and self.record.wait is None:
+            self.record.wait = time.monotonic()
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -114,16 +123,28 @@ class Comm:
         self.mesh = mesh
         self.traffic = Traffic()
         self.records: collections.deque[CollectiveRecord] = collections.deque(maxlen=history)
+        self.recording = history > 0
+        self.listeners: list = []  # callables taking each new CollectiveRecord
         self._seq = 0
+        self._axis_seq: dict[str, int] = collections.defaultdict(int)
+        self._group_ranks: dict[str, tuple] = {}
 
     # ------------------------------------------------------------ bookkeeping
 
-    def _start(self, op: str, axis: str, tensor: torch.Tensor, nbytes: int) -> CollectiveRecord:
+    def _start(self, op: str, axis: str, tensor: torch.Tensor, nbytes: int) -> CollectiveRecord | None:
         self._seq += 1
         self.traffic.add(axis, op, nbytes)
+        if not self.recording:
+            return None
+        self._axis_seq[axis] += 1
+        group = self._group_ranks.get(axis)
+        if group is None:
+            group = self._group_ranks[axis] = tuple(self.mesh.ranks(axis))
         record = CollectiveRecord(self._seq, op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                                  nbytes, _callsite(), time.monotonic())
+                                  nbytes, _callsite(), time.monotonic(), None, group, self._axis_seq[axis])
         self.records.append(record)
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def _finish(self, work, record: CollectiveRecord, async_op: bool) -> Handle | None:
@@ -164,13 +185,17 @@ class Comm:
         work = _reduce_scatter(output, input, op=op, group=self.mesh.group(axis), async_op=async_op)
         return self._finish(work, record, async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False):
-        """`output` (n chunks along dim 0) receives every rank's `input`, in coordinate order."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False,
+                   tag: str = ""):
+        """`output` (n chunks along dim 0) receives every rank's `input`, in coordinate order.
+
+        `tag` files the bytes under "all_gather.<tag>" (e.g. "stats"), apart from model traffic.
+        """
         if self._trivial(axis):
             output.copy_(input)
             return _DONE if async_op else None
         nbytes = (output.numel() - input.numel()) * input.element_size()
-        record = self._start("all_gather", axis, output, nbytes)
+        record = self._start(f"all_gather.{tag}" if tag else "all_gather", axis, output, nbytes)
         work = _all_gather(output, input, group=self.mesh.group(axis), async_op=async_op)
         return self._finish(work, record, async_op)
 
@@ -220,6 +245,8 @@ class Comm:
         """To the member with coordinate `dst` along `axis`."""
         record = self._start("send", axis, tensor, tensor.numel() * tensor.element_size())
         peer = self.mesh.global_rank_of(axis, dst)
+        if record is not None:
+            record.peer = peer
         work = dist.isend(tensor, peer, group=self.mesh.group(axis))
         return self._finish(work, record, async_op)
 
@@ -227,6 +254,8 @@ class Comm:
         """From the member with coordinate `src` along `axis`, into `tensor`."""
         record = self._start("recv", axis, tensor, 0)
         peer = self.mesh.global_rank_of(axis, src)
+        if record is not None:
+            record.peer = peer
         work = dist.irecv(tensor, peer, group=self.mesh.group(axis))
         return self._finish(work, record, async_op)
 
@@ -240,6 +269,9 @@ class Comm:
         for tensor, axis, src in recvs:
             records.append(self._start("recv", axis, tensor, 0))
             ops.append(dist.P2POp(dist.irecv, tensor, self.mesh.global_rank_of(axis, src), self.mesh.group(axis)))
+        for record, op in zip(records, ops):
+            if record is not None:
+                record.peer = op.peer
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(cfg.to_toml())
         return launch_local(args.nproc, ["train", "--config", str(out / "config.toml")], args.port,
-                            args.max_restarts)
+                            args.max_restarts, hang_report=out / "flight" / "hang-report.txt")
     adopt_slurm_environment()
     cfg.validate(launched_world_size())
     _train(cfg)

@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, a progress bar, TensorBoard (optional), a loss plot."""
+"""What a run reports: metrics.jsonl, a progress bar, TensorBoard (optional); plots are in observe/plots.py."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
+from ..observe.plots import plot_run, read_metrics
+
+__all__ = ["MetricsLog", "plot_run", "read_metrics"]
 
 
 class MetricsLog:
@@ -47,27 +50,3 @@ class MetricsLog:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def plot_run(metrics_path: Path, png: Path) -> Path:
-    """Loss and throughput over the steps of a run, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(metrics_path)
-    steps = [r["step"] for r in rows]
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax_loss.plot(steps, [r["loss"] for r in rows])
-    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
-    ax_tps.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:green")
-    ax_tps.set(xlabel="step", ylabel="tokens / s", title="throughput")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png

@@ -19,7 +19,10 @@ from ..config import Config
 from ..data import Sampler, load_tokens
 from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.decoder import build_model
+from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
+from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
+from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
 from .metrics import MetricsLog, plot_run
 from .step import TrainStep
@@ -32,27 +35,21 @@ def share_cpu_threads(device: torch.device) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
 
-def configure_determinism(seed: int, deterministic: bool) -> None:
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
 class Trainer:
     """Builds the mesh, the parallel model, the optimizer and the data; runs the steps."""
 
     def __init__(self, cfg: Config):
         device = pick_device(cfg.run.device)
-        init_distributed(device, cfg.run.collective_timeout_s)
+        if cfg.train.deterministic:
+            set_deterministic_environment()  # read by NCCL / cuBLAS when they start
+        init_distributed(device, process_group_timeout_s(cfg))
         share_cpu_threads(device)
         self.cfg = cfg = cfg.validate(dist.get_world_size())
-        configure_determinism(cfg.train.seed, cfg.train.deterministic)
+        self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
-        self.comm = Comm(self.mesh)
+        self.comm = Comm(self.mesh, history=cfg.debug.history)
         self.out = Path(cfg.run.out)
         self.is_writer = self.mesh.global_rank == 0
         tokens = load_tokens(cfg.data.source, cfg.model.vocab, cfg.train.seed)
@@ -66,6 +63,9 @@ class Trainer:
                                  cfg.train, self.parallel.params, self.parallel.param_placements,
                                  scaler=self.parallel.scaler, weights=self.parallel.weight_tensors())
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
+        self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
+                                    cfg.model.vocab)
+        self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps completed
         # State outside parameters and optimizer that checkpoints carry (e.g. {"loss_scaler": scaler}):
         # objects with state_dict() / load_state_dict() of plain JSON values.
@@ -121,7 +121,7 @@ class Trainer:
         fault = self.cfg.fault
         kill = None
         if (fault.kind == "kill_in_save" and fault.rank == self.mesh.global_rank and fault.step == self.step
-                and _first_attempt()):
+                and first_attempt()):
             def kill():
                 os.kill(os.getpid(), signal.SIGKILL)
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
@@ -149,31 +149,32 @@ class Trainer:
             mem["offloaded"] = offloaded
         return mem
 
-    def _inject_fault(self, step: int) -> None:
-        fault = self.cfg.fault
-        if fault.kind != "kill_in_save" and fault.rank == self.mesh.global_rank and fault.step == step \
-                and _first_attempt():
-            if fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault on rank {fault.rank} at step {step}")
-
     def train_one_step(self) -> dict:
         cfg = self.cfg
         step = self.step + 1
-        self._inject_fault(step)
+        self.observer.step_begin(step)
         start = time.perf_counter()
+        self.faults.step_start(step)
         micro_batches = self.sampler.microbatches(step - 1, cfg.train.microbatches, self.mesh.rank("dp"),
                                                   self.mesh.size("dp"), self.mesh.device)
+        micro_batches = self.faults.batches(step, micro_batches)
         result = self.step_fn(step, micro_batches, self.global_tokens)
         loss_sum = result.loss_sum.clone()
+        if self.faults.skips_collective(step):
+            self.faults.stall()
         self.comm.all_reduce(loss_sum, "dp", tag="metrics")
         loss = float(loss_sum) / self.global_tokens
         elapsed = time.perf_counter() - start
+        self.faults.step_end(step)
         self.step = step
-        return {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                "step_time_s": elapsed, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
-                "mem": self.memory(), "comm": self.comm.traffic.take_window()}
+        record = {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                  "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
+                  "step_time_s": elapsed, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
+                  "mem": self.memory()}
+        local_tokens = sum(mb.targets.numel() for mb in micro_batches)
+        record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
+        record["comm"] = self.comm.traffic.take_window()
+        return record
 
     def run(self) -> list[dict]:
         """Train to cfg.train.steps; returns every step's record (on every rank)."""
@@ -183,6 +184,7 @@ class Trainer:
         log = MetricsLog(self.out, cfg.run.progress, cfg.run.tensorboard, cfg.train.steps,
                          self.step + 1) if self.is_writer else None
         records = []
+        self.observer.start()
         try:
             while self.step < cfg.train.steps:
                 record = self.train_one_step()
@@ -193,17 +195,15 @@ class Trainer:
                     self.save_checkpoint()
             if cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()
+            self.observer.finish()
         finally:
+            self.observer.stop()
+            restore(self._determinism)
             if log is not None:
                 log.close()
         if log is not None and cfg.run.plot and records:
-            plot_run(log.path, self.out / "loss.png")
+            plot_run(log.path, self.out)
         return records
-
-
-def _first_attempt() -> bool:
-    """False in a process the elastic launcher restarted: injected faults fire only once."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

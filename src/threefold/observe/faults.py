@@ -1,0 +1,77 @@
+"""Fault injection (config `fault`), so that tests can show what the debugging tools report.
+
+The trainer asks the injector at fixed points of each step; a fault acts only on `fault.rank`,
+only in runs of `fault.layout` when one is given, and from the start of `fault.step`:
+
+    raise            RuntimeError at the start of the step
+    kill             SIGKILL at the start of the step
+    slow             sleep `delay_s` before the computation of this and every later step (a straggler)
+    nan              the output of `module` is NaN during this step
+    perturb          this step's targets are shifted by one token id (a broken layout, for parity)
+    skip_collective  do not join the step's loss all-reduce; stall outside communication instead
+                     (the others wait in it until the hang watchdog stops the world)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from torch import nn
+
+from ..config import FaultConfig, fault_applies
+from ..data import Batch
+from ..errors import ConfigError
+
+
+def first_attempt() -> bool:
+    """False in a process the elastic launcher restarted: injected faults fire only once per job."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+
+class FaultInjector:
+    def __init__(self, fault: FaultConfig, layout: tuple[int, int, int], rank: int, model: nn.Module, vocab: int):
+        self.fault = fault
+        self.active = fault_applies(fault, layout) and fault.rank == rank and first_attempt()
+        self.model = model
+        self.vocab = vocab
+        self._hook = None
+        if self.active and fault.kind == "nan" and fault.module not in dict(model.named_modules()):
+            raise ConfigError("fault.module", f"no module '{fault.module}' on rank {rank}; use a module name such "
+                              "as blocks.0.mlp.up (see models/decoder.py)")
+
+    def _now(self, step: int) -> bool:
+        return self.active and step == self.fault.step
+
+    def step_start(self, step: int) -> None:
+        """At the very start of the step, before any computation."""
+        kind = self.fault.kind
+        if self._now(step) and kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._now(step) and kind == "raise":
+            raise RuntimeError(f"injected fault on rank {self.fault.rank} at step {step}")
+        if self.active and kind == "slow" and step >= self.fault.step:
+            time.sleep(self.fault.delay_s)
+        if self._now(step) and kind == "nan":
+            module = dict(self.model.named_modules())[self.fault.module]
+            self._hook = module.register_forward_hook(lambda m, i, out: out * float("nan"), prepend=True)
+
+    def batches(self, step: int, micro_batches: list[Batch]) -> list[Batch]:
+        if self._now(step) and self.fault.kind == "perturb":
+            return [Batch(mb.inputs, (mb.targets + 1) % self.vocab) for mb in micro_batches]
+        return micro_batches
+
+    def skips_collective(self, step: int) -> bool:
+        return self._now(step) and self.fault.kind == "skip_collective"
+
+    def stall(self) -> None:
+        """Stay away from communication until the watchdog ends the process."""
+        while True:
+            time.sleep(0.5)
+
+    def step_end(self, step: int) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+

@@ -1,0 +1,80 @@
+"""PNG plots of a run from its DIR/metrics.jsonl: loss, throughput, memory, per-rank time.
+
+    loss.png         training loss (and gradient norm) per step
+    throughput.png   tokens / s per step
+    memory.png       bytes held by the writing rank: parameters, gradients, optimizer, activations, peak
+    ranks.png        per-rank median compute / communication / idle seconds per step (debug.stats)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(metrics_path: Path, out: Path) -> list[Path]:
+    """Write the PNGs above into the directory `out`; returns their paths."""
+    plt = _pyplot()
+    rows = read_metrics(metrics_path)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in rows]
+    written = []
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["loss"] for r in rows], label="loss")
+    ax.set(xlabel="step", ylabel="loss", title="training loss")
+    if all("grad_norm" in r for r in rows):
+        twin = ax.twinx()
+        twin.plot(steps, [r["grad_norm"] for r in rows], color="tab:gray", alpha=0.5, linewidth=1)
+        twin.set_ylabel("gradient norm", color="tab:gray")
+    written.append(_save(plt, fig, out / "loss.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:green")
+    ax.set(xlabel="step", ylabel="tokens / s", title="throughput")
+    written.append(_save(plt, fig, out / "throughput.png"))
+
+    if all("mem" in r for r in rows) and rows:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in rows[0]["mem"]:
+            ax.plot(steps, [r["mem"][key] / 2**20 for r in rows], label=key)
+        ax.set(xlabel="step", ylabel="MiB", title="memory (writing rank)")
+        ax.legend(fontsize="small")
+        written.append(_save(plt, fig, out / "memory.png"))
+
+    ranked = [r["ranks"] for r in rows if "ranks" in r]
+    if ranked:
+        n = len(ranked[0]["compute_s"])
+        fig, ax = plt.subplots(figsize=(max(4, 0.6 * n + 2), 3.5))
+        bottom = [0.0] * n
+        for key, colour in (("compute_s", "tab:blue"), ("comm_s", "tab:orange"), ("idle_s", "tab:red")):
+            values = [statistics.median(step[key][r] for step in ranked) for r in range(n)]
+            ax.bar(range(n), values, bottom=bottom, label=key[:-2], color=colour)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set(xlabel="rank", ylabel="seconds per step (median)", title="where each rank's step goes")
+        ax.set_xticks(range(n))
+        ax.legend(fontsize="small")
+        written.append(_save(plt, fig, out / "ranks.png"))
+    return written
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
