@@ -18,3 +18,7 @@ echo "== throughput, eager"
 $PY bench/gpu_throughput.py --model gpt2-124m --batch 16 --seq-len 1024 --steps 30
 echo "== throughput, torch.compile"
 $PY bench/gpu_throughput.py --model gpt2-124m --batch 16 --seq-len 1024 --steps 30 --compile
+echo "== throughput through threefold's trainer (bf16 compute, fp32 master weights)"
+$PY -m threefold train --model gpt2-124m --precision bf16 --seq-len 1024 --global-batch 16 --steps 30 \
+    --data synthetic --set run.device=cuda --set run.plot=false --no-progress --out "$OUT/trainer-bf16"
+$PY bench/mfu_from_metrics.py "$OUT/trainer-bf16" --skip 5

@@ -183,6 +183,8 @@ class Trainer:
             _truncate_metrics(self.out / "metrics.jsonl", self.step)
         log = MetricsLog(self.out, cfg.run.progress, cfg.run.tensorboard, cfg.train.steps,
                          self.step + 1) if self.is_writer else None
+        if log is not None:
+            (self.out / "config.toml").write_text(cfg.to_toml())  # the resolved config of this run
         records = []
         self.observer.start()
         try:
