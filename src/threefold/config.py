@@ -313,10 +313,7 @@ def _validate(c: Config, world_size: int) -> Config:
         raise ConfigError(
             "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
             f"use a multiple of {dp * t.microbatches}")
-    stages = p.pp * c.pipeline.virtual_stages
-    if stages > m.layers:
-        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
-                          f"{m.layers} layers; use at most {m.layers} stages")
+    _validate_pipeline(c)
     source = c.data.source
     if source not in ("synthetic", "stdlib") and not Path(source).exists():
         raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
@@ -327,3 +324,21 @@ def _validate(c: Config, world_size: int) -> Config:
     if c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
     return replace(c, parallel=replace(p, dp=dp))
+
+
+def _validate_pipeline(c: Config) -> None:
+    pipe, pp, layers, m = c.pipeline, c.parallel.pp, c.model.layers, c.train.microbatches
+    stages = pp * pipe.virtual_stages
+    if stages > layers:
+        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
+                          f"{layers} layers; use at most {layers} stages")
+    if pipe.virtual_stages > 1 and pipe.schedule != "interleaved":
+        raise ConfigError("pipeline.virtual_stages", f"{pipe.virtual_stages} virtual stages need "
+                          f"pipeline.schedule=interleaved (got '{pipe.schedule}'); or set virtual_stages=1")
+    if pp > 1 and pipe.schedule == "interleaved" and m < pp:
+        raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
+                          f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
+    if pipe.split:
+        from .pipeline.stage import parse_split
+
+        parse_split(pipe.split, layers, stages)

@@ -90,7 +90,7 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, grad_sync: GradSync, optimizer: torch.optim.Optimizer, comm: Comm,
                  cfg: TrainConfig, params: list[nn.Parameter], placements: list[Placement],
-                 forward_backward: Callable | None = None):
+                 forward_backward: Callable | None = None, meter: SavedTensorMeter | None = None):
         self.model = model
         self.grad_sync = grad_sync
         self.optimizer = optimizer
@@ -98,7 +98,9 @@ class TrainStep:
         self.cfg = cfg
         self.params = params
         self.placements = placements
-        self.meter = SavedTensorMeter(exclude=list(model.parameters()) + list(model.buffers()))
+        # forward_backward: a schedule's runtime (pipeline) instead of plain accumulation; it
+        # then brings the meter that sees its activations
+        self.meter = meter or SavedTensorMeter(exclude=list(model.parameters()) + list(model.buffers()))
         self.forward_backward = forward_backward or (
             lambda mbs, tokens: accumulate(model, mbs, grad_sync, tokens, self.meter))
 

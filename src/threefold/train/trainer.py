@@ -48,8 +48,11 @@ class Trainer:
         model = build_model(cfg.model, cfg.train.seed, device)
         self.parallel = parallelize(model, self.mesh, self.comm, cfg)
         self.optimizer = make_optimizer(self.parallel.module.named_parameters(), cfg.train)
+        pipeline = self.parallel.pipeline  # pp > 1: the schedule's runtime runs forward and backward
         self.step_fn = TrainStep(self.parallel.module, self.parallel.grad_sync, self.optimizer, self.comm,
-                                 cfg.train, self.parallel.params, self.parallel.param_placements)
+                                 cfg.train, self.parallel.params, self.parallel.param_placements,
+                                 forward_backward=pipeline.forward_backward if pipeline else None,
+                                 meter=pipeline.meter if pipeline else None)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.step = 0  # optimizer steps completed
 
@@ -80,7 +83,8 @@ class Trainer:
                                                   self.mesh.size("dp"), self.mesh.device)
         result = self.step_fn(step, micro_batches, self.global_tokens)
         loss_sum = result.loss_sum.clone()
-        self.comm.all_reduce(loss_sum, "dp", tag="metrics")
+        for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
+            self.comm.all_reduce(loss_sum, axis, tag="metrics")
         loss = float(loss_sum) / self.global_tokens
         elapsed = time.perf_counter() - start
         self.step = step
