@@ -14,6 +14,7 @@ from .errors import UserError
 
 COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
+    "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
 }
 
 

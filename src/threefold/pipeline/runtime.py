@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..comm import Comm
@@ -28,7 +29,7 @@ from ..observe.memory import SavedTensorMeter
 from .adapter import PipelineAdapter
 from .schedules import COMM, Schedule
 from .stage import RankModule, Stage
-from .timeline import Event
+from .timeline import COMPUTE_KINDS, Event
 
 
 @dataclass
@@ -256,3 +257,22 @@ class PipelineRuntime:
         for (key, buffer), handle in zip(recv_keys, handles[len(sends):]):
             inbox[key] = (handle, buffer)
         return list(zip(handles[:len(sends)], send_tensors))
+
+    def gathered_timeline(self) -> list[Event]:
+        """Every pp rank's compute events of the last step, on every rank (an all-gather over "pp")."""
+        kinds = {k: i for i, k in enumerate(COMPUTE_KINDS)}
+        rows = [[kinds[e.kind], e.stage, e.mb, e.start, e.end] for e in self.timeline if e.kind in kinds]
+        device = self.comm.mesh.device
+        count = torch.tensor([float(len(rows))], dtype=torch.float64, device=device)
+        self.comm.all_reduce(count, "pp", op=torch.distributed.ReduceOp.MAX, tag="timeline")
+        local = torch.full((int(count.item()), 5), -1.0, dtype=torch.float64, device=device)
+        if rows:
+            local[: len(rows)] = torch.tensor(rows, dtype=torch.float64, device=device)
+        pp = self.comm.mesh.size("pp")
+        gathered = torch.empty((pp * local.shape[0], 5), dtype=torch.float64, device=device)
+        self.comm.all_gather(gathered, local, "pp")
+        events = []
+        for index, (kind, stage, mb, start, end) in enumerate(gathered.tolist()):
+            if kind >= 0:
+                events.append(Event(index // local.shape[0], COMPUTE_KINDS[int(kind)], int(stage), int(mb), start, end))
+        return events

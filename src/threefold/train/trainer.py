@@ -110,7 +110,20 @@ class Trainer:
                 log.close()
         if log is not None and cfg.run.plot and records:
             plot_run(log.path, self.out / "loss.png")
+        if self.parallel.pipeline is not None and cfg.run.plot and records:
+            self._export_pipeline_timeline()
         return records
+
+    def _export_pipeline_timeline(self) -> None:
+        """The last step's measured schedule: DIR/pipeline.png and DIR/pipeline-trace.json (Chrome/Perfetto)."""
+        from ..pipeline.draw import chrome_trace, draw_timeline
+
+        events = self.parallel.pipeline.gathered_timeline()  # collective over pp: every rank calls it
+        if self.is_writer:
+            p = self.cfg.pipeline
+            title = f"{p.schedule} pp={self.mesh.size('pp')} m={self.cfg.train.microbatches} (measured, step {self.step})"
+            draw_timeline(events, self.mesh.size("pp"), self.out / "pipeline.png", title, unit="seconds")
+            chrome_trace(events, self.out / "pipeline-trace.json")
 
 
 def train(cfg: Config) -> list[dict]:
