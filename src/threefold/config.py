@@ -338,7 +338,7 @@ def _validate_pipeline(c: Config) -> None:
     if pp > 1 and pipe.schedule == "interleaved" and m < pp:
         raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
                           f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
-    if pipe.split:
+    if pipe.split and pp > 1:
         from .pipeline.stage import parse_split
 
         parse_split(pipe.split, layers, stages)
