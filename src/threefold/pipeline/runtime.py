@@ -237,11 +237,12 @@ class PipelineRuntime:
     def _post(self, batch, micro_batches, inbox, outbox, device, timeline) -> list:
         sends, recvs, recv_keys, send_tensors = [], [], [], []
         for a in batch:
+            # on the wire in the runtime's dtype, so every receive buffer has the size its send has
             if a.kind == "SEND_F":
-                t = outbox.pop(("F", a.stage, a.mb)).contiguous()
+                t = outbox.pop(("F", a.stage, a.mb)).to(self.dtype).contiguous()
                 sends.append((t, "pp", self._peer(a.stage + 1)))
             elif a.kind == "SEND_B":
-                t = outbox.pop(("B", a.stage, a.mb)).contiguous()
+                t = outbox.pop(("B", a.stage, a.mb)).to(self.dtype).contiguous()
                 sends.append((t, "pp", self._peer(a.stage - 1)))
             else:
                 shape = self.activation_shape(tuple(micro_batches[a.mb].inputs.shape))

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .schedules import Action, Schedule, replay
+from .actions import Action, Schedule
+from .replay import replay
 from .timeline import Event, bubble_fractions, busy_time, makespan, peak_in_flight
 
 
