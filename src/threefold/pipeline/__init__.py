@@ -40,12 +40,9 @@ class PipelineSplit:
     def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32) -> PipelineRuntime:
         meter = SavedTensorMeter(exclude=list(self.module.parameters()) + list(self.module.buffers()))
         compute = ModuleCompute(self.module, self.adapter, grad_sync, meter)
-        runtime = PipelineRuntime(self.schedule, self.stages, compute, comm,
-                                  lambda shape: self.adapter.activation_shape(self.model_cfg, shape), dtype,
-                                  tied_grads=(lambda: sum_tied_gradients(comm, self.tied, self.tied_peer))
-                                  if self.tied else None)
-        runtime.meter = meter
-        return runtime
+        tied_grads = (lambda: sum_tied_gradients(comm, self.tied, self.tied_peer)) if self.tied else None
+        return PipelineRuntime(self.schedule, self.stages, compute, comm,
+                               lambda shape: self.adapter.activation_shape(self.model_cfg, shape), dtype, tied_grads)
 
 
 def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_stages: int,

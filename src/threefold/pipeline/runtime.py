@@ -151,6 +151,7 @@ class PipelineRuntime:
         self.dtype = dtype
         self.tied_grads = tied_grads  # callable run after the schedule (sums tied weights' gradients)
         self.timeline: list[Event] = []  # the last step's actions, perf_counter seconds
+        self.meter = getattr(compute, "meter", None)  # activation bytes of the stages in flight
         self.actions = schedule.ranks[self.rank]
         assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
 
