@@ -17,6 +17,7 @@ COMMANDS = {
     "plan": ("threefold.planner.command", "predict memory and speed of layouts and find the fastest that fits"),
     "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
     "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
+    "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
 }
 
 

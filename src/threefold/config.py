@@ -363,10 +363,7 @@ def _validate(c: Config, world_size: int) -> Config:
         raise ConfigError(
             "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
             f"use a multiple of {dp * t.microbatches}")
-    stages = p.pp * c.pipeline.virtual_stages
-    if stages > m.layers:
-        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
-                          f"{m.layers} layers; use at most {m.layers} stages")
+    _validate_pipeline(c)
     source = c.data.source
     if source not in ("synthetic", "stdlib") and not Path(source).exists():
         raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
@@ -481,3 +478,21 @@ def _validate_compress(c: CompressConfig, zero: int) -> None:
     if c.hierarchical and zero >= 2:
         raise ConfigError("compress.hierarchical", "the hierarchical all-reduce replaces the all-reduce of plain data "
                           "parallelism and ZeRO-1; ZeRO-2/3 reduce-scatter instead; use parallel.zero<=1")
+
+
+def _validate_pipeline(c: Config) -> None:
+    pipe, pp, layers, m = c.pipeline, c.parallel.pp, c.model.layers, c.train.microbatches
+    stages = pp * pipe.virtual_stages
+    if stages > layers:
+        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
+                          f"{layers} layers; use at most {layers} stages")
+    if pipe.virtual_stages > 1 and pipe.schedule != "interleaved":
+        raise ConfigError("pipeline.virtual_stages", f"{pipe.virtual_stages} virtual stages need "
+                          f"pipeline.schedule=interleaved (got '{pipe.schedule}'); or set virtual_stages=1")
+    if pp > 1 and pipe.schedule == "interleaved" and m < pp:
+        raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
+                          f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
+    if pipe.split and pp > 1:
+        from .pipeline.stage import parse_split
+
+        parse_split(pipe.split, layers, stages)

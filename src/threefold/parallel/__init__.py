@@ -45,6 +45,7 @@ class ParallelModel:
     offload: bool = False
     after_step: Callable[[], None] | None = None  # e.g. ZeRO-1/2's all-gather of the updated shards
     remat_regions: list[str] = field(default_factory=list)
+    pipeline: object | None = None  # pipeline.PipelineRuntime when pp > 1: supplies forward_backward
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -88,8 +89,19 @@ class ParallelModel:
 def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
     from ..models.plan import decoder_plan  # not at the top: models/plan.py imports the plan styles from here
 
-    # 1. tensor parallelism
+    # 1. tensor parallelism (placements keyed by global parameter names)
     placements = parallelize_tensor(model, mesh, comm, decoder_plan(cfg.model), cfg.parallel.sequence_parallel)
+    # 2. pipeline: keep this rank's stages. Names stay global; a weight tied between the first and
+    # last stage is held by both, replicated over pp (counted once, at pp coordinate 0).
+    split = None
+    if mesh.size("pp") > 1:
+        from ..pipeline import split_pipeline
+
+        split = split_pipeline(model, mesh, comm, cfg)
+        model = split.module
+        tied = {id(q) for q in split.tied}
+        placements = {name: placements[split.names[name]].replicated("pp") if id(q) in tied
+                      else placements[split.names[name]] for name, q in model.named_parameters()}
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat)
     # 4. mixed precision
@@ -115,5 +127,6 @@ def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> Parall
         pieces = grad_sync.pieces(placements)
         placements = grad_sync.placements(placements)
         after_step = None
+    pipeline = split.runtime(comm, grad_sync, precision.compute_dtype) if split is not None else None
     return ParallelModel(model, grad_sync, placements, pieces, precision, stage, p.offload == "optimizer",
-                         after_step, regions)
+                         after_step, regions, pipeline)

@@ -97,7 +97,8 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, grad_sync: GradSync, optimizer, comm: Comm,
                  cfg: TrainConfig, params: list[nn.Parameter], placements: list[Placement],
-                 forward_backward: Callable | None = None, scaler=None, weights: list[torch.Tensor] | None = None):
+                 forward_backward: Callable | None = None, scaler=None, weights: list[torch.Tensor] | None = None,
+                 meter: SavedTensorMeter | None = None):
         self.model = model
         self.grad_sync = grad_sync
         self.optimizer = optimizer
@@ -109,7 +110,9 @@ class TrainStep:
         self.loss_scale = 1.0
         if weights is None:
             weights = list(model.parameters()) + list(model.buffers())
-        self.meter = SavedTensorMeter(exclude=weights)
+        # forward_backward: a schedule's runtime (pipeline) instead of plain accumulation; it
+        # then brings the meter that sees its activations
+        self.meter = meter or SavedTensorMeter(exclude=weights)
         self.forward_backward = forward_backward or (
             lambda mbs, tokens: accumulate(model, mbs, grad_sync, tokens, self.meter, self.loss_scale))
 

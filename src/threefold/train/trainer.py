@@ -59,9 +59,16 @@ class Trainer:
         # AdamW with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
         # 1-bit Adam takes its place when compress.method=onebit asks for it
         self.optimizer = adapt_optimizer(self.parallel.make_optimizer(cfg.train), self.parallel.grad_sync)
+        pipeline = self.parallel.pipeline  # pp > 1: the schedule's runtime runs forward and backward
         self.step_fn = TrainStep(self.parallel.module, self.parallel.grad_sync, self.optimizer, self.comm,
                                  cfg.train, self.parallel.params, self.parallel.param_placements,
-                                 scaler=self.parallel.scaler, weights=self.parallel.weight_tensors())
+                                 scaler=self.parallel.scaler, weights=self.parallel.weight_tensors(),
+                                 meter=pipeline.meter if pipeline else None)
+        if pipeline is not None:
+            # dividing the token count by the loss scale (a power of two: exact) scales the loss
+            # the schedule backpropagates, as plain accumulation does
+            self.step_fn.forward_backward = lambda mbs, tokens: pipeline.forward_backward(
+                mbs, tokens / self.step_fn.loss_scale)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab)
@@ -162,7 +169,8 @@ class Trainer:
         loss_sum = result.loss_sum.clone()
         if self.faults.skips_collective(step):
             self.faults.stall()
-        self.comm.all_reduce(loss_sum, "dp", tag="metrics")
+        for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
+            self.comm.all_reduce(loss_sum, axis, tag="metrics")
         loss = float(loss_sum) / self.global_tokens
         elapsed = time.perf_counter() - start
         self.faults.step_end(step)
@@ -205,7 +213,20 @@ class Trainer:
                 log.close()
         if log is not None and cfg.run.plot and records:
             plot_run(log.path, self.out)
+        if self.parallel.pipeline is not None and cfg.run.plot and records:
+            self._export_pipeline_timeline()
         return records
+
+    def _export_pipeline_timeline(self) -> None:
+        """The last step's measured schedule: DIR/pipeline.png and DIR/pipeline-trace.json (Chrome/Perfetto)."""
+        from ..pipeline.draw import chrome_trace, draw_timeline
+
+        events = self.parallel.pipeline.gathered_timeline()  # collective over pp: every rank calls it
+        if self.is_writer:
+            p = self.cfg.pipeline
+            title = f"{p.schedule} pp={self.mesh.size('pp')} m={self.cfg.train.microbatches} (measured, step {self.step})"
+            draw_timeline(events, self.mesh.size("pp"), self.out / "pipeline.png", title, unit="seconds")
+            chrome_trace(events, self.out / "pipeline-trace.json")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

@@ -1,0 +1,165 @@
+"""threefold's pipeline runtime against torch.distributed.pipelining, side by side (CPU, gloo).
+
+Same model (the reference decoder, untied so both frameworks hold plain stage modules), same
+stage split, same p and m, same schedule, same micro-batches and initial weights. Reports the
+median forward+backward time of one step for each and the ratio, and checks that both
+produce the same loss and gradients. A schedule that PyTorch cannot run here prints its error.
+
+    PYTHONPATH=src python bench/pipeline_vs_torch.py [--pp 2] [--microbatches 4] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# schedule -> (torch class name, virtual stages)
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
+             "interleaved": ("ScheduleInterleaved1F1B", 2), "zb-h1": ("ScheduleInterleavedZeroBubble", 1)}
+
+
+class TorchStage(nn.Module):
+    """One stage for torch.distributed.pipelining: tokens or x_bsh in, x_bsh or logits out."""
+
+    def __init__(self, model, stage):
+        super().__init__()
+        self.stage = stage
+        self.embed = model.embed if stage.first else None
+        self.blocks = nn.ModuleList(model.blocks[i] for i in stage.layers)
+        self.norm = model.norm if stage.last else None
+        self.head = model.head if stage.last else None
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def run_rank(schedule_name: str, overrides: list[str], steps: int) -> dict:
+    import torch.distributed.pipelining as pipelining
+
+    from threefold.comm import Comm
+    from threefold.config import load_config
+    from threefold.data import Sampler, load_tokens
+    from threefold.mesh import Layout, Mesh
+    from threefold.models.decoder import build_model
+    from threefold.pipeline import split_pipeline
+
+    torch_class, v = SCHEDULES[schedule_name]
+    cfg = load_config(None, overrides + [f"pipeline.schedule={schedule_name}", f"pipeline.virtual_stages={v}"])
+    world = torch.distributed.get_world_size()
+    cfg = cfg.validate(world)
+    mesh = Mesh(Layout(pp=world), torch.device("cpu"))
+    comm = Comm(mesh)
+    m, tokens_per_step = cfg.train.microbatches, cfg.train.global_batch * cfg.train.seq_len
+    sampler = Sampler(load_tokens("synthetic", cfg.model.vocab, 0), cfg.train.seq_len, cfg.train.global_batch, 0)
+    micro = sampler.microbatches(0, m)
+    result = {}
+
+    # --- threefold
+    split = split_pipeline(build_model(cfg.model, seed=0), mesh, comm, cfg)
+    runtime = split.runtime(comm, grad_sync=None)
+    times = []
+    for _ in range(steps + 1):
+        for p in split.module.parameters():
+            p.grad = None
+        comm.barrier("pp")
+        start = time.perf_counter()
+        loss = runtime.forward_backward(micro, tokens_per_step)
+        times.append(time.perf_counter() - start)
+    comm.all_reduce(loss, "pp")
+    result["threefold_s"] = statistics.median(times[1:])
+    result["threefold_loss"] = float(loss) / tokens_per_step
+    ours = {split.names[n]: p.grad.clone() for n, p in split.module.named_parameters() if p.grad is not None}
+
+    # --- torch.distributed.pipelining on a fresh copy of the same weights and split
+    model = build_model(cfg.model, seed=0)
+    modules = [TorchStage(model, s) for s in split.stages]
+    try:
+        group = mesh.group("pp")
+        stages = [pipelining.PipelineStage(mod, s.index, len(split.all_stages), torch.device("cpu"), group=group)
+                  for mod, s in zip(modules, split.stages)]
+
+        def loss_fn(logits, targets):  # the same step math: summed token loss / global tokens
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_step
+
+        cls = getattr(pipelining, torch_class)
+        schedule = cls(stages if v > 1 or torch_class.startswith("ScheduleInterleaved") else stages[0], m,
+                       loss_fn=loss_fn, scale_grads=False)
+        inputs = torch.cat([b.inputs for b in micro])
+        targets = torch.cat([b.targets for b in micro])
+        times = []
+        for _ in range(steps + 1):
+            for mod in modules:
+                mod.zero_grad(set_to_none=True)
+            comm.barrier("pp")
+            losses = []
+            start = time.perf_counter()
+            if mesh.is_first("pp"):
+                schedule.step(inputs, target=targets, losses=losses)
+            elif mesh.is_last("pp"):
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
+            times.append(time.perf_counter() - start)
+        total = torch.tensor(sum(float(x.detach()) for x in losses), dtype=torch.float32)
+        comm.all_reduce(total, "pp")
+        result["torch_s"] = statistics.median(times[1:])
+        result["torch_loss"] = float(total)
+        theirs = {}
+        for mod, s in zip(modules, split.stages):
+            for n, p in mod.named_parameters():
+                if p.grad is not None:
+                    theirs[_global_name(n, s)] = p.grad
+        errs = [float((ours[k] - g).norm() / g.norm()) for k, g in theirs.items() if k in ours and g.norm() > 0]
+        result["max_grad_rel_diff"] = max(errs) if errs else float("nan")
+    except Exception as e:  # report, do not hide, what PyTorch's pipelining cannot do here
+        result["torch_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return result
+
+
+def _global_name(local: str, stage) -> str:
+    """TorchStage names ("blocks.0.x" = the stage's first layer) -> the model's global names."""
+    if local.startswith("blocks."):
+        _, index, rest = local.split(".", 2)
+        return f"blocks.{stage.layers[int(index)]}.{rest}"
+    return local
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    args = parser.parse_args()
+    from threefold.world import World
+
+    overrides = ["model.preset=small", "model.tie_embeddings=false", "model.layers=4", "train.seq_len=64",
+                 "train.global_batch=16", f"train.microbatches={args.microbatches}", f"parallel.pp={args.pp}"]
+    print(f"model small (4 layers, hidden 256, untied), seq 64, batch 16, pp={args.pp}, m={args.microbatches}, "
+          f"CPU gloo, 1 thread per rank; median of {args.steps} steps (forward + backward)")
+    print(f"{'schedule':<12}{'threefold s':>12}{'torch s':>10}{'torch/threefold':>17}{'loss diff':>11}{'grad diff':>11}")
+    with World(args.pp, timeout_s=900) as world:
+        for name in args.schedules.split(","):
+            results = world.run(run_rank, name, overrides, args.steps)
+            ours = max(r["threefold_s"] for r in results)
+            errors = [r["torch_error"] for r in results if "torch_error" in r]
+            if errors:
+                print(f"{name:<12}{ours:>12.3f}  torch.distributed.pipelining failed: {errors[0]}")
+                continue
+            theirs = max(r["torch_s"] for r in results)
+            loss_diff = abs(results[0]["threefold_loss"] - results[0]["torch_loss"])
+            grad_diff = max(r["max_grad_rel_diff"] for r in results)
+            print(f"{name:<12}{ours:>12.3f}{theirs:>10.3f}{theirs / ours:>17.2f}{loss_diff:>11.1e}{grad_diff:>11.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The pipeline interpreter: executes any schedule's action list on this rank.
+
+One loop for every schedule. Runs of consecutive SEND/RECV actions are posted as one
+`Comm.batch_send_recv` on the "pp" axis (asynchronous: nothing waits at posting); a compute
+action waits only for the one message it needs, so transfers overlap compute. Activations
+cross stages detached: the receiving stage makes its input a leaf and sends the leaf's
+gradient back. Each micro-batch's backward adds into the parameters' `.grad` (gradient
+accumulation); the data-parallel sync then runs once, after the whole schedule.
+
+The arithmetic is the single-device step's: the last stage divides each micro-batch's summed
+token loss by the global token count before backward, so the accumulated gradients are those
+of the global mean loss. What a stage computes is behind `StageCompute`: `ModuleCompute`
+runs the model; tests substitute stages of known cost to measure the schedule itself.
+Every compute action is timed (after its input arrived) into `timeline`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from ..comm import Comm
+from ..observe.memory import SavedTensorMeter
+from .adapter import PipelineAdapter
+from .schedules import COMM, Schedule
+from .stage import RankModule, Stage
+from .timeline import COMPUTE_KINDS, Event
+
+
+@dataclass
+class MicroState:
+    """What one (stage, micro-batch) keeps between its forward and its backward."""
+
+    out: torch.Tensor  # stage output (or scaled loss on the last stage), still in the graph
+    inp: torch.Tensor | None  # leaf input whose gradient goes to the previous stage
+    embed_out: torch.Tensor | None = None  # first stage, split backward: embedding output in the graph
+    groups: list = field(default_factory=list)  # saved for the weight gradient (split backward)
+    nbytes: int = 0  # activation bytes autograd saved for backward
+
+
+class StageCompute(Protocol):
+    def begin(self, global_tokens: int) -> None: ...
+    def forward(self, stage: Stage, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, object]:
+        """(output to pass on - the detached summed loss on the last stage -, state for backward)."""
+    def backward(self, stage: Stage, state, grad: torch.Tensor | None) -> torch.Tensor | None: ...
+    def backward_input(self, stage: Stage, state, grad: torch.Tensor | None) -> torch.Tensor | None: ...
+    def backward_weight(self, stage: Stage, state) -> None: ...
+
+
+class ModuleCompute:
+    """Runs the stages of a `RankModule`; gradients accumulate into `.grad` inside `grad_sync`."""
+
+    def __init__(self, module: RankModule, adapter: PipelineAdapter, grad_sync=None,
+                 meter: SavedTensorMeter | None = None):
+        self.module = module
+        self.adapter = adapter
+        self.grad_sync = grad_sync
+        self.meter = meter
+        self.scale = 1
+        self.held = 0  # activation bytes held right now
+        self._params = {}
+
+    def begin(self, global_tokens: int) -> None:
+        self.scale = global_tokens
+        self.held = 0
+
+    def _weights(self, stage: Stage) -> list[torch.nn.Parameter]:
+        if stage.index not in self._params:  # the embedding's weights get their gradient separately
+            self._params[stage.index] = self.module.stage_parameters(stage, self.adapter, with_first=False)
+        return self._params[stage.index]
+
+    def forward(self, stage, x, targets):
+        meter = self.meter
+        if meter is not None:
+            meter.reset()
+            with meter.measure():
+                out, state = self._forward(stage, x, targets)
+            state.nbytes = meter.current
+            self.held += state.nbytes
+            meter.peak = max(meter.peak, self.held)
+            return out, state
+        return self._forward(stage, x, targets)
+
+    def _forward(self, stage: Stage, x: torch.Tensor, targets):
+        embed_out = None
+        if stage.first:
+            embed_out = self.adapter.embed(self.module, x)
+            inp = x = embed_out.detach().requires_grad_()
+        else:
+            inp = x.requires_grad_()
+        for i in stage.layers:
+            x = self.module.layer(i)(x)
+        if stage.last:
+            loss_sum = self.adapter.head_loss(self.module, x, targets)
+            return loss_sum.detach(), MicroState(loss_sum / self.scale, inp, embed_out)
+        return x.detach(), MicroState(x, inp, embed_out)
+
+    def _sync(self):
+        # every backward accumulates locally; the gradient sync runs once after the schedule
+        return self.grad_sync.micro_batch(last=False) if self.grad_sync is not None else _nullcontext()
+
+    def backward(self, stage, state: MicroState, grad):
+        with self._sync():
+            torch.autograd.backward(state.out, grad)
+            if state.embed_out is not None:
+                torch.autograd.backward(state.embed_out, state.inp.grad)
+        self.held -= state.nbytes
+        return None if stage.first else state.inp.grad
+
+    def backward_input(self, stage, state: MicroState, grad):
+        # autograd.grad to the stage input only; the graph pieces the weight gradients need
+        # are kept in `groups` (torch.distributed.pipelining's input/weight split)
+        with self._sync():
+            dinputs, state.groups = stage_backward_input(
+                [state.out], None if grad is None else [grad], [state.inp], iter(self._weights(stage)))
+        return None if stage.first else dinputs[0]
+
+    def backward_weight(self, stage, state: MicroState) -> None:
+        with self._sync():
+            stage_backward_weight(iter(self._weights(stage)), state.groups)
+            if state.embed_out is not None:
+                torch.autograd.backward(state.embed_out, state.inp.grad)
+        state.groups = []
+        self.held -= state.nbytes
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class PipelineRuntime:
+    """Executes `schedule.ranks[rank]` for each training step (see the module docstring)."""
+
+    def __init__(self, schedule: Schedule, stages: list[Stage], compute: StageCompute, comm: Comm,
+                 activation_shape, dtype: torch.dtype = torch.float32, tied_grads=None):
+        self.schedule = schedule
+        self.comm = comm
+        self.rank = comm.mesh.rank("pp")
+        self.stages = {s.index: s for s in stages}
+        self.compute = compute
+        self.activation_shape = activation_shape  # tokens shape -> shape of what crosses stages
+        self.dtype = dtype
+        self.tied_grads = tied_grads  # callable run after the schedule (sums tied weights' gradients)
+        self.timeline: list[Event] = []  # the last step's actions, perf_counter seconds
+        self.meter = getattr(compute, "meter", None)  # activation bytes of the stages in flight
+        self.actions = schedule.ranks[self.rank]
+        assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
+
+    def _peer(self, stage: int) -> int:
+        return self.schedule.stage_rank(stage)
+
+    def forward_backward(self, micro_batches, global_tokens: int) -> torch.Tensor:
+        """Run the whole schedule over `micro_batches`; return this rank's summed token loss.
+
+        Only the last stage has a loss; other ranks return 0 (the metrics sum over "pp").
+        """
+        if len(micro_batches) != self.schedule.microbatches:
+            raise ValueError(f"the schedule expects {self.schedule.microbatches} micro-batches, got {len(micro_batches)}")
+        device = self.comm.mesh.device
+        self.compute.begin(global_tokens)
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        inbox: dict[tuple, tuple] = {}  # ("F"|"B", stage, mb) -> (handle, buffer) posted receives
+        outbox: dict[tuple, torch.Tensor] = {}  # ("F"|"B", stage, mb) -> tensor waiting for its SEND
+        local: dict[tuple, torch.Tensor] = {}  # hand-offs between stages on this rank
+        states: dict[tuple, object] = {}
+        sending: list = []  # (handle, tensor): a tensor must live until its send completed
+        timeline = self.timeline = []
+        actions, n, i = self.actions, len(self.actions), 0
+        while i < n:
+            a = actions[i]
+            if a.kind in COMM:
+                j = i
+                while j < n and actions[j].kind in COMM:
+                    j += 1
+                sending += self._post(actions[i:j], micro_batches, inbox, outbox, device, timeline)
+                sending = [(h, t) for h, t in sending if not h.is_completed()]
+                i = j
+                continue
+            stage = self.stages[a.stage]
+            key = (a.stage, a.mb)
+            if a.kind == "F":
+                if stage.first:
+                    x = micro_batches[a.mb].inputs
+                else:
+                    x = self._take(("F", a.stage, a.mb), inbox, local)
+                start = time.perf_counter()
+                out, states[key] = self.compute.forward(stage, x, micro_batches[a.mb].targets if stage.last else None)
+                end = time.perf_counter()
+                if stage.last:
+                    loss += out
+                elif self._peer(a.stage + 1) == self.rank:
+                    local[("F", a.stage + 1, a.mb)] = out
+                else:
+                    outbox[("F", a.stage, a.mb)] = out
+            elif a.kind in ("B", "I"):
+                grad = None if stage.last else self._take(("B", a.stage, a.mb), inbox, local)
+                start = time.perf_counter()
+                if a.kind == "B":
+                    grad_in = self.compute.backward(stage, states.pop(key), grad)
+                else:
+                    grad_in = self.compute.backward_input(stage, states[key], grad)
+                end = time.perf_counter()
+                if not stage.first:
+                    if self._peer(a.stage - 1) == self.rank:
+                        local[("B", a.stage - 1, a.mb)] = grad_in
+                    else:
+                        outbox[("B", a.stage, a.mb)] = grad_in
+            else:  # W
+                start = time.perf_counter()
+                self.compute.backward_weight(stage, states.pop(key))
+                end = time.perf_counter()
+            timeline.append(Event(self.rank, a.kind, a.stage, a.mb, start, end))
+            i += 1
+        for handle, _ in sending:
+            handle.wait()
+        assert not (inbox or outbox or local or states), "schedule left work undone"
+        if self.tied_grads is not None:
+            self.tied_grads()
+        return loss
+
+    def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
+        """The input (F) or output gradient (B) of a stage: a local hand-off or a received buffer."""
+        if key in local:
+            return local.pop(key)
+        handle, buffer = inbox.pop(key)
+        handle.wait()
+        return buffer
+
+    def _post(self, batch, micro_batches, inbox, outbox, device, timeline) -> list:
+        sends, recvs, recv_keys, send_tensors = [], [], [], []
+        for a in batch:
+            # on the wire in the runtime's dtype, so every receive buffer has the size its send has
+            if a.kind == "SEND_F":
+                t = outbox.pop(("F", a.stage, a.mb)).to(self.dtype).contiguous()
+                sends.append((t, "pp", self._peer(a.stage + 1)))
+            elif a.kind == "SEND_B":
+                t = outbox.pop(("B", a.stage, a.mb)).to(self.dtype).contiguous()
+                sends.append((t, "pp", self._peer(a.stage - 1)))
+            else:
+                shape = self.activation_shape(tuple(micro_batches[a.mb].inputs.shape))
+                buffer = torch.empty(shape, dtype=self.dtype, device=device)
+                src = self._peer(a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
+                recvs.append((buffer, "pp", src))
+                recv_keys.append((("F" if a.kind == "RECV_F" else "B", a.stage, a.mb), buffer))
+                continue
+            send_tensors.append(t)
+        now = time.perf_counter()
+        timeline.extend(Event(self.rank, a.kind, a.stage, a.mb, now, now) for a in batch)
+        handles = self.comm.batch_send_recv(sends, recvs)
+        for (key, buffer), handle in zip(recv_keys, handles[len(sends):]):
+            inbox[key] = (handle, buffer)
+        return list(zip(handles[:len(sends)], send_tensors))
+
+    def gathered_timeline(self) -> list[Event]:
+        """Every pp rank's compute events of the last step, on every rank (an all-gather over "pp")."""
+        kinds = {k: i for i, k in enumerate(COMPUTE_KINDS)}
+        rows = [[kinds[e.kind], e.stage, e.mb, e.start, e.end] for e in self.timeline if e.kind in kinds]
+        device = self.comm.mesh.device
+        count = torch.tensor([float(len(rows))], dtype=torch.float64, device=device)
+        self.comm.all_reduce(count, "pp", op=torch.distributed.ReduceOp.MAX, tag="timeline")
+        local = torch.full((int(count.item()), 5), -1.0, dtype=torch.float64, device=device)
+        if rows:
+            local[: len(rows)] = torch.tensor(rows, dtype=torch.float64, device=device)
+        pp = self.comm.mesh.size("pp")
+        gathered = torch.empty((pp * local.shape[0], 5), dtype=torch.float64, device=device)
+        self.comm.all_gather(gathered, local, "pp")
+        events = []
+        for index, (kind, stage, mb, start, end) in enumerate(gathered.tolist()):
+            if kind >= 0:
+                events.append(Event(index // local.shape[0], COMPUTE_KINDS[int(kind)], int(stage), int(mb), start, end))
+        return events

@@ -1,0 +1,143 @@
+"""Schedules as data: textbook bubbles in the simulator, activation peaks, and the validator."""
+
+from fractions import Fraction
+
+import pytest
+
+from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, compute_orders,
+                                          validate)
+from threefold.pipeline.simulate import Costs, simulate
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_gpipe_and_1f1b_bubble_is_textbook(name, p, m):
+    sim = simulate(build_schedule(name, p, m))  # equal unit costs F = I = W = 1
+    expected = Fraction(p - 1, m + p - 1)
+    for rank, bubble in enumerate(sim.bubble):
+        assert bubble == pytest.approx(float(expected), abs=1e-12), f"rank {rank}"
+    assert sim.makespan == 3 * (m + p - 1)
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (4, 8, 4), (4, 12, 3), (8, 16, 2),
+                                     (4, 6, 2), (4, 9, 3), (3, 7, 2)])
+def test_interleaved_bubble_is_reduced_by_v(p, m, v):
+    # each chunk holds 1/v of a rank's layers, so it costs 1/v: the bubble time shrinks v-fold
+    sim = simulate(build_schedule("interleaved", p, m, v), Costs(1 / v, 1 / v, 1 / v))
+    assert max(sim.bubble) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    one_f_one_b = simulate(build_schedule("1f1b", p, m))
+    assert one_f_one_b.bubble_time[0] / sim.bubble_time[0] == pytest.approx(v)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 32), (8, 8), (8, 24), (16, 64)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
+    zb = simulate(build_schedule("zb-h1", p, m))
+    ref = simulate(build_schedule("1f1b", p, m))
+    # bubble time (p-1)(F+I-W) against (p-1)(F+I+W): exactly a third with F = I = W
+    for r in range(p):
+        assert zb.bubble_time[r] == pytest.approx(p - 1)
+        assert ref.bubble_time[r] == pytest.approx(3 * (p - 1))
+    assert max(zb.bubble) < max(ref.bubble) / 2
+    assert max(zb.peak_activations) <= p  # same activation budget as 1F1B (held until W)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 8), (4, 2), (4, 8), (8, 16)])
+def test_peak_activations(p, m):
+    gpipe = simulate(build_schedule("gpipe", p, m)).peak_activations
+    assert gpipe == [m] * p
+    one_f_one_b = simulate(build_schedule("1f1b", p, m)).peak_activations
+    assert max(one_f_one_b) <= p
+    assert one_f_one_b == [min(p - r, m) for r in range(p)]
+
+
+def test_communication_latency_lengthens_the_makespan():
+    fast = simulate(build_schedule("1f1b", 4, 8))
+    slow = simulate(build_schedule("1f1b", 4, 8), Costs(comm=0.5))
+    assert slow.makespan > fast.makespan
+
+
+# ---------------------------------------------------------------- validator
+
+
+def _grid():
+    """Every p up to 16 with micro-batch counts around the interesting points up to 64."""
+    for p in range(1, 17):
+        for m in sorted({1, 2, p - 1, p, p + 1, 2 * p + 1, 3 * p, 64} & set(range(1, 65))):
+            for name in SCHEDULES:
+                if name == "interleaved":
+                    if m >= p:
+                        for v in (1, 2, 3, 4) if m == p else (2,):
+                            yield name, p, m, v
+                else:
+                    yield name, p, m, 1
+
+
+def test_every_shipped_schedule_is_valid_up_to_p16_m64():
+    checked = 0
+    for name, p, m, v in _grid():
+        validate(build_schedule(name, p, m, v))
+        checked += 1
+    assert checked > 400
+
+
+def _replace(s: Schedule, rank: int, actions: list[Action]) -> Schedule:
+    ranks = list(s.ranks)
+    ranks[rank] = tuple(actions)
+    return Schedule(s.name, s.pp, s.microbatches, s.virtual, tuple(ranks))
+
+
+def test_validator_rejects_a_missing_backward():
+    s = build_schedule("1f1b", 4, 8)
+    broken = _replace(s, 2, [a for a in s.ranks[2] if a != Action("B", 2, 5)])
+    with pytest.raises(ScheduleError, match="never completes the backward of micro-batch 5 on stage 2"):
+        validate(broken)
+
+
+def test_validator_rejects_a_deadlock():
+    # GPipe, but rank 0 wants the gradient of micro-batch 0 before it sends micro-batch 3 forward,
+    # while rank 1 runs every forward before its first backward: a cycle across the two ranks
+    s = build_schedule("gpipe", 2, 4)
+    actions = list(s.ranks[0])
+    f3 = actions.index(Action("F", 0, 3))
+    for moved in (Action("B", 0, 0), Action("RECV_B", 0, 0)):
+        actions.insert(f3, actions.pop(actions.index(moved)))
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at B0@s0; rank 1 waits at F3@s1"):
+        validate(_replace(s, 0, actions))
+
+
+def test_validator_rejects_receives_out_of_fifo_order():
+    s = build_schedule("gpipe", 2, 4)
+    actions = list(s.ranks[1])
+    # both receives posted before their consumers, but the second message's first
+    late = actions.pop(actions.index(Action("RECV_F", 1, 1)))
+    actions.insert(actions.index(Action("RECV_F", 1, 0)), late)
+    with pytest.raises(ScheduleError, match="FIFO"):
+        validate(_replace(s, 1, actions))
+
+
+def test_validator_rejects_a_missing_send_and_a_wrong_rank_and_a_duplicate():
+    s = build_schedule("zb-h1", 4, 4)
+    no_send = _replace(s, 1, [a for a in s.ranks[1] if a != Action("SEND_F", 1, 3)])
+    with pytest.raises(ScheduleError, match="lacks SEND_F3@s1"):
+        validate(no_send)
+    stray = _replace(s, 0, list(s.ranks[0]) + [Action("W", 1, 0)])
+    with pytest.raises(ScheduleError, match="belongs to rank 1"):
+        validate(stray)
+    twice = _replace(s, 3, list(s.ranks[3]) + [Action("W", 3, 0)])
+    with pytest.raises(ScheduleError, match="appears 2 times"):
+        validate(twice)
+    w_first = list(s.ranks[3])
+    i, w = w_first.index(Action("I", 3, 0)), w_first.index(Action("W", 3, 0))
+    w_first[i], w_first[w] = w_first[w], w_first[i]
+    with pytest.raises(ScheduleError, match="runs W0@s3 before I0@s3"):
+        validate(_replace(s, 3, w_first))
+
+
+def test_bad_requests_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        compute_orders("pipedream", 2, 4)
+    with pytest.raises(ValueError, match=r"at least as many micro-batches as pipeline ranks \(2 < 4\)"):
+        compute_orders("interleaved", 4, 2, 2)
+    with pytest.raises(ValueError, match="virtual stages need 'interleaved'"):
+        compute_orders("1f1b", 4, 8, 2)
