@@ -56,90 +56,46 @@ def _all_reduce(comm: Comm, x: torch.Tensor, axis: str) -> torch.Tensor:
     return x
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return x.view_as(x)
+def _identity(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _sum(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return _all_reduce(comm, x, axis)
+
+
+class _Conjugate(torch.autograd.Function):
+    """`forward_op` forward and `backward_op` on the gradient: each op is f(comm, x, axis, dim)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(ctx.comm, grad, ctx.axis), None, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis):
-        return _all_reduce(comm, x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis, dim):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        return _gather(comm, x, axis, dim)
+    def forward(ctx, x, forward_op, backward_op, comm, axis, dim):
+        ctx.backward_op, ctx.comm, ctx.axis, ctx.dim = backward_op, comm, axis, dim
+        return forward_op(comm, x, axis, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_chunk(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
-
-
-class _ScatterToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis, dim):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        return _own_chunk(comm, x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
-
-
-class _ReduceScatterToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis, dim):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        return _reduce_scatter(comm, x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
-
-
-class _AllGatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis, dim):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        return _gather(comm, x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+        return ctx.backward_op(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None, None, None
 
 
 def copy_to_group(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    return _CopyToGroup.apply(x, comm, axis)
+    return _Conjugate.apply(x, _identity, _sum, comm, axis, 0)
 
 
 def reduce_from_group(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
-    return _ReduceFromGroup.apply(x, comm, axis)
+    return _Conjugate.apply(x, _sum, _identity, comm, axis, 0)
 
 
 def gather_from_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
-    return _GatherFromGroup.apply(x, comm, axis, dim % x.dim())
+    return _Conjugate.apply(x, _gather, _own_chunk, comm, axis, dim % x.dim())
 
 
 def scatter_to_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = -1) -> torch.Tensor:
-    return _ScatterToGroup.apply(x, comm, axis, dim % x.dim())
+    return _Conjugate.apply(x, _own_chunk, _gather, comm, axis, dim % x.dim())
 
 
 def reduce_scatter_to_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
-    return _ReduceScatterToGroup.apply(x, comm, axis, dim % x.dim())
+    return _Conjugate.apply(x, _reduce_scatter, _gather, comm, axis, dim % x.dim())
 
 
 def all_gather_from_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
-    return _AllGatherFromGroup.apply(x, comm, axis, dim % x.dim())
+    return _Conjugate.apply(x, _gather, _reduce_scatter, comm, axis, dim % x.dim())
