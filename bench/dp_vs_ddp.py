@@ -38,8 +38,9 @@ def bench_rank(args: dict) -> dict:
 
     ours_model = build_model(cfg.model, 0)
     ours = parallelize(ours_model, mesh, comm, cfg)
-    step_fn = TrainStep(ours.module, ours.grad_sync, make_optimizer(ours.module.named_parameters(), cfg.train),
-                        comm, cfg.train, ours.params, ours.param_placements)
+    # the trainer's own path: fp32-master AdamW over this rank's pieces
+    step_fn = TrainStep(ours.module, ours.grad_sync, ours.make_optimizer(cfg.train), comm, cfg.train, ours.params,
+                        ours.param_placements, scaler=ours.scaler, weights=ours.weight_tensors())
 
     ddp = DistributedDataParallel(build_model(cfg.model, 0), bucket_cap_mb=cfg.parallel.bucket_mb)
     ddp_opt = make_optimizer(ddp.module.named_parameters(), cfg.train)
