@@ -43,6 +43,12 @@ class DGCHook:
         self.clip = clip  # threshold on the global gradient norm; 0: no local clipping
         self.error_feedback = error_feedback
 
+    @property
+    def applies_momentum(self) -> bool:
+        """The momentum is applied here, per rank, before the exchange (momentum correction): the
+        summed sparse update is already the momentum step, so SGD must apply it without momentum."""
+        return self.momentum_correction
+
     def density(self, step: int) -> float:
         """Fraction of entries sent at 0-based `step`."""
         final = 1.0 - self.sparsity
