@@ -88,7 +88,7 @@ class CompressConfig:
     method: Literal["none", "fp16", "bf16", "dgc", "onebit", "powersgd"] = "none"
     dgc_sparsity: float = 0.999  # fraction of entries NOT sent once the warm-up is over
     dgc_warmup_steps: int = 0  # density shrinks geometrically from 25% to 1 - dgc_sparsity over these steps
-    dgc_momentum: float = 0.9
+    dgc_momentum: float = 0.9  # with momentum correction it replaces train.momentum (SGD then runs without)
     dgc_momentum_correction: bool = True  # accumulate velocity (momentum) instead of raw gradients
     dgc_local_clip: bool = True  # clip each rank's gradient at train.grad_clip / sqrt(dp) before accumulating
     onebit_adam: bool = True  # onebit: 1-bit Adam (compressed momentum); false: 1-bit gradients, any optimizer
