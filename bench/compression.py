@@ -2,10 +2,17 @@
 
 Trains the reference model on the stdlib corpus with each compression method (and with error
 feedback / momentum correction switched off) on N processes, same seed, data and schedule.
+Each method is compared with the uncompressed run *of the optimizer it was designed for*:
+
+    AdamW baseline         fp16, bf16, PowerSGD, 1-bit Adam
+    momentum-SGD baseline  DGC (warm-up 75% -> 99.9%), 1-bit sign compression of the gradients
+
+(DGC's momentum correction applies the momentum before the exchange, so the optimizer then
+runs SGD without momentum; switched off, the optimizer's momentum acts on the sparse sum.)
 Prints one row per run: gradient bytes this rank sent over dp per step once compression is
 on (counted by Comm: values, indices, scales), the ratio to the dense fp32 all-reduce, and
-the final loss (mean of the last 20 steps) against the uncompressed run. Writes the loss
-curves to bench/out/compression.png and the figures to bench/out/compression.json.
+the final loss (mean of the last 20 steps) against its baseline. Writes the loss curves to
+bench/out/compression.png and the figures to bench/out/compression.json.
 
     python bench/compression.py [--steps 300] [--nproc 4] [--model tiny] [--only none dgc ...]
 """
@@ -18,27 +25,29 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
+BASELINES = {"adamw": "adamw none", "sgd": "sgd none"}
 
 
-def runs(steps: int) -> dict[str, list[str]]:
-    warm = max(1, steps // 5)  # 1-bit Adam's uncompressed warm-up: 20% of the run
-    dgc = ["compress.method=dgc", f"compress.dgc_warmup_steps={warm}"]
+def runs(steps: int) -> dict[str, tuple[str, list[str]]]:
+    """name -> (optimizer, overrides); the baseline of each optimizer is `<optimizer> none`."""
+    warm = max(1, steps // 5)  # uncompressed warm-up (1-bit Adam) / sparsity warm-up (DGC): 20% of the run
+    dgc = ["compress.method=dgc", "compress.dgc_sparsity=0.999", f"compress.dgc_warmup_steps={warm}"]
     onebit = ["compress.method=onebit", f"compress.warmup_steps={warm}"]
-    sign = ["compress.method=onebit", "compress.onebit_adam=false"]
+    sign = ["compress.method=onebit", "compress.onebit_adam=false", f"compress.warmup_steps={warm}"]
     powersgd = ["compress.method=powersgd", "compress.powersgd_rank=4"]
-    return {
-        "none": [], "fp16": ["compress.method=fp16"], "bf16": ["compress.method=bf16"],
-        "dgc 90%": dgc + ["compress.dgc_sparsity=0.9"],
-        "dgc 90% no-momentum-corr": dgc + ["compress.dgc_sparsity=0.9", "compress.dgc_momentum_correction=false"],
-        "dgc 90% no-error-feedback": dgc + ["compress.dgc_sparsity=0.9", "compress.error_feedback=false"],
-        "dgc 99%": dgc + ["compress.dgc_sparsity=0.99"],
-        "dgc 99% no-momentum-corr": dgc + ["compress.dgc_sparsity=0.99", "compress.dgc_momentum_correction=false"],
-        "dgc 99% no-error-feedback": dgc + ["compress.dgc_sparsity=0.99", "compress.error_feedback=false"],
-        "dgc 99.9%": dgc + ["compress.dgc_sparsity=0.999"],
-        "1-bit adam": onebit, "1-bit adam no-error-feedback": onebit + ["compress.error_feedback=false"],
-        "1-bit sign": sign, "1-bit sign no-error-feedback": sign + ["compress.error_feedback=false"],
-        "powersgd r4": powersgd, "powersgd r4 no-error-feedback": powersgd + ["compress.error_feedback=false"],
+    no_ef = ["compress.error_feedback=false"]
+    adamw = {
+        "adamw none": [], "fp16": ["compress.method=fp16"], "bf16": ["compress.method=bf16"],
+        "powersgd r4": powersgd, "powersgd r4 no-error-feedback": powersgd + no_ef,
+        "1-bit adam": onebit, "1-bit adam no-error-feedback": onebit + no_ef,
     }
+    sgd = {
+        "sgd none": [],
+        "dgc 99.9%": dgc, "dgc 99.9% no-momentum-corr": dgc + ["compress.dgc_momentum_correction=false"],
+        "dgc 99.9% no-error-feedback": dgc + no_ef,
+        "1-bit sign": sign, "1-bit sign no-error-feedback": sign + no_ef,
+    }
+    return {**{k: ("adamw", v) for k, v in adamw.items()}, **{k: ("sgd", v) for k, v in sgd.items()}}
 
 
 def train_one(overrides: list[str], out: str) -> dict:
@@ -64,18 +73,23 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
     for name, res in results.items():
         losses = res["losses"]
         smooth = [sum(losses[max(0, i - 9): i + 1]) / len(losses[max(0, i - 9): i + 1]) for i in range(len(losses))]
+        ax = axes[0 if res["optimizer"] == "adamw" else 1]
+        base = name in BASELINES.values()
         style = "--" if "no-" in name else "-"
-        ax.plot(range(1, len(losses) + 1), smooth, style, label=name, linewidth=2.2 if name == "none" else 1.2,
-                color="black" if name == "none" else None)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (10-step mean)")
-    ax.set_title("gradient compression: loss curves (dashed: mechanism switched off)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+        ax.plot(range(1, len(losses) + 1), smooth, style, label=name, linewidth=2.2 if base else 1.2,
+                color="black" if base else None)
+    for ax, title in zip(axes, ("AdamW: fp16, bf16, PowerSGD, 1-bit Adam", "momentum SGD: DGC, 1-bit sign")):
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (10-step mean)")
+        ax.set_title(title)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle("gradient compression: loss curves against the uncompressed run (dashed: mechanism switched off)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -87,41 +101,54 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    parser.add_argument("--sgd-lr", type=float, default=0.5, help="momentum SGD's learning rate")
+    parser.add_argument("--sgd-set", action="append", default=["train.weight_decay=0", "train.momentum=0.9"],
+                        help="extra config overrides of the SGD runs")
     parser.add_argument("--set", dest="extra", action="append", default=[], help="extra config overrides")
-    parser.add_argument("--only", nargs="+", help="names of the runs to do (default: all)")
+    parser.add_argument("--only", nargs="+", help="names of the runs to do (default: all; baselines always)")
+    parser.add_argument("--tag", default="compression", help="name of the output files in bench/out")
     args = parser.parse_args()
 
     from threefold.world import World
 
     base = [f"model.preset={args.model}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
-            f"train.seq_len={args.seq_len}", f"train.lr={args.lr}", f"train.warmup_steps={args.steps // 20}",
-            "data.source=stdlib", *args.extra]
-    todo = {k: v for k, v in runs(args.steps).items() if not args.only or k in args.only or k == "none"}
+            f"train.seq_len={args.seq_len}", f"train.warmup_steps={args.steps // 20}", "data.source=stdlib",
+            *args.extra]
+    per_optimizer = {"adamw": ["train.optimizer=adamw", f"train.lr={args.lr}"],
+                     "sgd": ["train.optimizer=sgd", f"train.lr={args.sgd_lr}", *args.sgd_set]}
+    todo = {k: v for k, v in runs(args.steps).items() if not args.only or k in args.only}
+    needed = {BASELINES[opt] for opt, _ in todo.values()}
+    todo = {k: v for k, v in runs(args.steps).items() if k in todo or k in needed}
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
     with World(args.nproc, timeout_s=3600) as world:
-        for name, overrides in todo.items():
-            results[name] = world.run(train_one, base + overrides, str(OUT / "runs"))[0]
-            print(f"  {name}: {results[name]['seconds']:.0f} s", flush=True)
+        for name, (optimizer, overrides) in todo.items():
+            results[name] = world.run(train_one, base + per_optimizer[optimizer] + overrides, str(OUT / "runs"))[0]
+            results[name]["optimizer"] = optimizer
+            print(f"  {name}: {results[name]['seconds']:.0f} s, final loss {final(results[name]['losses']):.4f}",
+                  flush=True)
 
-    dense_bytes = results["none"]["grad_bytes"][-1]
-    reference = final(results["none"]["losses"])
+    dense_bytes = results[BASELINES[next(iter(todo.values()))[0]]]["grad_bytes"][-1]
     print(f"\n{args.model}, {args.nproc} processes, {args.steps} steps, global batch {args.global_batch} x "
-          f"{args.seq_len} tokens, stdlib corpus; final loss = mean of the last 20 steps\n")
-    print(f"{'method':32} {'bytes/step':>11} {'vs dense':>9} {'final loss':>11} {'vs none':>8}")
+          f"{args.seq_len} tokens, stdlib corpus; AdamW lr {args.lr}, momentum SGD lr {args.sgd_lr} "
+          f"({' '.join(args.sgd_set)}); final loss = mean of the last 20 steps\n")
+    print(f"{'method':32} {'optimizer':>9} {'bytes/step':>11} {'vs dense':>9} {'final loss':>11} {'vs baseline':>12}")
     table = []
     for name, res in results.items():
         sent = res["grad_bytes"][-1]
         loss = final(res["losses"])
-        row = {"method": name, "bytes_per_step": sent, "compression": dense_bytes / sent if sent else float("inf"),
-               "final_loss": loss, "loss_change_pct": 100 * (loss - reference) / reference}
+        reference = final(results[BASELINES[res["optimizer"]]]["losses"])
+        row = {"method": name, "optimizer": res["optimizer"], "bytes_per_step": sent,
+               "compression": dense_bytes / sent if sent else float("inf"), "final_loss": loss,
+               "loss_change_pct": 100 * (loss - reference) / reference}
         table.append(row)
-        print(f"{name:32} {sent:>11,} {row['compression']:>8.1f}x {loss:>11.4f} {row['loss_change_pct']:>+7.2f}%")
-    (OUT / "compression.json").write_text(json.dumps({"args": vars(args), "table": table,
+        print(f"{name:32} {res['optimizer']:>9} {sent:>11,} {row['compression']:>8.1f}x {loss:>11.4f} "
+              f"{row['loss_change_pct']:>+11.2f}%")
+    (OUT / f"{args.tag}.json").write_text(json.dumps({"args": vars(args), "table": table,
                                                       "losses": {k: v["losses"] for k, v in results.items()}}))
-    plot(results, OUT / "compression.png")
-    print(f"\ncurves: {OUT / 'compression.png'}")
+    plot(results, OUT / f"{args.tag}.png")
+    print(f"\ncurves: {OUT / (args.tag + '.png')}")
 
 
 if __name__ == "__main__":

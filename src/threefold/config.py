@@ -88,7 +88,7 @@ class CompressConfig:
     method: Literal["none", "fp16", "bf16", "dgc", "onebit", "powersgd"] = "none"
     dgc_sparsity: float = 0.999  # fraction of entries NOT sent once the warm-up is over
     dgc_warmup_steps: int = 0  # density shrinks geometrically from 25% to 1 - dgc_sparsity over these steps
-    dgc_momentum: float = 0.9
+    dgc_momentum: float = 0.9  # with momentum correction it replaces train.momentum (SGD then runs without)
     dgc_momentum_correction: bool = True  # accumulate velocity (momentum) instead of raw gradients
     dgc_local_clip: bool = True  # clip each rank's gradient at train.grad_clip / sqrt(dp) before accumulating
     onebit_adam: bool = True  # onebit: 1-bit Adam (compressed momentum); false: 1-bit gradients, any optimizer
@@ -104,13 +104,16 @@ class TrainConfig:
     global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
     microbatches: int = 1  # per data-parallel rank per step (accumulation / pipeline)
     seq_len: int = 32
-    lr: float = 3e-4
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum SGD (what DGC and 1-bit gradients were made for)
+    lr: float = 3e-4  # SGD needs a much larger one, e.g. 0.1-1
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # adamw: decoupled (p *= 1 - lr wd); sgd: L2 added to the gradient (use ~1e-4)
+    beta1: float = 0.9  # adamw
+    beta2: float = 0.95  # adamw
+    eps: float = 1e-8  # adamw
+    momentum: float = 0.9  # sgd; 0: plain SGD
+    nesterov: bool = False  # sgd: Nesterov momentum
     grad_clip: float = 1.0  # clip by global norm; 0 disables
     seed: int = 0
     deterministic: bool = False
@@ -377,7 +380,8 @@ def _validate(c: Config, world_size: int) -> Config:
     if ck.init_from and not Path(ck.init_from).is_file():
         raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
                           "written by `threefold ckpt export` (or with the same tensor names)")
-    _validate_compress(c.compress, p.zero)
+    _validate_optimizer(t)
+    _validate_compress(c.compress, p.zero, t)
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
@@ -447,7 +451,19 @@ def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig)
                           f"parallelism splits it over; use a multiple of {p.tp}")
 
 
-def _validate_compress(c: CompressConfig, zero: int) -> None:
+def _validate_optimizer(t: TrainConfig) -> None:
+    if t.lr <= 0:
+        raise ConfigError("train.lr", f"must be positive, got {t.lr}")
+    if not 0.0 <= t.momentum < 1.0:
+        raise ConfigError("train.momentum", f"must be in [0, 1), got {t.momentum}; e.g. 0.9")
+    if t.nesterov and (t.optimizer != "sgd" or t.momentum == 0):
+        raise ConfigError("train.nesterov", "Nesterov momentum needs train.optimizer=sgd with train.momentum > 0 "
+                          f"(got optimizer={t.optimizer}, momentum={t.momentum})")
+    if t.weight_decay < 0:
+        raise ConfigError("train.weight_decay", f"must be at least 0, got {t.weight_decay}")
+
+
+def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
     """Ranges and the combinations with ZeRO that a compressor cannot serve."""
     if not 0.0 <= c.dgc_sparsity < 1.0:
         raise ConfigError("compress.dgc_sparsity", f"must be in [0, 1), got {c.dgc_sparsity}; e.g. 0.999")
@@ -469,6 +485,9 @@ def _validate_compress(c: CompressConfig, zero: int) -> None:
     if method == "onebit" and zero >= 2:
         raise ConfigError("compress.method", "1-bit gradients are summed whole, not reduce-scattered as ZeRO-2 "
                           "needs; use parallel.zero<=1")
+    if method == "onebit" and c.onebit_adam and t.optimizer != "adamw":
+        raise ConfigError("compress.onebit_adam", f"1-bit Adam replaces AdamW, not train.optimizer={t.optimizer}; "
+                          "use train.optimizer=adamw, or compress.onebit_adam=false (1-bit gradients, any optimizer)")
     if method == "onebit" and c.onebit_adam and c.warmup_steps < 1:
         raise ConfigError("compress.warmup_steps", "1-bit Adam needs uncompressed warm-up steps to estimate the "
                           "variance it then freezes; set it to about 15-25% of train.steps")

@@ -230,3 +230,35 @@ def test_one_process_is_a_no_op(worlds, tmp_path):
     for method in ("dgc", "onebit", "powersgd"):
         assert runs[method]["losses"] == runs["none"]["losses"], method
         assert all(torch.equal(runs[method]["params"][k], v) for k, v in runs["none"]["params"].items()), method
+
+
+
+def sgd_runs(out: str) -> dict:
+    """Momentum SGD and plain SGD uncompressed, and DGC under momentum SGD sending everything."""
+    from threefold.train.trainer import Trainer
+
+    base = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "train.steps=5", "data.source=stdlib",
+            "train.optimizer=sgd", "train.lr=0.3", "train.weight_decay=0", "train.grad_clip=0"]
+    runs = {}
+    for name, extra in (("sgd", []), ("sgd_plain", ["train.momentum=0"]),
+                        ("dgc_all", ["compress.method=dgc", "compress.dgc_sparsity=0"])):
+        trainer = Trainer(make_config(base + extra, out))
+        start = {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
+        trainer.run()
+        runs[name] = {"moved": {n: p.detach() - start[n] for n, p in trainer.parallel.module.named_parameters()},
+                      "momentum": trainer.optimizer.inner.defaults["momentum"],
+                      "states": [place.name.split(".")[1] for place, _ in trainer.optimizer.named_state()]}
+    return runs
+
+
+def test_dgc_takes_the_momentum_of_sgd(worlds, tmp_path):
+    """DGC's momentum correction owns the momentum: the optimizer applies plain SGD to the exchanged
+    update. Sending everything, momentum factor masking resets every u after it is sent, so DGC is
+    then exactly plain SGD on the summed gradient (to the bf16 values) - not momentum SGD."""
+    runs = worlds(4).run(sgd_runs, str(tmp_path))[0]
+    assert runs["sgd"]["momentum"] == 0.9 and set(runs["sgd"]["states"]) == {"momentum_buffer"}
+    assert runs["dgc_all"]["momentum"] == 0.0 and runs["dgc_all"]["states"] == []
+    plain, momentum = runs["sgd_plain"]["moved"], runs["sgd"]["moved"]
+    close = max(rel_err(runs["dgc_all"]["moved"][n], plain[n]) for n in plain if plain[n].norm() > 0)
+    far = max(rel_err(runs["dgc_all"]["moved"][n], momentum[n]) for n in plain if plain[n].norm() > 0)
+    assert close < 1e-2 and far > 0.2, (close, far)

@@ -42,6 +42,13 @@ def test_validate_fills_dp():
     (["model.heads=5"], 1, "model.hidden", "not divisible"),
     (["parallel.pp=3"], 3, "parallel.pp", "layers"),
     (["fault.rank=4"], 4, "fault.rank", "does not exist"),
+    (["train.optimizer=lamb"], 1, "train.optimizer", "not one of adamw, sgd"),
+    (["train.optimizer=sgd", "train.momentum=1.0"], 1, "train.momentum", "[0, 1)"),
+    (["train.optimizer=sgd", "train.momentum=0", "train.nesterov=true"], 1, "train.nesterov", "momentum > 0"),
+    (["train.nesterov=true"], 1, "train.nesterov", "optimizer=sgd"),
+    (["train.lr=0"], 1, "train.lr", "positive"),
+    (["train.optimizer=sgd", "compress.method=onebit", "compress.warmup_steps=5"], 4, "compress.onebit_adam",
+     "train.optimizer=adamw"),
 ])
 def test_mistakes_name_the_field_and_the_fix(overrides, world, field, words):
     with pytest.raises(ConfigError) as info:

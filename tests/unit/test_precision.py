@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from threefold.config import PrecisionConfig, TrainConfig
-from threefold.parallel.master import Piece, ShardedAdamW
+from threefold.parallel.master import Piece, ShardedOptimizer
 from threefold.parallel.precision import DynamicLossScaler, apply_precision, resolve_reduce_dtype
 from threefold.sharding import Placement
 
@@ -56,7 +56,7 @@ def test_pieces_update_exactly_like_whole_adamw(offload):
     grad = torch.zeros_like(mine)
     whole = torch.optim.AdamW([ref], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.1,
                               foreach=False)
-    opt = ShardedAdamW(_pieces(mine, grad, [7, 19]), cfg, offload=offload)
+    opt = ShardedOptimizer(_pieces(mine, grad, [7, 19]), cfg, offload=offload)
     assert opt.aliased == [not offload] * 3
     for _ in range(3):
         g = torch.randn(6, 5, generator=gen)
@@ -77,7 +77,7 @@ def test_unscaling_and_bf16_masters():
     model = torch.zeros(8, dtype=torch.bfloat16)
     grad = torch.full((8,), 1024.0, dtype=torch.bfloat16)
     init = torch.full((8,), 1.0 + 2.0**-12)  # not representable in bf16
-    opt = ShardedAdamW(_pieces(model, grad, [4]), cfg, fp32_init={"w": init})
+    opt = ShardedOptimizer(_pieces(model, grad, [4]), cfg, fp32_init={"w": init})
     assert torch.equal(opt.masters[0].data, init[:4]) and not any(opt.aliased)
     masters, _ = opt.prepare_grads(1.0 / 1024)
     assert all(torch.equal(m.grad, torch.ones(4)) for m in masters)  # unscaled, in fp32

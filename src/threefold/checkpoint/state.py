@@ -50,7 +50,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, named_params, placements
     if provided is not None:
         return list(provided())
     named_state = getattr(optimizer, "named_state", None)
-    if named_state is not None:  # ShardedAdamW: (placement, tensor) pairs named optimizer.<kind>.<param>
+    if named_state is not None:  # ShardedOptimizer: (placement, tensor) pairs named optimizer.<kind>.<param>
         return [_named_state_entry(place, tensor) for place, tensor in named_state()]
     out = []
     for local_name, param in named_params:

@@ -9,12 +9,13 @@
 Each step is a function of its own sub-config and the mesh; none imports another strategy.
 Step 5 also decides which part of every parameter this rank's optimizer updates (`pieces`):
 whole parameters for plain DP, this rank's shards under ZeRO; `make_optimizer` builds the
-fp32-master AdamW over them (parallel/master.py), in a host pool with `parallel.offload`.
+fp32-master optimizer over them (AdamW or momentum SGD, parallel/master.py), in a host pool
+with `parallel.offload`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ from ..config import Config, TrainConfig
 from ..mesh import Mesh
 from ..sharding import Placement
 from .data import parallelize_data
-from .master import Piece, ShardedAdamW
+from .master import Piece, ShardedOptimizer
 from .precision import MixedPrecision, apply_precision
 from .remat import apply_remat
 from .tensor_plan import parallelize_tensor
@@ -62,10 +63,16 @@ class ParallelModel:
     def scaler(self):
         return self.precision.scaler if self.precision is not None else None
 
-    def make_optimizer(self, cfg: TrainConfig) -> ShardedAdamW:
-        """AdamW with fp32 masters over this rank's pieces (consumes the fp32 initial values)."""
+    def make_optimizer(self, cfg: TrainConfig) -> ShardedOptimizer:
+        """`cfg.optimizer` with fp32 masters over this rank's pieces (consumes the fp32 initial values).
+
+        A gradient hook that applies the momentum itself before the exchange (DGC's momentum
+        correction) gets SGD without momentum: the exchanged sum already is the momentum update.
+        """
+        if cfg.optimizer == "sgd" and getattr(getattr(self.grad_sync, "hook", None), "applies_momentum", False):
+            cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
-        optimizer = ShardedAdamW(self.pieces, cfg, fp32_init, self.offload, self.after_step)
+        optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
         return optimizer
 

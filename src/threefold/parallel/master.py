@@ -1,4 +1,4 @@
-"""The optimizer over the pieces of parameters a rank owns: fp32 masters, AdamW, offload.
+"""The optimizer over the pieces of parameters a rank owns: fp32 masters, AdamW or SGD, offload.
 
 Shared machinery of plain data parallelism and ZeRO 1-3. A *piece* is the part of one local
 parameter whose update this rank computes: the whole parameter without ZeRO, a contiguous
@@ -6,15 +6,22 @@ range of its flattening under ZeRO 1-3. For every piece the optimizer keeps
 
     master      fp32 copy of the piece (the model holds it in the compute dtype); when the model
                 itself is fp32 and nothing is offloaded the master *is* the model's storage
-    exp_avg, exp_avg_sq   AdamW moments, fp32
+    exp_avg, exp_avg_sq   AdamW moments, fp32            (train.optimizer=adamw)
+    momentum_buffer       SGD momentum, fp32             (train.optimizer=sgd, train.momentum > 0)
 
-and runs torch's AdamW (single-tensor loop) on the masters: the update is elementwise, so any
-partition of the parameters into pieces gives the same bits as the unsharded optimizer.
+and runs the torch optimizer `train.optimizer` names (AdamW or SGD, single-tensor loop) on the
+masters: the update is elementwise, so any partition of the parameters into pieces gives the
+same bits as the unsharded optimizer. The states are allocated up front (torch creates them on
+the first step), so they are counted by memory reports and checkpointable from step 0.
 
-Offload (`parallel.offload=optimizer`): masters and moments live in a separate host pool
+Offload (`parallel.offload=optimizer`): masters and states live in a separate host pool
 (pinned CPU memory next to an accelerator, a separate CPU copy on a CPU-only machine: the same
-code path), gradients are copied there, AdamW runs there, and the updated pieces are copied
+code path), gradients are copied there, the optimizer runs there, and the updated pieces are copied
 back into the model, so accelerator memory holds only what compute needs.
+
+Compression may change what the optimizer does: 1-bit Adam swaps `inner` for its own AdamW
+(comm/compression/onebit_adam.py), and DGC's momentum correction applies the momentum before
+the exchange, so `ParallelModel.make_optimizer` then builds SGD without momentum.
 
 Checkpoints: `named_state()` returns every state tensor with a `Placement` naming the global
 tensor it is a part of (`optimizer.<kind>.<parameter>`, shaped like the parameter), so sharded
@@ -43,8 +50,28 @@ class Piece:
     start: int = 0  # range of the local parameter's flattening: [start, start + numel)
 
 
-class ShardedAdamW:
-    """AdamW over this rank's pieces with fp32 masters, optionally in a host pool.
+STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def make_inner(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The torch optimizer `cfg.optimizer` over parameter groups; foreach=False: the per-tensor
+    loop gives the same bits whatever the tensors' grouping (so pieces reproduce whole tensors)."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=False)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """Names of the per-tensor states of a torch AdamW / SGD (or 1-bit Adam), shaped like the tensor."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return STATE_KINDS["sgd"] if optimizer.defaults["momentum"] else ()
+    return STATE_KINDS["adamw"]
+
+
+class ShardedOptimizer:
+    """AdamW or SGD (`train.optimizer`) over this rank's pieces with fp32 masters, optionally in a host pool.
 
     Used by the training step as: `prepare_grads(1 / loss_scale)` -> norm over `masters` ->
     clip -> `step()` (or `skip()` after an overflow). Exposes `param_groups` like a torch
@@ -78,10 +105,13 @@ class ShardedAdamW:
                   {"params": [m for m, p in zip(self.masters, pieces) if not p.decay], "weight_decay": 0.0}]
         # a placeholder keeps a rank that owns no piece (possible under ZeRO) a valid optimizer
         groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
-        for master in self.masters:  # allocate the moments now: counted and checkpointable from step 0
-            self.inner.state[master] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master),
-                                        "exp_avg_sq": torch.zeros_like(master)}
+        self.inner = make_inner(groups, cfg)
+        self.steps = 0  # optimizer steps taken (skipped steps excluded)
+        for master in self.masters:  # allocate the states now: counted and checkpointable from step 0
+            state = {kind: torch.zeros_like(master) for kind in state_kinds(self.inner)}
+            if cfg.optimizer == "adamw":
+                state = {"step": torch.tensor(0.0), **state}  # torch's AdamW counts steps per tensor
+            self.inner.state[master] = state
 
     @staticmethod
     def _initial_values(piece: Piece, fp32_param: torch.Tensor | None) -> torch.Tensor:
@@ -124,10 +154,11 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the masters, then the model's pieces from them, then `after_step` (all-gathers)."""
+        """The update of the masters, then the model's pieces from them, then `after_step` (all-gathers)."""
         for hook in self._pre_hooks:
             hook(self, (), {})
         self.inner.step()
+        self.steps += 1
         for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
             if not alias:
                 piece.model.copy_(master, non_blocking=True)
@@ -143,7 +174,7 @@ class ShardedAdamW:
     # ------------------------------------------------------------ memory and checkpoints
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Masters not shared with the model, and the moments (scalars such as `step` excluded)."""
+        """Masters not shared with the model, and the optimizer states (scalars such as `step` excluded)."""
         out = [m for m, alias in zip(self.masters, self.aliased) if not alias]
         for master in self.masters:
             out += [v for v in self.inner.state[master].values() if v.dim() > 0]
@@ -160,19 +191,26 @@ class ShardedAdamW:
             state = self.inner.state[master]
             if not alias:
                 out.append((replace(piece.placement, name=f"optimizer.master.{piece.placement.name}"), master))
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in state_kinds(self.inner):
                 out.append((replace(piece.placement, name=f"optimizer.{kind}.{piece.placement.name}"), state[kind]))
         return out
 
     def step_count(self) -> int:
-        return int(self.inner.state[self.masters[0]]["step"]) if self.masters else 0
+        return self.steps
+
+    def _set_step(self, step: int) -> None:
+        self.steps = step
+        for master in self.masters:
+            counter = self.inner.state[master].get("step")
+            if counter is not None:  # Adam's per-tensor count (its bias corrections depend on it)
+                counter.fill_(float(step))
 
     @torch.no_grad()
     def after_load(self, step: int, masters_loaded: bool) -> None:
         """After a checkpoint filled the states in place: set the step count and make masters
         and model agree (from the loaded masters, or, written without them, from the model)."""
+        self._set_step(step)
         for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
-            self.inner.state[master]["step"].fill_(float(step))
             if alias:
                 continue
             if masters_loaded:
@@ -189,6 +227,6 @@ class ShardedAdamW:
             if not alias and key in tensors:
                 master.copy_(tensors[key])
                 piece.model.copy_(master)
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in state_kinds(self.inner):
                 state[kind].copy_(tensors[f"optimizer.{kind}.{piece.placement.name}"])
-            state["step"].fill_(float(step))
+        self._set_step(step)

@@ -56,7 +56,7 @@ class Trainer:
         self.sampler = Sampler(tokens, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
         model = build_model(cfg.model, cfg.train.seed, device)
         self.parallel = parallelize(model, self.mesh, self.comm, cfg)
-        # AdamW with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
+        # AdamW or momentum SGD with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
         # 1-bit Adam takes its place when compress.method=onebit asks for it
         self.optimizer = adapt_optimizer(self.parallel.make_optimizer(cfg.train), self.parallel.grad_sync)
         pipeline = self.parallel.pipeline  # pp > 1: the schedule's runtime runs forward and backward
@@ -141,7 +141,7 @@ class Trainer:
         """Bytes this rank holds, each storage counted once: model states and the step's activations.
 
         `optimizer` is what stays in the compute device's pool (fp32 masters not shared with the
-        model, Adam moments); with `parallel.offload`, `offloaded` is what moved to the host pool.
+        model, Adam moments or SGD momentum); with `parallel.offload`, `offloaded` is what moved to the host pool.
         """
         params = storage_bytes(self.parallel.param_tensors())
         grads = storage_bytes(self.parallel.grad_tensors())

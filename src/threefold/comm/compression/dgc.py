@@ -11,6 +11,10 @@ Per bucket and rank, each step (g = this rank's gradient, flat):
     exchange             all_gather of (values bf16, indices int32) packed in one byte buffer;
                          every rank adds all n sparse vectors into the bucket: the summed gradient
 
+With momentum correction the momentum lives here, per rank: the summed update is already the
+momentum step, so momentum SGD (train.optimizer=sgd) runs without its own momentum then
+(`applies_momentum`, read by ParallelModel.make_optimizer).
+
 The density follows the warm-up schedule: 25% at step 0, shrinking geometrically to
 1 - sparsity over `warmup_steps` steps (75% -> 93.75% -> ... -> 99.9%), then constant.
 Values travel in bf16 and their rounding error stays in v, so nothing is lost over time.
@@ -42,6 +46,12 @@ class DGCHook:
         self.momentum_correction = momentum_correction
         self.clip = clip  # threshold on the global gradient norm; 0: no local clipping
         self.error_feedback = error_feedback
+
+    @property
+    def applies_momentum(self) -> bool:
+        """The momentum is applied here, per rank, before the exchange (momentum correction): the
+        summed sparse update is already the momentum step, so SGD must apply it without momentum."""
+        return self.momentum_correction
 
     def density(self, step: int) -> float:
         """Fraction of entries sent at 0-based `step`."""

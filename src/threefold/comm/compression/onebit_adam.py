@@ -138,7 +138,7 @@ class OneBitAdam(torch.optim.Optimizer):
 def adapt_optimizer(optimizer, grad_sync):
     """The optimizer the gradient sync's compression needs: 1-bit Adam replaces AdamW; else unchanged.
 
-    `optimizer` is a torch AdamW, or the trainer's ShardedAdamW whose `inner` AdamW over the fp32
+    `optimizer` is a torch AdamW, or the trainer's ShardedOptimizer whose `inner` AdamW over the fp32
     masters is swapped (moments carried over: both keep step, exp_avg, exp_avg_sq per tensor).
     """
     hook = getattr(grad_sync, "hook", None)
