@@ -144,11 +144,27 @@ class TrainingState:
     placements: dict[str, Placement]
     optimizer: torch.optim.Optimizer | None = None
     stateful: dict[str, object] = field(default_factory=dict)  # name -> object with state_dict()/load_state_dict()
+    # Tensors that belong to this rank alone (gradient-compression residuals and momenta): saved
+    # as rank/<global rank>/<key>, restored only under the same layout, dropped under another one
+    # (their split over buckets and dp ranks would not fit).
+    rank_state: object | None = None  # state_dict() / load_state_dict() of named tensors
+    rank: int = 0
+    layout: dict = field(default_factory=dict)
+    _pending: dict = field(default_factory=dict, repr=False)
+
+    def _rank_prefix(self) -> str:
+        return f"rank/{self.rank:05d}/"
+
+    def rank_entries(self, tensors: dict[str, torch.Tensor]) -> list[Entry]:
+        return [Entry(self._rank_prefix() + key, t, Placement.whole(self._rank_prefix() + key, t.shape))
+                for key, t in tensors.items()]
 
     def entries(self) -> list[Entry]:
         out = model_entries(self.named_params, self.placements)
         if self.optimizer is not None:
             out += optimizer_entries(self.optimizer, self.trainable(), self.placements)
+        if self.rank_state is not None:
+            out += self.rank_entries(self.rank_state.state_dict())
         return out
 
     def trainable(self):
@@ -159,7 +175,15 @@ class TrainingState:
         the optimizer then takes them from the loaded parameters)."""
         if self.optimizer is not None:
             create_optimizer_state(self.optimizer, self.trainable(), self.placements, manifest)
-        return [e for e in self.entries() if e.name in manifest.tensors or not e.name.endswith("/master")]
+        out = [e for e in self.entries() if e.name in manifest.tensors or not e.name.endswith("/master")]
+        out = [e for e in out if not e.name.startswith("rank/")]
+        self._pending = {}
+        if self.rank_state is not None and manifest.layout == self.layout:
+            prefix = self._rank_prefix()
+            self._pending = {name[len(prefix):]: torch.zeros(info.shape, dtype=DTYPES[info.dtype])
+                             for name, info in manifest.tensors.items() if name.startswith(prefix)}
+            out += self.rank_entries(self._pending)
+        return out
 
     def extra(self) -> dict:
         return {name: obj.state_dict() for name, obj in self.stateful.items()}
@@ -168,3 +192,6 @@ class TrainingState:
         for name, obj in self.stateful.items():
             if name in extra:
                 obj.load_state_dict(extra[name])
+        if self._pending:
+            self.rank_state.load_state_dict(self._pending)
+            self._pending = {}

@@ -88,8 +88,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def training_state(self) -> TrainingState:
+        grad_sync = self.parallel.grad_sync
         return TrainingState(list(self.parallel.module.named_parameters()), self.parallel.placements,
-                             self.optimizer, self.stateful)
+                             self.optimizer, self.stateful,
+                             rank_state=grad_sync if hasattr(grad_sync, "state_dict") else None,
+                             rank=self.mesh.global_rank, layout=self._checkpoint_meta()["layout"])
 
     def _restore(self) -> None:
         """Resume from a checkpoint (parameters, optimizer, RNG, data position = step), or start
