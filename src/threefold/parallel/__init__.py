@@ -118,15 +118,19 @@ def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> Parall
                   for name, q in named]
         after_step = None
     elif stage in (1, 2):
-        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire)
+        # with a pipeline, stage 2 reduce-scatters after the last micro-batch (see zero.py)
+        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=split is not None)
         pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         after_step = grad_sync.gather_params
     else:
-        grad_sync = Zero3(model, comm, wire)
+        # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
+        grad_sync = Zero3(model, comm, wire, stage_passes=split is not None)
         pieces = grad_sync.pieces(placements)
         placements = grad_sync.placements(placements)
         after_step = None
-    pipeline = split.runtime(comm, grad_sync, precision.compute_dtype) if split is not None else None
-    return ParallelModel(model, grad_sync, placements, pieces, precision, stage, p.offload == "optimizer",
-                         after_step, regions, pipeline)
+    parallel = ParallelModel(model, grad_sync, placements, pieces, precision, stage, p.offload == "optimizer",
+                             after_step, regions)
+    if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
+        parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
+    return parallel
