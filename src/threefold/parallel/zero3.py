@@ -34,7 +34,8 @@ above, and a pass reduce-scatters the units its gradients reached, leaving the o
 stage's units on this rank, or the weights before a split backward's weight half) for the pass
 that reaches them, instead of sending zeros. The weight tied between the first and the last
 stage is then already a reduced shard on both ends; both shard it alike (same size, same dp),
-so the ends exchange matching shards (`gradient_of`).
+so the ends exchange matching shards (`gradient_of`). A split backward's weight half runs no
+module hook: the runtime names the weights it is about to use (`gather_for`).
 
 Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
 reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
@@ -339,7 +340,8 @@ class Zero3:
     def _end_pass(self) -> None:
         """Reduce what backward did not (unused parameters: zeros), in unit order, then release all."""
         for unit in self.units:
-            reached = unit.pending < len(unit.trainable)
+            # reached: a gradient arrived (a split backward's weight half assigns `.grad` without hooks)
+            reached = any(sp.full.grad is not None for sp in unit.trainable)
             if not unit.reduced and unit.trainable and (reached or not self.stage_passes):
                 self._reduce(unit)
         while self._inflight:
@@ -356,6 +358,14 @@ class Zero3:
         self._begin_pass()
         yield
         self._end_pass()
+
+    @torch.no_grad()
+    def gather_for(self, params: list[nn.Parameter]) -> None:
+        """Gather the units of `params` (whole forms) for a backward no module hook announces: a split
+        backward's weight half re-enters nodes that read the weights (inside a pass; released as usual)."""
+        for unit in dict.fromkeys(self._by_full[id(p)][0] for p in params if id(p) in self._by_full):
+            if not unit.reduced:
+                self._unshard(unit)
 
     def finish(self) -> None:
         while self._inflight:
