@@ -6,6 +6,15 @@
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
 
+Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
+model; the pipeline keeps its stages of that model; checkpointing wraps the blocks a rank
+still holds; precision casts only what is kept; the gradient sync comes last because it lays
+out buckets or shards over the final local parameters in their final dtype. With pp > 1 the
+schedule's runtime is built after it, since it drives the sync: ZeRO-2 then reduce-scatters
+after the last micro-batch (`defer`), ZeRO-3 reduces per schedule pass the units that pass
+reached (`stage_passes`), and the tied first/last-stage weights exchange gradients in the form
+the sync holds them (`gradient_of`). See docs/composition.md.
+
 Each step is a function of its own sub-config and the mesh; none imports another strategy.
 Step 5 also decides which part of every parameter this rank's optimizer updates (`pieces`):
 whole parameters for plain DP, this rank's shards under ZeRO; `make_optimizer` builds the
