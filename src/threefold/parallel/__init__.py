@@ -6,6 +6,15 @@
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
 
+Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
+model; the pipeline keeps its stages of that model; checkpointing wraps the blocks a rank
+still holds; precision casts only what is kept; the gradient sync comes last because it lays
+out buckets or shards over the final local parameters in their final dtype. With pp > 1 the
+schedule's runtime is built after it, since it drives the sync: ZeRO-2 then reduce-scatters
+after the last micro-batch (`defer`), ZeRO-3 reduces per schedule pass the units that pass
+reached (`stage_passes`), and the tied first/last-stage weights exchange gradients in the form
+the sync holds them (`gradient_of`). See docs/composition.md.
+
 Each step is a function of its own sub-config and the mesh; none imports another strategy.
 Step 5 also decides which part of every parameter this rank's optimizer updates (`pieces`):
 whole parameters for plain DP, this rank's shards under ZeRO; `make_optimizer` builds the
@@ -125,15 +134,19 @@ def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> Parall
                   for name, q in named]
         after_step = None
     elif stage in (1, 2):
-        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire)
+        # with a pipeline, stage 2 reduce-scatters after the last micro-batch (see zero.py)
+        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=split is not None)
         pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         after_step = grad_sync.gather_params
     else:
-        grad_sync = Zero3(model, comm, wire)
+        # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
+        grad_sync = Zero3(model, comm, wire, stage_passes=split is not None)
         pieces = grad_sync.pieces(placements)
         placements = grad_sync.placements(placements)
         after_step = None
-    pipeline = split.runtime(comm, grad_sync, precision.compute_dtype) if split is not None else None
-    return ParallelModel(model, grad_sync, placements, pieces, precision, stage, p.offload == "optimizer",
-                         after_step, regions, pipeline)
+    parallel = ParallelModel(model, grad_sync, placements, pieces, precision, stage, p.offload == "optimizer",
+                             after_step, regions)
+    if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
+        parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
+    return parallel

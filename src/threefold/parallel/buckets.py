@@ -83,6 +83,9 @@ class GradientBuckets:
         self._hooks_fired = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
+    def bucket_of(self, param: nn.Parameter) -> Bucket:
+        return self._bucket_of[param]
+
     # ------------------------------------------------------------ during backward
 
     def _on_grad(self, param: nn.Parameter) -> None:

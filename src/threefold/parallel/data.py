@@ -81,6 +81,10 @@ class DataParallelReducer:
     def zero_grad(self) -> None:
         self.buckets.zero_grad()
 
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        """Where `param`'s gradient accumulates before `finish()` (a view of its bucket)."""
+        return param.grad
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The hook's memory (compression residuals, momenta, warm-up position) as named tensors.
 

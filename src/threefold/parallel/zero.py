@@ -30,6 +30,14 @@ gradients and then all-gathered the parameters would send 1.5x plain DP.) Stage 
 micro-batches reduce-scatters M times per step: that is the price of never holding whole
 gradients across micro-batches.
 
+Under pipeline parallelism (`defer=True`, set by `parallelize`) stage 2 keeps whole gradient
+buckets across the schedule's micro-batches and reduce-scatters once, in `finish()`: the
+schedule interleaves the micro-batches' backward passes of several stages, and the weights tied
+between the first and last stage must exchange whole gradients before any reduce-scatter (the
+two ends lay out their buckets differently, so their shards would not match). Whole buckets
+then live during the step only; between steps a rank holds its gradient shards, as without
+pipelining.
+
 Stage 3 (zero3.py) shards the parameters too.
 """
 
@@ -63,9 +71,11 @@ class ZeroReducer:
     """ZeRO stage 1 or 2 over `axis`: the grad-sync interface plus the pieces this rank updates."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, stage: int,
-                 bucket_mb: float = 25.0, wire_dtype: torch.dtype | None = None, axis: str = "dp"):
+                 bucket_mb: float = 25.0, wire_dtype: torch.dtype | None = None, axis: str = "dp",
+                 defer: bool = False):
         assert stage in (1, 2)
         self.comm, self.stage, self.axis = comm, stage, axis
+        self.defer = defer  # stage 2: accumulate whole buckets, reduce-scatter in finish() only (pipeline)
         self.wire_dtype = wire_dtype
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         trainable = [(name, p) for name, p in named_params if p.requires_grad]
@@ -145,8 +155,8 @@ class ZeroReducer:
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool):
-        """Stage 1 communicates in the last micro-batch only; stage 2 in every one."""
-        if self.stage == 1:
+        """Stage 1 communicates in the last micro-batch only; stage 2 in every one (deferred: in finish())."""
+        if self.stage == 1 or self.defer:
             self.buckets.sync = last
             try:
                 yield
@@ -171,6 +181,12 @@ class ZeroReducer:
         for b in self.buckets.buckets:
             if _allocated(b.buffer):
                 b.buffer.zero_()
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        """Where `param`'s gradient accumulates before `finish()`: its (whole) view of the bucket."""
+        if self.stage == 2:
+            self._materialize(self.buckets.bucket_of(param), None)
+        return param.grad
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """Gradient storage of this rank (released stage-2 buckets count zero bytes)."""

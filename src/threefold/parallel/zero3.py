@@ -1,6 +1,7 @@
 """ZeRO stage 3: parameters sharded over dp, gathered one unit at a time.
 
-Units are the model's natural pieces: each transformer block (`blocks.<i>`), and every other
+Units are the model's natural pieces: each transformer block (`blocks.<i>`, items of a
+ModuleList or, in a pipeline stage's module, a ModuleDict), and every other
 top-level child with parameters (embed, norm, head); parameters directly on the root form a
 root unit. Every parameter is flattened, padded to a multiple of N and cut into N equal
 chunks; rank r keeps chunk r as its (1-D) parameter, so `named_parameters()` lists flat shards
@@ -25,6 +26,16 @@ Whole parameters keep their identity between gathers: the storage of each origin
 `nn.Parameter` is resized to zero when released and re-allocated when gathered (the autograd
 graph and the checkpointing recompute see the same objects). The copy into it does not bump the
 tensor's version counter, which autograd would otherwise read as an in-place modification.
+
+Under pipeline parallelism (`stage_passes=True`, set by `parallelize`) the schedule runs each
+(stage, micro-batch) backward - or its input and weight halves - as a pass of its own, with
+forwards of other micro-batches in between: every forward gathers and releases its units as
+above, and a pass reduce-scatters the units its gradients reached, leaving the others (another
+stage's units on this rank, or the weights before a split backward's weight half) for the pass
+that reaches them, instead of sending zeros. The weight tied between the first and the last
+stage is then already a reduced shard on both ends; both shard it alike (same size, same dp),
+so the ends exchange matching shards (`gradient_of`). A split backward's weight half runs no
+module hook: the runtime names the weights it is about to use (`gather_for`).
 
 Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
 reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
@@ -86,10 +97,10 @@ class Hooked:
 
 
 def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Top-level children with parameters; the items of a ModuleList/Sequential are units each."""
+    """Top-level children with parameters; the items of a ModuleList/Sequential/ModuleDict are units each."""
     out = []
     for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             out += [(f"{name}.{n}", c) for n, c in child.named_children() if next(c.parameters(), None) is not None]
         elif next(child.parameters(), None) is not None:
             out.append((name, child))
@@ -105,8 +116,9 @@ class Zero3:
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
-                 prefetch: bool = True):
+                 prefetch: bool = True, stage_passes: bool = False):
         self.model, self.comm, self.axis = model, comm, axis
+        self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
         self.prefetch = prefetch
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
@@ -328,7 +340,9 @@ class Zero3:
     def _end_pass(self) -> None:
         """Reduce what backward did not (unused parameters: zeros), in unit order, then release all."""
         for unit in self.units:
-            if not unit.reduced and unit.trainable:
+            # reached: a gradient arrived (a split backward's weight half assigns `.grad` without hooks)
+            reached = any(sp.full.grad is not None for sp in unit.trainable)
+            if not unit.reduced and unit.trainable and (reached or not self.stage_passes):
                 self._reduce(unit)
         while self._inflight:
             self._complete_one()
@@ -345,6 +359,14 @@ class Zero3:
         yield
         self._end_pass()
 
+    @torch.no_grad()
+    def gather_for(self, params: list[nn.Parameter]) -> None:
+        """Gather the units of `params` (whole forms) for a backward no module hook announces: a split
+        backward's weight half re-enters nodes that read the weights (inside a pass; released as usual)."""
+        for unit in dict.fromkeys(self._by_full[id(p)][0] for p in params if id(p) in self._by_full):
+            if not unit.reduced:
+                self._unshard(unit)
+
     def finish(self) -> None:
         while self._inflight:
             self._complete_one()
@@ -354,6 +376,11 @@ class Zero3:
             unit.grad_flat.zero_()
             for sp in unit.trainable:
                 sp.shard.grad = unit.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk]
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        """Where `param`'s gradient is after the passes: this rank's reduced shard of it (flat, padded)."""
+        unit, sp = self._by_full[id(param)]
+        return unit.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk]
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [unit.grad_flat for unit in self.units]

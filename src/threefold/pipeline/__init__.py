@@ -37,10 +37,21 @@ class PipelineSplit:
     tied_peer: int  # pp coordinate holding the other copy
     model_cfg: object
 
-    def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32) -> PipelineRuntime:
-        meter = SavedTensorMeter(exclude=list(self.module.parameters()) + list(self.module.buffers()))
+    def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32,
+                weights: list[torch.Tensor] | None = None) -> PipelineRuntime:
+        """The interpreter for this rank. `weights`: every tensor holding weights (under ZeRO-3 the
+        shards and the whole forms), which the activation meter must not count."""
+        if weights is None:
+            weights = list(self.module.parameters()) + list(self.module.buffers())
+        meter = SavedTensorMeter(exclude=weights)
         compute = ModuleCompute(self.module, self.adapter, grad_sync, meter)
-        tied_grads = (lambda: sum_tied_gradients(comm, self.tied, self.tied_peer)) if self.tied else None
+        # the tied weights' gradients as the sync holds them after the schedule: whole and not yet
+        # reduced over dp (plain DP, ZeRO 1-2), or this rank's reduced shard (ZeRO-3); both ends alike
+        gradient_of = getattr(grad_sync, "gradient_of", None) or (lambda p: p.grad)
+        tied_grads = None
+        if self.tied:
+            def tied_grads():
+                sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied], self.tied_peer)
         return PipelineRuntime(self.schedule, self.stages, compute, comm,
                                lambda shape: self.adapter.activation_shape(self.model_cfg, shape), dtype, tied_grads)
 
@@ -95,15 +106,21 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
     return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model)
 
 
-def sum_tied_gradients(comm: Comm, params: list[nn.Parameter], peer: int) -> None:
+def _grad_or_zeros(param: nn.Parameter, gradient_of) -> torch.Tensor:
+    grad = gradient_of(param)
+    if grad is None:  # no gradient reached this end (plain tensors without a sync)
+        grad = param.grad = torch.zeros_like(param)
+    return grad
+
+
+def sum_tied_gradients(comm: Comm, grads: list[torch.Tensor], peer: int) -> None:
     """First and last stage each add the other's gradient of their shared weights (send/recv on "pp").
 
-    Both end with the same sum (a + b == b + a exactly), so both copies take the same step.
+    `grads` are the tensors holding the gradients, in the same form on both ends. Both end with
+    the same sum (a + b == b + a exactly), so both copies take the same step.
     """
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        received = torch.empty_like(param.grad)
-        for handle in comm.batch_send_recv([(param.grad, "pp", peer)], [(received, "pp", peer)]):
+    for grad in grads:
+        received = torch.empty_like(grad)
+        for handle in comm.batch_send_recv([(grad, "pp", peer)], [(received, "pp", peer)]):
             handle.wait()
-        param.grad.add_(received)
+        grad.add_(received)

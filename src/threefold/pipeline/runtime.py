@@ -69,9 +69,13 @@ class ModuleCompute:
         self.scale = global_tokens
         self.held = 0
 
-    def _weights(self, stage: Stage) -> list[torch.nn.Parameter]:
-        if stage.index not in self._params:  # the embedding's weights get their gradient separately
-            self._params[stage.index] = self.module.stage_parameters(stage, self.adapter, with_first=False)
+    def _weights(self, stage: Stage, state: MicroState) -> list[torch.nn.Parameter]:
+        """The trainable leaves the stage's graph uses (not its input; the embedding, behind the
+        detached input, gets its gradient separately). Read from the graph rather than from the
+        modules: a strategy may hold other objects in the modules between uses (ZeRO-3's shards
+        while the graph refers to the whole parameters). The same objects serve every micro-batch."""
+        if stage.index not in self._params:
+            self._params[stage.index] = graph_leaves(state.out, exclude=state.inp)
         return self._params[stage.index]
 
     def forward(self, stage, x, targets):
@@ -117,16 +121,37 @@ class ModuleCompute:
         # are kept in `groups` (torch.distributed.pipelining's input/weight split)
         with self._sync():
             dinputs, state.groups = stage_backward_input(
-                [state.out], None if grad is None else [grad], [state.inp], iter(self._weights(stage)))
+                [state.out], None if grad is None else [grad], [state.inp], iter(self._weights(stage, state)))
         return None if stage.first else dinputs[0]
 
     def backward_weight(self, stage, state: MicroState) -> None:
+        weights = self._weights(stage, state)
         with self._sync():
-            stage_backward_weight(iter(self._weights(stage)), state.groups)
+            gather_for = getattr(self.grad_sync, "gather_for", None)
+            if gather_for is not None:  # ZeRO-3: no module hook runs here, the weights must be whole
+                gather_for(weights)
+            stage_backward_weight(iter(weights), state.groups)
             if state.embed_out is not None:
                 torch.autograd.backward(state.embed_out, state.inp.grad)
         state.groups = []
         self.held -= state.nbytes
+
+
+def graph_leaves(out: torch.Tensor, exclude: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Leaves requiring grad that `out`'s autograd graph accumulates into, in discovery order."""
+    leaves, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            if variable is not exclude:
+                leaves.append(variable)
+            continue
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 class _nullcontext:

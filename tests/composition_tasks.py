@@ -1,0 +1,32 @@
+"""Functions run on every rank of a test world for the composition tests (module level: picklable)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from tests.helpers import make_config
+
+
+def train_layout(overrides: list[str], out: str) -> dict:
+    """Train; return losses, grad norms, the final local parameters with their placements."""
+    from threefold.train.trainer import Trainer
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        trainer = Trainer(make_config(overrides, out))
+        records = trainer.run()
+    mesh = trainer.mesh
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "mem": records[-1]["mem"] if records else None,
+            "params": {n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()},
+            "placements": dict(trainer.parallel.placements),
+            "coords": (mesh.rank("dp"), mesh.rank("tp"), mesh.rank("pp")), "rank": mesh.global_rank,
+            "resumed_from": trainer.resumed_from.name if trainer.resumed_from else None}
+
+
+def train_many(runs: list[tuple[list[str], str]]) -> list[dict]:
+    """Several trainings in one world task (one round trip to the processes)."""
+    return [train_layout(overrides, out) for overrides, out in runs]
