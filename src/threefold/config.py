@@ -475,16 +475,12 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
     if c.powersgd_rank < 1:
         raise ConfigError("compress.powersgd_rank", f"must be at least 1, got {c.powersgd_rank}")
     method = c.method
-    if zero == 3 and method in ("dgc", "onebit", "powersgd"):
-        raise ConfigError("compress.method", f"{method} needs each rank's whole gradient, which ZeRO-3 never forms; "
-                          "use parallel.zero<=2, or compress.method none/fp16/bf16")
-    if method == "onebit" and c.onebit_adam and zero >= 1:
-        raise ConfigError("compress.method", "1-bit Adam keeps the full momentum and frozen variance on every rank "
-                          "and replaces the optimizer, which ZeRO shards; use parallel.zero=0, or set "
-                          "compress.onebit_adam=false (1-bit gradients) with parallel.zero<=1")
-    if method == "onebit" and zero >= 2:
-        raise ConfigError("compress.method", "1-bit gradients are summed whole, not reduce-scattered as ZeRO-2 "
-                          "needs; use parallel.zero<=1")
+    # ZeRO reduce-scatters gradients instead of all-reducing them: the compression hooks (which
+    # replace that all-reduce) do not apply; a 16-bit wire does (the ZeRO reducer casts).
+    if zero >= 1 and method in ("dgc", "onebit", "powersgd"):
+        raise ConfigError("compress.method", f"{method} compresses the all-reduce of plain data parallelism; "
+                          f"ZeRO-{zero} reduce-scatters gradients instead; use parallel.zero=0, or "
+                          "compress.method none/fp16/bf16 with ZeRO")
     if method == "onebit" and c.onebit_adam and t.optimizer != "adamw":
         raise ConfigError("compress.onebit_adam", f"1-bit Adam replaces AdamW, not train.optimizer={t.optimizer}; "
                           "use train.optimizer=adamw, or compress.onebit_adam=false (1-bit gradients, any optimizer)")
@@ -494,9 +490,9 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
     if c.hierarchical and method in ("dgc", "onebit"):
         raise ConfigError("compress.hierarchical", f"{method} exchanges with all-gather / all-to-all, which have no "
                           "hierarchical form here; use it with none, fp16, bf16 or powersgd")
-    if c.hierarchical and zero >= 2:
+    if c.hierarchical and zero >= 1:
         raise ConfigError("compress.hierarchical", "the hierarchical all-reduce replaces the all-reduce of plain data "
-                          "parallelism and ZeRO-1; ZeRO-2/3 reduce-scatter instead; use parallel.zero<=1")
+                          "parallelism; ZeRO reduce-scatters instead; use parallel.zero=0")
 
 
 def _validate_pipeline(c: Config) -> None:

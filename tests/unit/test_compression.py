@@ -76,13 +76,13 @@ def test_adapt_optimizer_keeps_adamw_unless_one_bit_adam():
 
 @pytest.mark.parametrize("overrides, key, words", [
     (["compress.method=dgc", "parallel.zero=3"], "compress.method", "ZeRO-3"),
-    (["compress.method=powersgd", "parallel.zero=3"], "compress.method", "ZeRO-3"),
+    (["compress.method=powersgd", "parallel.zero=1"], "compress.method", "ZeRO-1"),
+    (["compress.method=dgc", "parallel.zero=2"], "compress.method", "ZeRO-2"),
     (["compress.method=onebit", "compress.warmup_steps=5", "parallel.zero=2", "compress.onebit_adam=false"],
      "compress.method", "ZeRO-2"),
-    (["compress.method=onebit", "compress.warmup_steps=5", "parallel.zero=1"], "compress.method", "1-bit Adam"),
     (["compress.method=onebit"], "compress.warmup_steps", "warm-up"),
     (["compress.method=dgc", "compress.hierarchical=true"], "compress.hierarchical", "all-gather"),
-    (["compress.hierarchical=true", "parallel.zero=2"], "compress.hierarchical", "ZeRO-1"),
+    (["compress.hierarchical=true", "parallel.zero=1"], "compress.hierarchical", "ZeRO reduce-scatters"),
     (["compress.dgc_sparsity=1.0"], "compress.dgc_sparsity", "[0, 1)"),
     (["compress.powersgd_rank=0"], "compress.powersgd_rank", "at least 1"),
 ])
@@ -93,7 +93,7 @@ def test_incompatible_combinations_are_clear_errors(overrides, key, words):
 
 
 def test_compatible_combinations_validate():
-    for overrides in (["compress.method=fp16", "parallel.zero=3"], ["compress.method=dgc", "parallel.zero=2"],
-                      ["compress.method=onebit", "compress.onebit_adam=false", "parallel.zero=1"],
-                      ["compress.method=powersgd", "compress.hierarchical=true", "parallel.zero=1"]):
+    for overrides in (["compress.method=fp16", "parallel.zero=3"], ["compress.method=bf16", "parallel.zero=1"],
+                      ["compress.method=dgc"], ["compress.method=onebit", "compress.onebit_adam=false"],
+                      ["compress.method=powersgd", "compress.hierarchical=true"]):
         load_config(None, overrides).validate(4)

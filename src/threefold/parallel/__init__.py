@@ -125,6 +125,8 @@ def parallelize(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config) -> Parall
     # 5. gradient sync over dp
     stage, p = cfg.parallel.zero, cfg.parallel
     wire = precision.reduce_dtype
+    if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
+        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     if stage == 0:
         hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
