@@ -28,6 +28,16 @@ CASES = {
     "small-llama-dp4-m2": (4, ["model.preset=small", "train.global_batch=8", "train.seq_len=32",
                                "train.microbatches=2", "model.mlp=swiglu", "model.norm=rmsnorm",
                                "model.position=rope"]),
+    # strategies: ZeRO stages, checkpointing policies, tensor parallelism, mixed precision
+    "zero1-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=1"]),
+    "zero2-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=2"]),
+    "zero3-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=3"]),
+    "remat-full-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "remat.policy=full"]),
+    "remat-selective-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32",
+                                "remat.policy=selective"]),
+    "tp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.tp=2"]),
+    "bf16-zero1-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=1",
+                           "precision.compute=bf16"]),
 }
 
 
