@@ -20,7 +20,8 @@ import time
 
 from torch import nn
 
-from ..config import FaultConfig, fault_applies
+from ..config import FaultConfig
+from ..config_checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
 

@@ -30,7 +30,8 @@ import argparse
 import math
 from pathlib import Path
 
-from ..config import load_config, parse_layout
+from ..config import load_config
+from ..config_checks import parse_layout
 from ..errors import UserError
 from ..launch import launch_local
 from .params import load_global

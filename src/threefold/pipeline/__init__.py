@@ -48,10 +48,8 @@ class PipelineSplit:
         # the tied weights' gradients as the sync holds them after the schedule: whole and not yet
         # reduced over dp (plain DP, ZeRO 1-2), or this rank's reduced shard (ZeRO-3); both ends alike
         gradient_of = getattr(grad_sync, "gradient_of", None) or (lambda p: p.grad)
-        tied_grads = None
-        if self.tied:
-            def tied_grads():
-                sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied], self.tied_peer)
+        tied_grads = (lambda: sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied],
+                                                 self.tied_peer)) if self.tied else None
         return PipelineRuntime(self.schedule, self.stages, compute, comm,
                                lambda shape: self.adapter.activation_shape(self.model_cfg, shape), dtype, tied_grads)
 

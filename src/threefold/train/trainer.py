@@ -129,11 +129,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         fault = self.cfg.fault
-        kill = None
-        if (fault.kind == "kill_in_save" and fault.rank == self.mesh.global_rank and fault.step == self.step
-                and first_attempt()):
-            def kill():
-                os.kill(os.getpid(), signal.SIGKILL)
+        dies_here = (fault.kind == "kill_in_save" and fault.rank == self.mesh.global_rank
+                     and fault.step == self.step and first_attempt())
+        kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if dies_here else None  # halfway through its file
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
 
     def _save_due(self) -> bool:

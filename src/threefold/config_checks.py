@@ -1,0 +1,203 @@
+"""Checking a Config once against the world size: every inconsistency a user can make.
+
+Each check raises `ConfigError` naming the key and the fix; `validate` returns the config
+with its derived values (dp) filled in. Called through `Config.validate(world_size)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
+from .errors import ConfigError
+
+
+def validate(c: Config, world_size: int) -> Config:
+    p, m, t = c.parallel, c.model, c.train
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
+                       ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
+                       ("train.seq_len", t.seq_len), ("pipeline.virtual_stages", c.pipeline.virtual_stages),
+                       ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
+                       ("model.kv_heads", m.kv_heads), ("model.vocab", m.vocab)]:
+        if value < 1:
+            raise ConfigError(key, f"must be at least 1, got {value}")
+    if p.dp < 0:
+        raise ConfigError("parallel.dp", f"must be at least 1 (or 0 for world/(tp*pp)), got {p.dp}")
+    dp = p.dp or world_size // (p.tp * p.pp)
+    if dp < 1 or dp * p.tp * p.pp != world_size:
+        raise ConfigError(
+            "parallel", f"layout dp={p.dp or 'auto'} x tp={p.tp} x pp={p.pp} does not match the world size "
+            f"{world_size}; choose dp, tp and pp whose product is {world_size}")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", f"unknown ZeRO stage {p.zero}; choose 0, 1, 2 or 3")
+    if p.offload != "none" and p.zero == 0:
+        raise ConfigError("parallel.offload", f"offload={p.offload} needs ZeRO stage 1, 2 or 3 (each rank offloads "
+                          "its shard of the optimizer states); set --zero 1 or higher, or parallel.offload=none")
+    if p.bucket_mb <= 0:
+        raise ConfigError("parallel.bucket_mb", f"must be positive, got {p.bucket_mb}")
+    pr = c.precision
+    if pr.initial_scale <= 0 or pr.growth_factor <= 1 or not 0 < pr.backoff_factor < 1 or pr.growth_interval < 1:
+        raise ConfigError("precision", "the loss scaler needs initial_scale > 0, growth_factor > 1, "
+                          f"0 < backoff_factor < 1 and growth_interval >= 1; got {pr.initial_scale}, "
+                          f"{pr.growth_factor}, {pr.backoff_factor}, {pr.growth_interval}")
+    if c.remat.every < 1:
+        raise ConfigError("remat.every", f"must be at least 1, got {c.remat.every}")
+    if m.hidden % m.heads:
+        raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
+    if m.heads % m.kv_heads:
+        raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
+    _validate_tensor_parallel(p, m, t)
+    if t.seq_len > m.max_seq:
+        raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
+    if t.global_batch % (dp * t.microbatches):
+        raise ConfigError(
+            "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
+            f"use a multiple of {dp * t.microbatches}")
+    _validate_pipeline(c)
+    source = c.data.source
+    if source not in ("synthetic", "stdlib") and not Path(source).exists():
+        raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
+                          "text files, a .npy token file, or 'synthetic' / 'stdlib'")
+    ck = c.checkpoint
+    if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
+        raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
+    for key, value in [("checkpoint.save_every", ck.save_every), ("checkpoint.keep", ck.keep)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if ck.init_from and not Path(ck.init_from).is_file():
+        raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
+                          "written by `threefold ckpt export` (or with the same tensor names)")
+    _validate_optimizer(t)
+    _validate_compress(c.compress, p.zero, t)
+    _validate_debug(c)
+    if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
+        raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
+    return replace(c, parallel=replace(p, dp=dp))
+
+
+def parse_layout(text: str, key: str) -> tuple[int, int, int]:
+    """ "dp,tp,pp" -> (dp, tp, pp), each at least 1."""
+    parts = text.split(",")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1:
+        raise ConfigError(key, f"'{text}' is not a layout; write dp,tp,pp with positive integers, e.g. 2,1,1")
+    return values
+
+
+def fault_applies(fault: FaultConfig, layout: tuple[int, int, int]) -> bool:
+    """Whether the injected fault is meant for a run of `layout` (dp, tp, pp)."""
+    return fault.rank >= 0 and (not fault.layout or parse_layout(fault.layout, "fault.layout") == tuple(layout))
+
+
+def _validate_debug(c: Config) -> None:
+    d, f = c.debug, c.fault
+    for key, value in [("debug.history", d.history), ("debug.fingerprint_every", d.fingerprint_every),
+                       ("debug.replica_check_every", d.replica_check_every), ("debug.hang_timeout_s", d.hang_timeout_s),
+                       ("fault.delay_s", f.delay_s)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if d.hang_grace_s <= 0:
+        raise ConfigError("debug.hang_grace_s", f"must be positive, got {d.hang_grace_s}")
+    if c.run.collective_timeout_s <= 0:
+        raise ConfigError("run.collective_timeout_s", f"must be positive, got {c.run.collective_timeout_s}")
+    if d.straggler_ratio <= 1:
+        raise ConfigError("debug.straggler_ratio", f"must exceed 1 (slowest / median), got {d.straggler_ratio}")
+    if d.history == 0:
+        for key, on in [("debug.watchdog", d.watchdog), ("debug.fingerprint_every", d.fingerprint_every),
+                        ("debug.stats", d.stats), ("debug.trace", d.trace)]:
+            if on:
+                raise ConfigError(key, "needs the flight recorder, which debug.history=0 turns off; "
+                                  "keep debug.history > 0 or turn this off")
+    if f.layout:
+        parse_layout(f.layout, "fault.layout")
+    if f.kind == "nan" and not f.module:
+        raise ConfigError("fault.module", "name the module whose output becomes NaN, e.g. blocks.0.mlp.up")
+
+
+def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
+    """What tensor parallelism can split: whole heads, whole MLP features, whole sequence chunks.
+
+    The vocabulary needs no check: it is padded to a multiple of tp.
+    """
+    if p.tp == 1:
+        return
+    if m.heads % p.tp:
+        raise ConfigError("parallel.tp", f"model.heads={m.heads} attention heads cannot be split over tp={p.tp}; "
+                          "choose a tp that divides model.heads")
+    if m.kv_heads % p.tp and p.tp % m.kv_heads:
+        raise ConfigError("parallel.tp", f"model.kv_heads={m.kv_heads} key/value heads can be neither split over "
+                          f"tp={p.tp} nor replicated evenly; choose a tp that divides kv_heads or is a multiple of it")
+    if m.ffn_hidden % p.tp:
+        raise ConfigError("parallel.tp", f"model.ffn_hidden={m.ffn_hidden} MLP features cannot be split over "
+                          f"tp={p.tp}; choose a tp that divides model.ffn_hidden")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by parallel.tp={p.tp}, which sequence "
+                          f"parallelism splits it over; use a multiple of {p.tp}")
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    if t.lr <= 0:
+        raise ConfigError("train.lr", f"must be positive, got {t.lr}")
+    if not 0.0 <= t.momentum < 1.0:
+        raise ConfigError("train.momentum", f"must be in [0, 1), got {t.momentum}; e.g. 0.9")
+    if t.nesterov and (t.optimizer != "sgd" or t.momentum == 0):
+        raise ConfigError("train.nesterov", "Nesterov momentum needs train.optimizer=sgd with train.momentum > 0 "
+                          f"(got optimizer={t.optimizer}, momentum={t.momentum})")
+    if t.weight_decay < 0:
+        raise ConfigError("train.weight_decay", f"must be at least 0, got {t.weight_decay}")
+
+
+def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
+    """Ranges and the combinations with ZeRO that a compressor cannot serve."""
+    if not 0.0 <= c.dgc_sparsity < 1.0:
+        raise ConfigError("compress.dgc_sparsity", f"must be in [0, 1), got {c.dgc_sparsity}; e.g. 0.999")
+    if not 0.0 <= c.dgc_momentum < 1.0:
+        raise ConfigError("compress.dgc_momentum", f"must be in [0, 1), got {c.dgc_momentum}; e.g. 0.9")
+    for key, value in [("compress.dgc_warmup_steps", c.dgc_warmup_steps), ("compress.warmup_steps", c.warmup_steps)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if c.powersgd_rank < 1:
+        raise ConfigError("compress.powersgd_rank", f"must be at least 1, got {c.powersgd_rank}")
+    method = c.method
+    # ZeRO reduce-scatters gradients instead of all-reducing them: the compression hooks (which
+    # replace that all-reduce) do not apply; a 16-bit wire does (the ZeRO reducer casts).
+    if zero >= 1 and method in ("dgc", "onebit", "powersgd"):
+        raise ConfigError("compress.method", f"{method} compresses the all-reduce of plain data parallelism; "
+                          f"ZeRO-{zero} reduce-scatters gradients instead; use parallel.zero=0, or "
+                          "compress.method none/fp16/bf16 with ZeRO")
+    if method == "onebit" and c.onebit_adam and t.optimizer != "adamw":
+        raise ConfigError("compress.onebit_adam", f"1-bit Adam replaces AdamW, not train.optimizer={t.optimizer}; "
+                          "use train.optimizer=adamw, or compress.onebit_adam=false (1-bit gradients, any optimizer)")
+    if method == "onebit" and c.onebit_adam and c.warmup_steps < 1:
+        raise ConfigError("compress.warmup_steps", "1-bit Adam needs uncompressed warm-up steps to estimate the "
+                          "variance it then freezes; set it to about 15-25% of train.steps")
+    if c.hierarchical and method in ("dgc", "onebit"):
+        raise ConfigError("compress.hierarchical", f"{method} exchanges with all-gather / all-to-all, which have no "
+                          "hierarchical form here; use it with none, fp16, bf16 or powersgd")
+    if c.hierarchical and zero >= 1:
+        raise ConfigError("compress.hierarchical", "the hierarchical all-reduce replaces the all-reduce of plain data "
+                          "parallelism; ZeRO reduce-scatters instead; use parallel.zero=0")
+
+
+def _validate_pipeline(c: Config) -> None:
+    pipe, pp, layers, m = c.pipeline, c.parallel.pp, c.model.layers, c.train.microbatches
+    stages = pp * pipe.virtual_stages
+    if stages > layers:
+        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
+                          f"{layers} layers; use at most {layers} stages")
+    if pipe.virtual_stages > 1 and pipe.schedule != "interleaved":
+        raise ConfigError("pipeline.virtual_stages", f"{pipe.virtual_stages} virtual stages need "
+                          f"pipeline.schedule=interleaved (got '{pipe.schedule}'); or set virtual_stages=1")
+    if pp > 1 and pipe.schedule == "interleaved" and m < pp:
+        raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
+                          f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
+    if pipe.split and pp > 1:
+        from .pipeline.stage import parse_split
+
+        parse_split(pipe.split, layers, stages)
