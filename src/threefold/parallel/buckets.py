@@ -14,6 +14,7 @@ some rank. `flush()` launches whatever is left (unused parameters keep zero grad
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -104,6 +105,17 @@ class GradientBuckets:
         bucket.launched = True
         bucket.handle = self._launch_fn(bucket)
         self._next += 1
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool):
+        """Around one micro-batch's backward: buckets launch as they fill only in the last one;
+        before it, gradients only accumulate locally."""
+        self.sync = last
+        try:
+            yield
+        finally:
+            if not last:
+                self.reset_pass()
 
     # ------------------------------------------------------------ after backward
 

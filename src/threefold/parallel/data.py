@@ -13,7 +13,6 @@ bucket is full, while autograd goes on computing earlier layers' gradients.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Protocol
 
 import torch
@@ -64,15 +63,9 @@ class DataParallelReducer:
             launch=lambda b: self.hook.launch(b, comm, axis),
             complete=self.hook.complete)
 
-    @contextlib.contextmanager
     def micro_batch(self, last: bool):
         """Run one micro-batch's backward inside; only the last one communicates."""
-        self.buckets.sync = last
-        try:
-            yield
-        finally:
-            if not last:
-                self.buckets.reset_pass()
+        return self.buckets.accumulating(last)
 
     def finish(self) -> None:
         """After the last backward: launch what is left, wait for every bucket."""

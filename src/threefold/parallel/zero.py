@@ -157,12 +157,8 @@ class ZeroReducer:
     def micro_batch(self, last: bool):
         """Stage 1 communicates in the last micro-batch only; stage 2 in every one (deferred: in finish())."""
         if self.stage == 1 or self.defer:
-            self.buckets.sync = last
-            try:
+            with self.buckets.accumulating(last):
                 yield
-            finally:
-                if not last:
-                    self.buckets.reset_pass()
             return
         self.buckets.sync = True
         yield
