@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 
-import torch
 
 from tests.helpers import make_config
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from threefold.config import load_config
+from threefold.config import Config, load_config
 
 
-def make_config(overrides: list[str], out: str) -> "Config":  # noqa: F821
+def make_config(overrides: list[str], out: str) -> Config:
     return load_config(None, [f"run.out={out}", "run.progress=false", "run.plot=false", *overrides])
 
 
@@ -32,3 +32,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def max_rel_err(params_a: dict, params_b: dict) -> tuple[float, str]:
     worst = max(((rel_err(params_a[k], params_b[k]), k) for k in params_b), default=(0.0, ""))
     return worst
+
+
+def flat_pieces(param: torch.Tensor, grad: torch.Tensor, cuts: list[int]) -> list:
+    """`param` as optimizer pieces: flat shards [0, cuts..., numel) with views of `grad`."""
+    from threefold.parallel.master import Piece
+    from threefold.sharding import Placement
+
+    place = Placement.whole("w", tuple(param.shape))
+    flat, gflat = param.view(-1), grad.view(-1)
+    bounds = [0, *cuts, flat.numel()]
+    return [Piece("w", place.flat_shard(a, b), flat[a:b], (lambda g=gflat[a:b]: g), True, a)
+            for a, b in zip(bounds, bounds[1:])]

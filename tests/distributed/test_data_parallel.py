@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import max_rel_err, rel_err, train_and_report
+from tests.helpers import max_rel_err, train_and_report
 
 # AdamW divides by sqrt(v) + eps: with eps=1e-8 an element whose true gradient is ~0 takes
 # lr-sized steps in the direction of its rounding noise, so two exact-in-theory runs drift

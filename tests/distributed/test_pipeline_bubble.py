@@ -8,7 +8,6 @@ point-to-point messages through the runtime.
 import statistics
 import time
 
-import pytest
 import torch
 
 from threefold.comm import Comm

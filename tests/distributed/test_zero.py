@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 
 from tests.helpers import make_config, rel_err
 from tests.zero_tasks import assemble, train_stages

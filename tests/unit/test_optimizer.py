@@ -5,21 +5,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.helpers import flat_pieces
+
 from threefold.comm.compression import DenseHook, DGCHook
 from threefold.config import TrainConfig
 from threefold.parallel import ParallelModel
-from threefold.parallel.master import Piece, ShardedOptimizer
-from threefold.sharding import Placement
+from threefold.parallel.master import ShardedOptimizer
 
 SGD = TrainConfig(optimizer="sgd", lr=0.1, momentum=0.9, weight_decay=1e-2)
-
-
-def _pieces(param: torch.Tensor, grad: torch.Tensor, cuts: list[int]) -> list[Piece]:
-    place = Placement.whole("w", tuple(param.shape))
-    flat, gflat = param.view(-1), grad.view(-1)
-    bounds = [0, *cuts, flat.numel()]
-    return [Piece("w", place.flat_shard(a, b), flat[a:b], (lambda g=gflat[a:b]: g), True, a)
-            for a, b in zip(bounds, bounds[1:])]
 
 
 def _steps(opt: ShardedOptimizer, grad: torch.Tensor, grads: list[torch.Tensor]) -> None:
@@ -38,7 +31,7 @@ def test_pieces_update_exactly_like_whole_sgd(offload, nesterov):
     grad = torch.zeros_like(mine)
     whole = torch.optim.SGD([ref], lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov, weight_decay=cfg.weight_decay,
                             foreach=False)
-    opt = ShardedOptimizer(_pieces(mine, grad, [7, 19]), cfg, offload=offload)
+    opt = ShardedOptimizer(flat_pieces(mine, grad, [7, 19]), cfg, offload=offload)
     # the momentum buffers exist before the first step: counted and checkpointable from step 0
     assert sum(t.numel() for t in opt.state_tensors()) == 30 * (2 if offload else 1)
     grads = [torch.randn(6, 5, generator=gen) for _ in range(4)]
@@ -62,7 +55,7 @@ def test_momentum_buffers_round_trip_like_a_checkpoint():
 
     def fresh():
         param, grad = init.clone(), torch.zeros(4, 3)
-        return param, grad, ShardedOptimizer(_pieces(param, grad, []), SGD)
+        return param, grad, ShardedOptimizer(flat_pieces(param, grad, []), SGD)
 
     param_a, grad_a, a = fresh()
     _steps(a, grad_a, grads[:3])
@@ -91,7 +84,7 @@ def test_momentum_buffers_round_trip_like_a_checkpoint():
 
 def test_adamw_step_count_survives_after_load():
     param, grad = torch.zeros(5), torch.zeros(5)
-    opt = ShardedOptimizer(_pieces(param, grad, [2]), TrainConfig(lr=1e-2))
+    opt = ShardedOptimizer(flat_pieces(param, grad, [2]), TrainConfig(lr=1e-2))
     assert {p.name for p, _ in opt.named_state()} == {"optimizer.exp_avg.w", "optimizer.exp_avg_sq.w"}
     opt.after_load(7, masters_loaded=False)
     assert opt.step_count() == 7 and all(int(s["step"]) == 7 for s in opt.state.values())
@@ -107,7 +100,7 @@ def test_dgc_momentum_correction_takes_the_optimizer_momentum(hook, momentum):
 
     sync = Sync()
     sync.hook = hook
-    parallel = ParallelModel(torch.nn.Linear(2, 3), sync, {}, _pieces(param.detach(), torch.zeros(3, 2), []))
+    parallel = ParallelModel(torch.nn.Linear(2, 3), sync, {}, flat_pieces(param.detach(), torch.zeros(3, 2), []))
     opt = parallel.make_optimizer(replace(SGD, nesterov=True))
     assert opt.inner.defaults["momentum"] == momentum and opt.inner.defaults["nesterov"] == bool(momentum)
     assert len(opt.named_state()) == (1 if momentum else 0)

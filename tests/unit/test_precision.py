@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from tests.helpers import flat_pieces
+
 from threefold.config import PrecisionConfig, TrainConfig
-from threefold.parallel.master import Piece, ShardedOptimizer
+from threefold.parallel.master import ShardedOptimizer
 from threefold.parallel.precision import DynamicLossScaler, apply_precision, resolve_reduce_dtype
-from threefold.sharding import Placement
 
 
 def test_loss_scaler_grows_backs_off_and_round_trips():
@@ -39,14 +40,6 @@ def test_apply_precision_casts_and_keeps_fp32_values():
     assert resolve_reduce_dtype(PrecisionConfig(compute="bf16", reduce_dtype="compute")) == torch.bfloat16
 
 
-def _pieces(param: torch.Tensor, grad: torch.Tensor, cuts: list[int]) -> list[Piece]:
-    place = Placement.whole("w", tuple(param.shape))
-    flat, gflat = param.view(-1), grad.view(-1)
-    bounds = [0, *cuts, flat.numel()]
-    return [Piece("w", place.flat_shard(a, b), flat[a:b], (lambda g=gflat[a:b]: g), True, a)
-            for a, b in zip(bounds, bounds[1:])]
-
-
 @pytest.mark.parametrize("offload", [False, True])
 def test_pieces_update_exactly_like_whole_adamw(offload):
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
@@ -56,7 +49,7 @@ def test_pieces_update_exactly_like_whole_adamw(offload):
     grad = torch.zeros_like(mine)
     whole = torch.optim.AdamW([ref], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.1,
                               foreach=False)
-    opt = ShardedOptimizer(_pieces(mine, grad, [7, 19]), cfg, offload=offload)
+    opt = ShardedOptimizer(flat_pieces(mine, grad, [7, 19]), cfg, offload=offload)
     assert opt.aliased == [not offload] * 3
     for _ in range(3):
         g = torch.randn(6, 5, generator=gen)
@@ -77,7 +70,7 @@ def test_unscaling_and_bf16_masters():
     model = torch.zeros(8, dtype=torch.bfloat16)
     grad = torch.full((8,), 1024.0, dtype=torch.bfloat16)
     init = torch.full((8,), 1.0 + 2.0**-12)  # not representable in bf16
-    opt = ShardedOptimizer(_pieces(model, grad, [4]), cfg, fp32_init={"w": init})
+    opt = ShardedOptimizer(flat_pieces(model, grad, [4]), cfg, fp32_init={"w": init})
     assert torch.equal(opt.masters[0].data, init[:4]) and not any(opt.aliased)
     masters, _ = opt.prepare_grads(1.0 / 1024)
     assert all(torch.equal(m.grad, torch.ones(4)) for m in masters)  # unscaled, in fp32
