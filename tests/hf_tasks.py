@@ -15,7 +15,7 @@ from tests.helpers import make_config
 
 HIDDEN = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
-TRAIN = ["train.global_batch=8", "train.seq_len=16", "train.lr=1e-3", "train.min_lr_ratio=1.0", "train.steps=10"]
+TRAIN = ["train.global_batch=8", "train.seq_len=16", "train.min_lr_ratio=1.0", "train.steps=10"]
 
 
 def save_tiny(family: str, out: Path, **changes) -> Path:
@@ -110,7 +110,7 @@ def pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor | None:
             comm.recv(x, "pp", rank - 1)
         else:
             x = module.embed(tokens)
-        for stage in parallel.pipeline.stages:
+        for stage in module.stages:
             for i in stage.layers:
                 x = module.layer(i)(x)
         if rank < pp - 1:
