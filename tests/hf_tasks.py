@@ -154,4 +154,5 @@ def start_memory(overrides: list[str], out: str) -> dict:
     mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), torch.device("cpu"))
     spec = pretrained(model_spec(cfg.model, cfg.train.seed))
     parallel = parallelize(spec, mesh, Comm(mesh), cfg)
-    return {"held": storage_bytes(parallel.param_tensors()), "read": spec.weights.bytes_read}
+    return {"held": storage_bytes(parallel.param_tensors()), "read": spec.weights.bytes_read,
+            "allocated": parallel.materialised_bytes}

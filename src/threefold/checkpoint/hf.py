@@ -85,7 +85,8 @@ class HFWeights:
                 raise CheckpointError(f"{self.directory}: no tensor '{key}' in the safetensors files (parameter "
                                       f"{place.name}); the weights do not belong to this config.json")
             if tuple(info.shape) != tuple(place.global_shape):
-                raise CheckpointError(f"{self.directory}: tensor '{key}' has shape {list(info.shape)}, config.json "
+                raise CheckpointError(f"{self.directory / info.slices[0].file}: tensor '{key}' has shape "
+                                      f"{list(info.shape)}, config.json "
                                       f"implies {list(place.global_shape)}; use the config.json the weights were "
                                       "saved with")
             entries.append(Entry(key, param.data, replace(place, name=key)))

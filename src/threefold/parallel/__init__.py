@@ -70,7 +70,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
         tied = {id(q) for q in split.tied}
         placements = {name: placements[split.names[name]].replicated("pp") if id(q) in tied
                       else placements[split.names[name]] for name, q in model.named_parameters()}
-    materialise(model, placements, mesh.device, spec)
+    allocated = materialise(model, placements, mesh.device, spec)
     shards.install()
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat)
@@ -81,7 +81,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                                                               split is not None)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
-                             after_step, regions, spec=spec)
+                             after_step, regions, spec=spec, materialised_bytes=allocated)
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel

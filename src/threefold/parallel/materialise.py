@@ -33,7 +33,7 @@ def _local_box(place: Placement, whole: torch.Tensor, local: torch.Tensor) -> No
 def materialise(module: nn.Module, placements: dict[str, Placement], device: torch.device, spec: ModelSpec) -> int:
     """Allocate and fill every meta parameter of `module` on `device`; move its buffers there.
 
-    Returns the number of elements allocated. Placements must be boxes (no flat shards yet).
+    Returns the bytes allocated. Placements must be boxes (no flat shards yet).
     """
     named, seen = [], set()
     for name, p in module.named_parameters():
@@ -57,4 +57,4 @@ def materialise(module: nn.Module, placements: dict[str, Placement], device: tor
             place = placements[name]
             whole = spec.init(place.name, tuple(place.global_shape)).to(device=device, dtype=p.dtype)
             _local_box(place, whole, p.data)
-    return sum(p.numel() for _, p in named)
+    return sum(p.numel() * p.element_size() for _, p in named)

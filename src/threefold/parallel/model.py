@@ -85,6 +85,7 @@ class ParallelModel:
     remat_regions: list[str] = field(default_factory=list)
     pipeline: object | None = None  # pipeline.PipelineRuntime when pp > 1: runs forward_backward
     spec: object | None = None  # the models.spec.ModelSpec it was built from
+    materialised_bytes: int = 0  # model-tensor bytes this rank allocated while starting (meta build)
     _meter: SavedTensorMeter | None = None
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
