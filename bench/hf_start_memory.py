@@ -6,8 +6,8 @@ rank holds and reads, threefold (meta build + sliced safetensors reads) beside t
 
 Per rank: `held` = bytes of the model tensors it holds after parallelize(); `read` = bytes of the
 boxes it asked the safetensors files for; `rss+` = growth of the process's peak resident memory
-(ru_maxrss: every byte it ever touched, transient buffers and mapped file pages included) while
-starting. The bound of the issue: 1/4 of the model + the largest single tensor.
+(VmHWM after resetting it: every byte it touched, transient buffers and mapped file pages
+included) while starting. The bound of the issue: 1/4 of the model + the largest single tensor.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -23,8 +22,24 @@ from pathlib import Path
 import torch
 
 
+def _reset_peak() -> int:
+    """Reset this process's peak resident size (Linux: clear_refs 5) and return the current one."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Growth of the peak resident size since `_reset_peak`."""
+    return _status("VmHWM")
 
 
 def threefold_start(directory: str, layout: tuple[int, int, int]) -> dict:
@@ -42,7 +57,7 @@ def threefold_start(directory: str, layout: tuple[int, int, int]) -> dict:
     cfg = cfg.validate(torch.distributed.get_world_size())
     mesh = Mesh(Layout(dp=dp, tp=tp, pp=pp), torch.device("cpu"))
     spec = pretrained(model_spec(cfg.model, 0))
-    before = _rss()
+    before = _reset_peak()
     parallel = parallelize(spec, mesh, Comm(mesh), cfg)
     return {"held": storage_bytes(parallel.param_tensors()), "read": spec.weights.bytes_read,
             "rss": _rss() - before}
@@ -51,7 +66,7 @@ def threefold_start(directory: str, layout: tuple[int, int, int]) -> dict:
 def native_start(directory: str) -> dict:
     import transformers
 
-    before = _rss()
+    before = _reset_peak()
     with contextlib.redirect_stderr(io.StringIO()):
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
