@@ -140,7 +140,7 @@ def test_measured_bubble_matches_the_simulator(worlds, capsys):
         bubbles = []
         for events in attempts:
             recorded = {(e.kind, e.stage, e.mb): e.end - e.start for e in events}
-            bubbles.append(simulate(schedule, duration=lambda a: recorded[(a.kind, a.stage, a.mb)]).bubble)
+            bubbles.append(simulate(schedule, duration=lambda a: recorded.get((a.kind, a.stage, a.mb), 0.0)).bubble)
         measured = [statistics.median(b[r] for b in bubbles) for r in range(4)]
         report.append(f"{name}: measured {[round(b, 3) for b in measured]} simulated "
                       f"{[round(b, 3) for b in nominal.bubble]} steadiest wait {steady[worst] * 1e3:.1f} ms "
