@@ -42,3 +42,28 @@ def train_tokenizer(out: Path, vocab: int = 400) -> Path:
 
 def prepare(out: Path, *sources: str, tokenizer: str = "byte", extra: tuple = ()) -> int:
     return main(["data", "prepare", *sources, "--tokenizer", tokenizer, "--out", str(out), "--no-progress", *extra])
+
+
+def write_prepared(directory: Path, docs: list[list[int]], val_docs: list[list[int]] = (), vocab: int = 1 << 20,
+                   sha: str = "0" * 64) -> Path:
+    """A prepared directory written by hand (uint32 ids as given), for sampler checks independent of prepare."""
+    import numpy as np
+
+    (directory / "shards").mkdir(parents=True)
+    splits = {}
+    for split, items in (("train", docs), ("val", val_docs)):
+        shards = []
+        for n, half in enumerate((items[: len(items) // 2], items[len(items) // 2:])):
+            if not half:
+                continue
+            name = f"shards/{split}-{n:05d}.bin"
+            np.concatenate([np.asarray(d, dtype="<u4") for d in half]).tofile(directory / name)
+            ends = np.cumsum([len(d) for d in half]).tolist()
+            shards.append({"file": name, "tokens": ends[-1], "documents": ends,
+                           "max_token": max(max(d) for d in half), "sha256": ""})
+        splits[split] = {"tokens": sum(s["tokens"] for s in shards), "documents": len(items), "shards": shards}
+    index = {"format": 1, "dtype": "uint32", "splits": splits, "skipped_documents": 0, "val_fraction": 0.1,
+             "sources": [], "tokenizer": {"kind": "hf", "name": "hand", "sha256": sha, "vocab_size": vocab,
+                                          "eot_id": 0}}
+    (directory / "index.json").write_text(json.dumps(index))
+    return directory

@@ -90,3 +90,36 @@ def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
                         if split == "val" else f"data: '{directory}' has no training documents")
     return Documents(directory, shards, np.concatenate(lengths), np.concatenate(shard_of), np.concatenate(starts),
                      TokenizerIdentity.from_dict(index["tokenizer"]))
+
+
+def mixture_of(text: str) -> list[tuple[str, float]]:
+    """`data.sources` "DIR:WEIGHT,DIR:WEIGHT,..." (a missing weight is 1) -> [(DIR, WEIGHT), ...]."""
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        path, sep, weight = item.rpartition(":")
+        if not sep:
+            path, weight = item, "1"
+        try:
+            value = float(weight)
+        except ValueError:
+            raise UserError(f"data.sources: weight '{weight}' of '{item}' is not a number; write DIR:WEIGHT, "
+                            "e.g. code:0.7,prose:0.3") from None
+        if not value > 0:
+            raise UserError(f"data.sources: weight of '{path}' must be positive, got {weight}")
+        if not is_prepared(path):
+            raise UserError(f"data.sources: '{path}' is not a prepared data directory (no {INDEX}); "
+                            "make it with `threefold data prepare`")
+        out.append((path, value))
+    return out
+
+
+def data_tokenizer(source: str, sources: str) -> TokenizerIdentity | None:
+    """The tokenizer of the prepared data a run reads (all mixture sources must share it), or None."""
+    paths = [p for p, _ in mixture_of(sources)] if sources else [source] if is_prepared(source) else []
+    identities = [(p, tokenizer_of(p)) for p in paths]
+    for path, identity in identities[1:]:
+        if identity.sha256 != identities[0][1].sha256:
+            raise UserError(f"data.sources: '{path}' was tokenized by the {identity.describe()}, but "
+                            f"'{identities[0][0]}' by the {identities[0][1].describe()}; prepare every source "
+                            "with one tokenizer")
+    return identities[0][1] if identities else None
