@@ -1,5 +1,5 @@
 """Training from a prepared directory (BPE tokenizer trained here; .py files, JSON Lines and Parquet):
-validation loss falls on 2 processes, evaluation leaves training untouched, and a run saved on
+validation loss falls on 2 processes (dp=2 and pp=2 agree), evaluation leaves training untouched, and a run saved on
 dp=2 mid-epoch resumes on one process with the same losses (the token ids of every step under
 other layouts are compared in tests/unit/test_data_epochs.py)."""
 
@@ -12,8 +12,9 @@ from tests.data_helpers import PY_GLOB, prepare, rows, train_tokenizer, write_js
 from tests.helpers import train_and_report
 from threefold.checkpoint.format import step_dir_name
 
+# a constant learning rate (min_lr_ratio=1): runs of other lengths take the same steps
 BASE = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "train.lr=3e-3", "train.eps=1e-6",
-        "train.steps=8"]
+        "train.min_lr_ratio=1.0", "train.steps=8"]
 EVAL = ["train.eval_every=4", "train.eval_batches=2"]
 
 
@@ -44,6 +45,12 @@ def test_validation_falls_and_a_resume_under_another_layout_continues_exactly(wo
     # evaluation does not touch training: the same run without it has bitwise the same losses
     plain = worlds(2).run(train_and_report, BASE + data, str(tmp_path / "plain"))
     assert plain[0]["losses"] == ref[0]["losses"]
+    # pipeline parallel: validation runs through the schedule and its gradients are discarded
+    piped = worlds(2).run(train_and_report, BASE + EVAL + data + ["parallel.pp=2", "train.microbatches=2",
+                                                                  "train.steps=5"], str(tmp_path / "pp"))[0]["records"]
+    assert abs(piped[3]["val_loss"] - val[4]) <= 1e-5 * val[4]
+    for r, expected in zip(piped, records):  # step 5 comes after an evaluation
+        assert abs(r["loss"] - expected["loss"]) <= 1e-5 * expected["loss"], (r["step"], r["loss"], expected["loss"])
     # resume the dp=2 checkpoint of step 4 on one process: steps 5-8 and the step-8 validation loss continue
     resumed = worlds(1).run(train_and_report, BASE + EVAL + data + [f"checkpoint.resume={ckpt}"],
                             str(tmp_path / "resumed"))[0]["records"]

@@ -121,13 +121,15 @@ def test_bad_inputs_exit_2_naming_the_file(tmp_path, capsys):
     # skipping instead: the bad file is counted, the good one prepared
     good = tmp_path / "good.txt"
     good.write_text("fine text " * 10)
-    argv = base() + [str(good), str(bad), "--skip-bad-documents", "--val-fraction", "0"]
+    config = tmp_path / "skip.toml"
+    config.write_text("[data]\nskip_bad_documents = true\n")
+    argv = base() + [str(good), str(bad), "--config", str(config), "--val-fraction", "0"]
     assert main(argv) == 0
     assert json.loads((Path(argv[3]) / "index.json").read_text())["skipped_documents"] == 1
     capsys.readouterr()
     # a directory that is not ours is never overwritten; another preparation into ours is refused
     _fails(capsys, argv[:2] + [str(good), "--out", str(tmp_path), "--no-progress"], "is not a data directory")
-    _fails(capsys, argv[:-4] + [str(good)], "holds the preparation of other sources")
+    _fails(capsys, argv[:-6] + [str(good)], "holds the preparation of other sources")
 
 
 def test_data_directory_checks(tmp_path):

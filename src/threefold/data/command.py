@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prep.add_argument("--workers", type=int, default=0, help="worker processes (default: one per core)")
     prep.add_argument("--shard-mb", type=float, default=16.0, help="text bytes per shard (one task per shard)")
     prep.add_argument("--skip-bad-documents", action="store_true",
-                      help="skip documents that are not valid UTF-8 (sets data.skip_bad_documents) instead of stopping")
+                      help="skip documents that are not valid UTF-8 instead of stopping (or data.skip_bad_documents)")
+    prep.add_argument("--config", help="TOML file; its data.skip_bad_documents applies")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -62,8 +63,13 @@ def _prepare(args: argparse.Namespace) -> int:
         raise UserError(f"--workers: must be at least 0, got {args.workers}")
     if args.shard_mb <= 0:
         raise UserError(f"--shard-mb: must be positive, got {args.shard_mb}")
+    skip = args.skip_bad_documents
+    if args.config:
+        from ..config import load_config
+
+        skip = skip or load_config(args.config).data.skip_bad_documents
     opts = PrepareOptions(args.sources, args.tokenizer, Path(args.out), args.val_fraction, args.workers,
-                          int(args.shard_mb * (1 << 20)), args.skip_bad_documents, not args.no_progress)
+                          int(args.shard_mb * (1 << 20)), skip, not args.no_progress)
     result = prepare(opts)
     index = result["index"]
     train, val = index["splits"]["train"], index["splits"]["val"]
