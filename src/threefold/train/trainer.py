@@ -13,17 +13,19 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, TrainingState, import_model
+from ..checkpoint.hf import pretrained
 from ..comm import Comm
 from ..config import Config
-from ..data import Sampler, load_tokens
+from ..data.build import build_samplers
+from ..data.loader import Loader
 from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
-from ..checkpoint.hf import pretrained
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
 from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
+from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
 from .step import TrainStep
 
@@ -52,8 +54,11 @@ class Trainer:
         self.comm = Comm(self.mesh, history=cfg.debug.history)
         self.out = Path(cfg.run.out)
         self.is_writer = self.mesh.global_rank == 0
-        tokens = load_tokens(cfg.data.source, cfg.model.vocab, cfg.train.seed)
-        self.sampler = Sampler(tokens, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
+        t = cfg.train
+        self.sampler, val_sampler = build_samplers(cfg.data, t.seq_len, t.global_batch, t.seed, cfg.model.vocab,
+                                                   validation=t.eval_every > 0)
+        self.loader = Loader(self.sampler, t.microbatches, self.mesh.rank("dp"), self.mesh.size("dp"), device,
+                             cfg.data.prefetch)
         # the model's spec (built on the meta device by parallelize: each rank allocates only its
         # shards), with the pretrained weights of a Hugging Face directory when it has them
         self.parallel = parallelize(pretrained(model_spec(cfg.model, cfg.train.seed)), self.mesh, self.comm, cfg)
@@ -62,6 +67,10 @@ class Trainer:
         self.optimizer = self.parallel.make_optimizer(cfg.train)
         self.step_fn = TrainStep(self.parallel, self.optimizer, self.comm, cfg.train)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
+        self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
+            val_sampler, cfg.train, self.parallel.module, self.comm,
+            self.parallel.forward_backward if self.parallel.pipeline is not None else None,
+            self.parallel.grad_sync.zero_grad)
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
@@ -112,7 +121,8 @@ class Trainer:
         return {"layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size},
                 # the sampler is a pure function of the step: the step is the whole data position
                 "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
-                         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed},
+                         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed,
+                         "position": self.sampler.state(self.step)},  # epoch and position (per mixture source)
                 "config": cfg.to_dict()}
 
     def save_checkpoint(self) -> None:
@@ -151,8 +161,7 @@ class Trainer:
         self.observer.step_begin(step)
         start = time.perf_counter()
         self.faults.step_start(step)
-        micro_batches = self.sampler.microbatches(step - 1, cfg.train.microbatches, self.mesh.rank("dp"),
-                                                  self.mesh.size("dp"), self.mesh.device)
+        micro_batches, data_wait = self.loader.get(step - 1)
         micro_batches = self.faults.batches(step, micro_batches)
         result = self.step_fn(step, micro_batches, self.global_tokens)
         loss_sum = result.loss_sum.clone()
@@ -166,7 +175,7 @@ class Trainer:
         self.step = step
         record = {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                  "step_time_s": elapsed, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
+                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
                   "mem": self.memory()}
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
         record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
@@ -188,6 +197,8 @@ class Trainer:
             while self.step < cfg.train.steps:
                 record = self.train_one_step()
                 records.append(record)
+                if self.evaluator is not None and self.evaluator.due(self.step):
+                    record.update(self.evaluator())
                 if log is not None:
                     log.write(record)
                 if self._save_due():
@@ -196,6 +207,7 @@ class Trainer:
                 self.checkpointer.close()
             self.observer.finish()
         finally:
+            self.loader.close()
             self.observer.stop()
             restore(self._determinism)
             if log is not None:
