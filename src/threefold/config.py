@@ -135,7 +135,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    out: str = "runs/latest"
+    out: str = ""  # the run directory; "" = a fresh runs/<date>-<time> (the CLI points runs/latest at it)
+    id: str = ""  # the run that owns `out` (DIR/run.json), set when the directory is claimed
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = 1
     progress: bool = True
