@@ -83,7 +83,7 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from ..launch import adopt_slurm_environment, in_launched_world, launched_world_size
     from . import rundir
-    from .inputs import check_data, check_nproc
+    from .inputs import check_data, check_nproc, print_warnings
 
     cfg = load_config(args.config, overrides_from(args))
     check_nproc(args.nproc)
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
     cfg = rundir.claim(cfg, args.overwrite)
     check_data(cfg)
+    print_warnings(cfg)
     if args.nproc:
         return _launch(cfg, args)
     _train(cfg)
@@ -128,6 +129,9 @@ def _claim_in_launched_world(cfg, overwrite: bool):
         raise ConfigError("run.out", "under torchrun or Slurm every process must name the same run directory; "
                           "pass --out")
     if os.environ.get("RANK", "0") == "0" and first_attempt():
+        from .inputs import print_warnings
+
+        print_warnings(cfg)
         return rundir.claim(cfg, overwrite)  # the others wait for rank 0 in the rendezvous
     return rundir.adopt(cfg)
 

@@ -37,3 +37,21 @@ def check_data(cfg: Config) -> None:
         if count < need:
             raise ConfigError("data.source", f"'{path}' holds {count} tokens, fewer than train.seq_len + 2 = "
                               f"{need}; give more data or a smaller --seq-len")
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Settings that run but probably not as meant; printed once, by the process that starts the job."""
+    found = []
+    c = cfg.compress
+    if c.method == "dgc" and cfg.train.optimizer == "adamw" and c.dgc_momentum_correction:
+        found.append("compress.method=dgc with train.optimizer=adamw: DGC's momentum correction "
+                     "(compress.dgc_momentum_correction) assumes momentum SGD; set train.optimizer=sgd (with a larger "
+                     "train.lr, e.g. 0.1-0.5), or compress.dgc_momentum_correction=false")
+    return found
+
+
+def print_warnings(cfg: Config) -> None:
+    import sys
+
+    for text in warnings_for(cfg):
+        print(f"threefold: warning: {text}", file=sys.stderr, flush=True)

@@ -28,6 +28,13 @@ RUN_FILE = "run.json"
 RUNS_ROOT = Path("runs")
 
 
+def run_directory(cfg: Config) -> Path:
+    """`run.out`, which the library's caller must set (the CLI claims one for every run)."""
+    if not cfg.run.out:
+        raise ConfigError("run.out", "no run directory; set run.out (the CLI picks runs/<date>-<time> itself)")
+    return Path(cfg.run.out)
+
+
 def model_hash(model: dict) -> str:
     """The run's identity: a short hash of its `[model]` section (shapes and architecture)."""
     return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16]
