@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
         _train(cfg)
         return 0
     cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
-    cfg = rundir.claim(cfg, args.overwrite)
     check_data(cfg)
+    cfg = rundir.claim(cfg, args.overwrite)
     print_warnings(cfg)
     if args.nproc:
         return _launch(cfg, args)

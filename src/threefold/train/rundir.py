@@ -26,6 +26,7 @@ from ..errors import ConfigError, UserError
 
 RUN_FILE = "run.json"
 RUNS_ROOT = Path("runs")
+_STARTUP_FILES = {RUN_FILE, "config.toml", "logs"}  # written before a run's first step
 
 
 def run_directory(cfg: Config) -> Path:
@@ -114,7 +115,8 @@ def move_aside(out: Path) -> Path:
 
 
 def _holds_a_run(out: Path) -> bool:
-    return out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir())
+    """Whether `out` holds what a run produced (a run that failed before its first step left nothing to keep)."""
+    return out.is_dir() and any(not p.name.startswith(".") and p.name not in _STARTUP_FILES for p in out.iterdir())
 
 
 def _choices(out: Path) -> str:
