@@ -43,3 +43,12 @@ def test_every_layout_example_trains_two_steps(worlds, tmp_path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_header_names_its_command(path):
     assert f"threefold train --nproc {nproc_of(path)} --config examples/{path.name}" in path.read_text()
+
+
+def test_the_synthetic_source_is_learnt_visibly_in_twenty_steps(worlds, tmp_path):
+    """The README's first multi-process command trains the tiny model 20 steps on `synthetic`
+    (losses do not depend on the layout, so one process shows the same curve)."""
+    records = worlds(1).run(train_example, None, ["data.source=synthetic", "train.steps=20", "run.progress=false",
+                                                  "run.plot=false", f"run.out={tmp_path}"])[0]
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert last < first - 0.25, (first, last)
