@@ -70,6 +70,11 @@ def test_default_out_is_a_fresh_directory_linked_from_latest(tmp_path, monkeypat
     b = claim("")
     assert a.run.out != b.run.out and a.run.out.startswith("runs/") and b.run.out.startswith("runs/")
     assert (tmp_path / "runs" / "latest").resolve() == (tmp_path / b.run.out).resolve()
+    (tmp_path / b.run.out / "metrics.jsonl").write_text("")
+    again = claim("runs/latest", "checkpoint.resume=auto")  # --out runs/latest continues the run it points at
+    assert again.run.id == b.run.id and again.run.out == str((tmp_path / b.run.out).resolve())
+    moved = claim("runs/latest", overwrite=True)
+    assert moved.run.id != b.run.id and (tmp_path / "runs" / "latest").resolve() == (tmp_path / b.run.out).resolve()
 
 
 def test_retention_prunes_only_checkpoints_of_the_same_run(tmp_path):

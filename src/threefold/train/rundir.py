@@ -77,6 +77,8 @@ def claim(cfg: Config, overwrite: bool = False) -> Config:
     """
     default = not cfg.run.out
     out = default_out() if default else Path(cfg.run.out)
+    if out.is_symlink():  # e.g. --out runs/latest: the run it points at
+        out = out.resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError("run.out", f"'{out}' is a file, not a directory; give a directory with --out")
     if overwrite and _holds_a_run(out):
