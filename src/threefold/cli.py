@@ -18,6 +18,7 @@ COMMANDS = {
     "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
     "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
     "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
+    "data": ("threefold.data.command", "train a tokenizer and prepare token shards for training"),
 }
 
 

@@ -117,11 +117,18 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip by global norm; 0 disables
     seed: int = 0
     deterministic: bool = False
+    eval_every: int = 0  # validation loss every N steps (and at the last); 0: never. Needs prepared data
+    eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | stdlib | a path (text file, directory of text, .npy tokens)
+    # synthetic | stdlib | a prepared directory (`threefold data prepare`: epochs, validation split)
+    # | a path read at the byte level (text file, directory of text, .npy tokens)
+    source: str = "synthetic"
+    sources: str = ""  # a weighted mixture of prepared directories, "DIR:WEIGHT,DIR:WEIGHT"; replaces source
+    skip_bad_documents: bool = False  # data prepare: skip documents that are not valid UTF-8 instead of stopping
+    prefetch: int = 2  # steps whose batches are prepared ahead on a background thread; 0: in the step
 
 
 @dataclass(frozen=True)

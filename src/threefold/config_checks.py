@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 
 
 def validate(c: Config, world_size: int) -> Config:
@@ -57,10 +57,7 @@ def validate(c: Config, world_size: int) -> Config:
             "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
             f"use a multiple of {dp * t.microbatches}")
     _validate_pipeline(c)
-    source = c.data.source
-    if source not in ("synthetic", "stdlib") and not Path(source).exists():
-        raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
-                          "text files, a .npy token file, or 'synthetic' / 'stdlib'")
+    m = _validate_data(c)
     ck = c.checkpoint
     if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
@@ -75,7 +72,32 @@ def validate(c: Config, world_size: int) -> Config:
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
-    return replace(c, parallel=replace(p, dp=dp))
+    return replace(c, parallel=replace(p, dp=dp), model=m)
+
+
+def _validate_data(c: Config) -> ModelConfig:
+    """Check [data] and the evaluation keys; returns the model config with the vocabulary of the
+    prepared data's tokenizer (the reference decoder's vocabulary is the data's)."""
+    from .data.prepared import data_tokenizer, is_prepared
+
+    d, t = c.data, c.train
+    source = d.source
+    if not d.sources and source not in ("synthetic", "stdlib") and not Path(source).exists():
+        raise ConfigError("data.source", f"path '{source}' does not exist; give a directory made by `threefold data "
+                          "prepare`, a text file, a directory of text files, a .npy token file, or 'synthetic' / 'stdlib'")
+    for key, value in [("train.eval_every", t.eval_every), ("data.prefetch", d.prefetch)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if t.eval_batches < 1:
+        raise ConfigError("train.eval_batches", f"must be at least 1, got {t.eval_batches}")
+    if t.eval_every and not (d.sources or is_prepared(source)):
+        raise ConfigError("train.eval_every", f"validation needs a held-out split: train from a directory made by "
+                          f"`threefold data prepare` (--data DIR), not '{source}'")
+    try:
+        tokenizer = data_tokenizer(source, d.sources)
+    except UserError as e:
+        raise ConfigError("", str(e)) from None
+    return c.model if tokenizer is None else replace(c.model, vocab=tokenizer.vocab_size)
 
 
 def parse_layout(text: str, key: str) -> tuple[int, int, int]:
