@@ -182,13 +182,15 @@ def _start(opts: PrepareOptions, plan: dict) -> bool:
     return True
 
 
-def _committed(out: Path, index: int) -> dict | None:
+def _committed(out: Path, index: int, itemsize: int) -> dict | None:
+    """The part record of a task committed by an earlier run, if its shards are all there."""
     path = out / "parts" / f"{index:05d}.json"
     if not path.is_file():
         return None
     part = json.loads(path.read_text())
     for entry in part["shards"].values():
-        if entry and (not (out / entry["file"]).is_file() or (out / entry["file"]).stat().st_size == 0):
+        shard = out / entry["file"] if entry else None
+        if shard is not None and (not shard.is_file() or shard.stat().st_size != entry["tokens"] * itemsize):
             return None
     return part
 
@@ -204,7 +206,8 @@ def prepare(opts: PrepareOptions) -> dict:
     if not _start(opts, plan):
         return {"index": json.loads((opts.out / INDEX).read_text()), "tokens": 0, "worker_seconds": 0.0,
                 "seconds": 0.0, "workers": 0, "already": True}
-    parts = {i: p for i in range(len(tasks)) if (p := _committed(opts.out, i)) is not None}
+    itemsize = np.dtype(plan["dtype"]).itemsize
+    parts = {i: p for i in range(len(tasks)) if (p := _committed(opts.out, i, itemsize)) is not None}
     todo = [i for i in range(len(tasks)) if i not in parts]
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
     start, tokens, busy = time.perf_counter(), 0, 0.0
