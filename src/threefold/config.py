@@ -93,7 +93,8 @@ class CompressConfig:
     dgc_local_clip: bool = True  # clip each rank's gradient at train.grad_clip / sqrt(dp) before accumulating
     onebit_adam: bool = True  # onebit: 1-bit Adam (compressed momentum); false: 1-bit gradients, any optimizer
     powersgd_rank: int = 4
-    warmup_steps: int = 0  # uncompressed steps before compression starts (1-bit, PowerSGD)
+    warmup_steps: int = -1  # uncompressed steps before compression starts (1-bit, PowerSGD); -1 = automatic:
+    # 20% of train.steps for 1-bit Adam (it needs them to estimate the variance it then freezes), else 0
     error_feedback: bool = True  # keep what compression dropped and send it later (dgc, onebit, powersgd)
     hierarchical: bool = False  # dense sums: reduce in each node, all-reduce across nodes, broadcast
 
@@ -142,7 +143,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    out: str = "runs/latest"
+    out: str = ""  # the run directory; "" = a fresh runs/<date>-<time> (the CLI points runs/latest at it)
+    id: str = ""  # the run that owns `out` (DIR/run.json), set when the directory is claimed
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = 1
     progress: bool = True

@@ -27,7 +27,9 @@ from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
+from .rundir import run_directory
 from .step import TrainStep
+from .summary import print_summary
 
 
 def share_cpu_threads(device: torch.device) -> None:
@@ -52,7 +54,7 @@ class Trainer:
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history)
-        self.out = Path(cfg.run.out)
+        self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
         t = cfg.train
         self.sampler, val_sampler = build_samplers(cfg.data, t.seq_len, t.global_batch, t.seed, cfg.model.vocab,
@@ -118,6 +120,9 @@ class Trainer:
                 self._warn_data_mismatch(manifest.data)
         elif ck.init_from:
             import_model(Path(ck.init_from), list(self.parallel.module.named_parameters()), self.parallel.placements)
+            if self.is_writer:
+                print(f"threefold: initialised the model from {ck.init_from} (checkpoint.init_from)", file=sys.stderr,
+                      flush=True)
 
     def _warn_data_mismatch(self, data: dict) -> None:
         t = self.cfg.train
@@ -227,6 +232,8 @@ class Trainer:
             plot_run(log.path, self.out)
         if self.parallel.pipeline is not None and cfg.run.plot and records:
             self._export_pipeline_timeline()
+        if log is not None:
+            print_summary(self.out)
         return records
 
     def _export_pipeline_timeline(self) -> None:
