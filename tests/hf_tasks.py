@@ -43,12 +43,18 @@ def reference_training(directory: Path, overrides: list[str]) -> dict:
 
     cfg = make_config(overrides, "unused")
     t = cfg.train
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if cfg.model.position == "learned" else {}
     with contextlib.redirect_stderr(io.StringIO()):
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **no_dropout)
     model.train()
     for name, p in model.named_parameters():
-        if name.endswith("k_proj.bias"):  # an identically zero gradient: frozen on both sides
+        # an identically zero gradient (softmax is shift invariant): frozen on both sides
+        if name.endswith("k_proj.bias"):
             p.requires_grad_(False)
+        if name.endswith("c_attn.bias"):  # GPT-2: the key third of the fused q/k/v bias
+            p.register_hook(lambda g: torch.cat([g[:g.shape[0] // 3], torch.zeros_like(g[g.shape[0] // 3:
+                                                                                        2 * g.shape[0] // 3]),
+                                                 g[2 * g.shape[0] // 3:]]))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in trainable if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}]

@@ -4,7 +4,7 @@ A plan is data. Models write plans (models/), strategies apply them (parallel/te
 this module sits below both, so neither imports the other. A plan names modules by pattern
 (`*` matches one name component, e.g. `blocks.*.attn.q`):
 
-    layers       module -> style: ColumnParallel, FusedColumnParallel, GroupedKV, RowParallel,
+    layers       module -> style: ColumnParallel (optionally fused q/k/v), GroupedKV, RowParallel,
                  VocabEmbedding, VocabHead, VocabLoss. The module is replaced by its parallel
                  version holding this rank's slice of the single-device weights; parameter
                  names do not change.
@@ -35,10 +35,17 @@ class TensorPlanError(UserError):
 
 @dataclass(frozen=True)
 class ColumnParallel:
-    """Output features split over tp in whole units (a head's width), e.g. q, MLP up/gate."""
+    """Output features split over tp in whole units (a head's width), e.g. q, MLP up/gate.
+
+    `fused` > 1: the tensor is that many projections side by side (GPT-2's q/k/v in c_attn); each
+    is split alike, so a rank keeps the same heads of every one (a strided Placement).
+    `transposed`: the weight is (in, out), as in GPT-2's Conv1D, rather than a Linear's (out, in).
+    """
 
     unit: int = 1
     what: str = "output features"  # named in errors, e.g. "attention heads (model.heads)"
+    fused: int = 1
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,12 @@ class GroupedKV:
 
 @dataclass(frozen=True)
 class RowParallel:
-    """Input features split over tp (attention output, MLP down); output summed over tp."""
+    """Input features split over tp (attention output, MLP down); output summed over tp.
+    `transposed`: the weight is (in, out) (GPT-2's Conv1D)."""
 
     unit: int = 1
     what: str = "input features"
+    transposed: bool = False
 
 
 @dataclass(frozen=True)

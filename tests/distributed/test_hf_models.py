@@ -12,25 +12,25 @@ pytest.importorskip("transformers")
 
 from tests.hf_tasks import TRAIN, reference_training, save_tiny, start_memory, train_hf, train_hf_many  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gpt2")
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    extra = {"qwen3": {"head_dim": 16}, "qwen2": {"tie_word_embeddings": True}}
+    extra = {"qwen3": {"head_dim": 16}, "qwen2": {"tie_word_embeddings": True}, "gpt2": {"n_inner": 128}}
     return {f: save_tiny(f, root / f, **extra.get(f, {})) for f in FAMILIES}
 
 
-def _key_of():
-    from threefold.models.hf_causal import HF_RENAMES
+def _key_of(family: str):
+    from threefold.models import hf_causal, hf_gpt2
     from threefold.models.spec import HFFormat
 
-    return HFFormat(HF_RENAMES).key_of
+    return HFFormat((hf_gpt2 if family == "gpt2" else hf_causal).HF_RENAMES).key_of
 
 
 def _check_parity(result: dict, reference: dict, what: str) -> None:
-    key_of = _key_of()
+    key_of = _key_of(what.split()[0])
     losses = [abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"])]
     assert len(losses) == 10 and max(losses) <= 1e-5, f"{what}: losses differ by {max(losses):.2e}"
     ref = reference["params"]
@@ -55,7 +55,7 @@ def test_llama_layouts_match_the_transformers_training_loop(worlds, hf_dirs, tmp
     base = [f"model.preset=hf:{hf_dirs['llama']}", *TRAIN]
     reference = _reference(hf_dirs["llama"], base)
     (single,) = worlds(1).run(train_hf_many, [(base, str(tmp_path / "111"))])[0]
-    _check_parity(single, reference, "(1,1,1)")
+    _check_parity(single, reference, "llama (1,1,1)")
     runs = {"(2,2,1)": ["parallel.dp=2", "parallel.tp=2"],
             "(1,2,2)": ["parallel.tp=2", "parallel.pp=2", "train.microbatches=2"],
             "(2,1,2)": ["parallel.dp=2", "parallel.pp=2", "train.microbatches=2", "pipeline.schedule=gpipe"],
@@ -63,14 +63,15 @@ def test_llama_layouts_match_the_transformers_training_loop(worlds, hf_dirs, tmp
     results = worlds(4).run(train_hf_many, [(base + o, str(tmp_path / str(i))) for i, o in enumerate(runs.values())])
     for rank_results in results:
         for what, result in zip(runs, rank_results):
-            _check_parity(result, reference, what)
+            _check_parity(result, reference, f"llama {what}")
 
 
-def test_qwen_and_mistral_match_the_transformers_training_loop(worlds, hf_dirs, tmp_path):
+def test_qwen_mistral_and_gpt2_match_the_transformers_training_loop(worlds, hf_dirs, tmp_path):
     """Qwen2 (q/k/v biases, tied embedding) at (2,2,1) with sequence parallelism and ZeRO-1, Mistral at
     (2,1,2) with the zero-bubble schedule and ZeRO-2, Qwen3 (per-head q/k norms) at (1,2,2) with 1F1B
-    and ZeRO-3."""
-    layouts = {"qwen2": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
+    and ZeRO-3, GPT-2 (fused q/k/v: a strided placement) at (2,2,1) with sequence parallelism and ZeRO-3."""
+    layouts = {"gpt2": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"],
+               "qwen2": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
                "mistral": ["parallel.dp=2", "parallel.pp=2", "train.microbatches=2", "pipeline.schedule=zb-h1",
                            "parallel.zero=2"],
                "qwen3": ["parallel.tp=2", "parallel.pp=2", "train.microbatches=2", "parallel.zero=3"]}

@@ -1,4 +1,5 @@
-"""Hugging Face decoders of the Llama shape: Llama (2/3 and look-alikes), Mistral, Qwen2, Qwen3.
+"""Hugging Face decoders of the Llama shape: Llama (2/3 and look-alikes), Mistral, Qwen2, Qwen3
+(and the entry point for GPT-2, models/hf_gpt2.py).
 
 The modules are the `transformers` classes themselves - the decoder layers, norms, embedding
 and head of `<Family>ForCausalLM`, built from the model directory's config.json - arranged in
@@ -36,7 +37,7 @@ from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmb
 from .decoder import TokenCrossEntropy
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
 HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
               (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."))
 
@@ -159,6 +160,10 @@ def hf_init(config, seed: int):
 
 def hf_spec(directory: Path, seed: int) -> ModelSpec:
     config = load_hf_config(directory)
+    if config.architectures[0] == "GPT2LMHeadModel":
+        from .hf_gpt2 import gpt2_spec
+
+        return gpt2_spec(directory, config, seed)
     tied = {"head.weight": "embed.weight"} if config.tie_word_embeddings else {}
     return ModelSpec(
         family=config.architectures[0],
@@ -174,6 +179,10 @@ def hf_spec(directory: Path, seed: int) -> ModelSpec:
 def model_fields(directory: Path) -> dict:
     """The `model.*` config fields (sizes for validation, data and the planner) of a model directory."""
     raw = read_config_json(directory)
+    if raw["architectures"][0] == "GPT2LMHeadModel":
+        from .hf_gpt2 import model_fields as gpt2_fields
+
+        return gpt2_fields(raw)
     heads = raw["num_attention_heads"]
     return dict(layers=raw["num_hidden_layers"], hidden=raw["hidden_size"], heads=heads,
                 kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],

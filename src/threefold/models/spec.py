@@ -9,6 +9,8 @@ A family (models/<family>.py) describes itself completely here; strategies read 
     init(name, shape)  the seeded initial value of one whole tensor, by global name (a shard or a
                    stage initialised alone equals the same part of the whole model)
     tied           {parameter name: name of the parameter it shares storage with}
+    local_hooks    called with this rank's module once it has storage: the family's own gradient
+                   hooks (GPT-2's frozen key bias inside the fused q/k/v bias), or None
     hf             its Hugging Face form: checkpoint key of every parameter, config.json to
                    write, the directory it came from (tokenizer files)
     weights        pretrained values to start from (None: initialised from the seed)
@@ -101,6 +103,7 @@ class ModelSpec:
     adapter: PipelineAdapter
     init: Callable[[str, tuple[int, ...]], torch.Tensor]
     tied: dict[str, str] = field(default_factory=dict)
+    local_hooks: Callable[[nn.Module], None] | None = None
     hf: HFFormat | None = None
     weights: WeightSource | None = None
 

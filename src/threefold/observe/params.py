@@ -12,36 +12,20 @@ layout whose placements are true reassembles.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..mesh import Mesh
-from ..sharding import Placement, flat_range_boxes
+from ..sharding import Placement
 
 
 def owned_boxes(local: torch.Tensor, place: Placement) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """(global offsets, values) of each box of the global tensor `local` holds (padding dropped)."""
     local = local.detach()
-    if place.flat_range is None:
-        pieces = [((0,) * len(place.shape), tuple(place.shape), local.reshape(place.shape))]
-    else:
-        flat = local.reshape(-1)
-        assert flat.numel() == place.numel(), f"{place.name}: {flat.numel()} elements, placement says {place.numel()}"
-        pieces, cursor = [], 0
-        for off, shp in flat_range_boxes(place.shape, *place.flat_range):
-            size = math.prod(shp)
-            pieces.append((off, shp, flat[cursor: cursor + size].reshape(shp)))
-            cursor += size
-    out = []
-    for off, shp, values in pieces:
-        start = tuple(o + a for o, a in zip(place.offsets, off))
-        keep = tuple(max(0, min(s + n, g) - s) for s, n, g in zip(start, shp, place.global_shape))
-        if all(k > 0 for k in keep):
-            out.append((start, values[tuple(slice(0, k) for k in keep)]))
-    return out
+    assert local.numel() == place.numel(), f"{place.name}: {local.numel()} elements, placement says {place.numel()}"
+    return [(seg.offsets, seg.view(local, place)) for seg in place.segments()]
 
 
 def dump_owned(named_params, placements: dict[str, Placement], mesh: Mesh, directory: Path) -> Path:

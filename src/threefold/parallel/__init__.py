@@ -72,6 +72,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                       else placements[split.names[name]] for name, q in model.named_parameters()}
     allocated = materialise(model, placements, mesh.device, spec)
     shards.install()
+    if spec.local_hooks is not None:
+        spec.local_hooks(model)
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat)
     # 4. mixed precision

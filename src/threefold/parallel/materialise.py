@@ -21,12 +21,9 @@ from ..sharding import Placement
 
 
 def _local_box(place: Placement, whole: torch.Tensor, local: torch.Tensor) -> None:
-    """Copy the part of `whole` (the global tensor) that `place` holds into `local` (a box)."""
-    for offsets, shape in place.boxes():
-        target = local
-        for dim, (o, base, n) in enumerate(zip(offsets, place.offsets, shape)):
-            target = target.narrow(dim, o - base, n)
-        target.copy_(whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))])
+    """Copy the part of `whole` (the global tensor) that `place` holds into `local`."""
+    for seg in place.segments():
+        seg.view(local, place).copy_(whole[tuple(slice(o, o + n) for o, n in zip(seg.offsets, seg.shape))])
 
 
 @torch.no_grad()

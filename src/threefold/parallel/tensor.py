@@ -23,6 +23,7 @@ their gradients are summed over tp by a gradient hook (bytes filed under
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -89,18 +90,20 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
-                 rows: tuple[int, int] | None = None, gather_output: bool = False, out_features: int | None = None):
+                 rows: tuple[int, int] | None = None, gather_output: bool = False, out_features: int | None = None,
+                 transposed: bool = False):
         super().__init__()
         self.comm = comm
         self.weight = as_parameter(weight)
         self.bias = as_parameter(bias)
         self.rows = rows
         self.gather_output = gather_output
-        self.in_features = weight.shape[1]
-        self.out_features = out_features or (rows[1] if rows else weight.shape[0])
+        self.transposed = transposed  # weight stored (in, out): GPT-2's Conv1D
+        self.in_features = weight.shape[0 if transposed else 1]
+        self.out_features = out_features or (rows[1] if rows else weight.shape[1 if transposed else 0])
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        weight, bias = (self.weight.t() if self.transposed else self.weight), self.bias
         if self.rows is not None:
             weight = weight.narrow(0, *self.rows)
             bias = None if bias is None else bias.narrow(0, *self.rows)
@@ -121,18 +124,20 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, sequence_parallel: bool,
-                 seq_dim: int = 1):
+                 seq_dim: int = 1, transposed: bool = False):
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         self.seq_dim = seq_dim
         self.weight = as_parameter(weight)
         self.bias = as_parameter(bias)
-        self.in_features = weight.shape[1] * comm.mesh.size(AXIS)
-        self.out_features = weight.shape[0]
+        self.transposed = transposed  # weight stored (in, out): GPT-2's Conv1D
+        self.in_features = weight.shape[0 if transposed else 1] * comm.mesh.size(AXIS)
+        self.out_features = weight.shape[1 if transposed else 0]
 
     def forward(self, x_bsf: torch.Tensor) -> torch.Tensor:
-        y = leave_region(F.linear(x_bsf, self.weight), self.comm, self.sequence_parallel, self.seq_dim)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = leave_region(F.linear(x_bsf, weight), self.comm, self.sequence_parallel, self.seq_dim)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -264,11 +269,10 @@ def gather_full(tensors: dict[str, torch.Tensor], placements: dict[str, Placemen
         offsets = torch.tensor(place.offsets, dtype=torch.int64, device=t.device)
         all_offsets = torch.empty(n * offsets.numel(), dtype=torch.int64, device=t.device)
         comm.all_gather(all_offsets, offsets, axis)
-        all_offsets = all_offsets.view(n, -1).tolist()
-        extent = [max([g] + [o[d] + s for o in all_offsets]) for d, (g, s) in
-                  enumerate(zip(place.global_shape, place.shape))]
-        full = torch.zeros(extent, dtype=t.dtype, device=t.device)
-        for piece, offs in zip(pieces.chunk(n), all_offsets):
-            full[tuple(slice(o, o + s) for o, s in zip(offs, place.shape))] = piece
-        out[place.name] = full[tuple(slice(0, g) for g in place.global_shape)].clone()
+        full = torch.zeros(place.global_shape, dtype=t.dtype, device=t.device)
+        for piece, offs in zip(pieces.chunk(n), all_offsets.view(n, -1).tolist()):
+            theirs = replace(place, offsets=tuple(offs))  # every rank of the axis holds the same box shape
+            for seg in theirs.segments():
+                full[tuple(slice(o, o + k) for o, k in zip(seg.offsets, seg.shape))] = seg.view(piece, theirs)
+        out[place.name] = full
     return out

@@ -54,11 +54,13 @@ class _Sharder:
     def sum_over_tp(self, *params: nn.Parameter | None) -> None:
         self.partial += [p for p in params if p is not None and p.requires_grad]
 
-    def split(self, param: torch.Tensor | None, dim: int, pad_to: int | None = None) -> nn.Parameter | None:
-        """This rank's part of `param` along `dim` (after zero-padding to `pad_to` along it)."""
+    def split(self, param: torch.Tensor | None, dim: int, pad_to: int | None = None,
+              blocks: int = 1) -> nn.Parameter | None:
+        """This rank's part of `param` along `dim` (after zero-padding to `pad_to` along it); with
+        `blocks` > 1, its part of each of that many equal blocks, concatenated (a fused tensor)."""
         if param is None:
             return None
-        key = ("split", dim, pad_to)
+        key = ("split", dim, pad_to, blocks)
         if id(param) in self.done:
             prev_key, new, _ = self.done[id(param)]
             if prev_key != key:
@@ -69,11 +71,13 @@ class _Sharder:
             pad_shape = list(data.shape)
             pad_shape[dim] = pad_to - data.shape[dim]
             data = torch.cat([data, data.new_zeros(pad_shape)], dim)
-        local = data.chunk(self.tp, dim)[self.rank].clone()
+        local = torch.cat([block.chunk(self.tp, dim)[self.rank] for block in data.chunk(blocks, dim)], dim).clone()
         new = nn.Parameter(local, requires_grad=param.requires_grad)
         place = Placement.whole(self.global_name[id(param)], param.shape)
         if pad_to is not None:
             place = place.padded(dim, pad_to)
+        if blocks > 1:
+            place = place.strided(dim, blocks)
         self.placements[id(new)] = place.split(dim, self.rank, self.tp)
         self.done[id(param)] = (key, new, param)
         return new
@@ -83,7 +87,10 @@ class _Sharder:
         return as_parameter(param)
 
 
-def _linear_parts(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _linear_parts(module: nn.Module, name: str, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if transposed:  # a Linear stored (in, out), e.g. GPT-2's Conv1D: weight and bias by name
+        weight = module.get_parameter("weight")
+        return weight, module.bias if "bias" in dict(module.named_parameters(recurse=False)) else None
     if not isinstance(module, nn.Linear):
         raise TensorPlanError(f"tensor plan: {name} is a {type(module).__name__}, not a torch.nn.Linear")
     return module.weight, module.bias
@@ -98,9 +105,13 @@ def _check_units(name: str, size: int, unit: int, tp: int, what: str) -> None:
 def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, sp: bool, plan: TensorPlan):
     tp, rank = sharder.tp, sharder.rank
     if isinstance(style, ColumnParallel):
-        w, b = _linear_parts(module, name)
-        _check_units(name, w.shape[0], style.unit, tp, style.what)
-        return ColumnParallelLinear(sharder.split(w, 0), sharder.split(b, 0), comm)
+        w, b = _linear_parts(module, name, style.transposed)
+        out_dim = 1 if style.transposed else 0
+        if w.shape[out_dim] % style.fused:
+            raise TensorPlanError(f"{name}: {w.shape[out_dim]} output features are not {style.fused} fused equal parts")
+        _check_units(name, w.shape[out_dim] // style.fused, style.unit, tp, style.what)
+        return ColumnParallelLinear(sharder.split(w, out_dim, blocks=style.fused),
+                                    sharder.split(b, 0, blocks=style.fused), comm, transposed=style.transposed)
     if isinstance(style, GroupedKV):
         w, b = _linear_parts(module, name)
         if style.kv_heads % tp == 0:
@@ -117,9 +128,10 @@ def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, s
         sharder.sum_over_tp(layer.weight, layer.bias)
         return layer
     if isinstance(style, RowParallel):
-        w, b = _linear_parts(module, name)
-        _check_units(name, w.shape[1], style.unit, tp, style.what)
-        layer = RowParallelLinear(sharder.split(w, 1), sharder.keep(b), comm, sp, plan.seq_dim)
+        w, b = _linear_parts(module, name, style.transposed)
+        in_dim = 0 if style.transposed else 1
+        _check_units(name, w.shape[in_dim], style.unit, tp, style.what)
+        layer = RowParallelLinear(sharder.split(w, in_dim), sharder.keep(b), comm, sp, plan.seq_dim, style.transposed)
         if sp:  # the bias meets only this rank's tokens
             sharder.sum_over_tp(layer.bias)
         return layer
