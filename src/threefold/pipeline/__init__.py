@@ -36,6 +36,7 @@ class PipelineSplit:
     tied: list[nn.Parameter]  # weights this rank shares with the other end of the pipeline
     tied_peer: int  # pp coordinate holding the other copy
     model_cfg: object
+    seq_shards: int = 1  # sequence parallelism: each tp rank holds 1/tp of the sequence between stages
 
     def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32,
                 weights: list[torch.Tensor] | None = None) -> PipelineRuntime:
@@ -50,8 +51,13 @@ class PipelineSplit:
         gradient_of = getattr(grad_sync, "gradient_of", None) or (lambda p: p.grad)
         tied_grads = (lambda: sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied],
                                                  self.tied_peer)) if self.tied else None
-        return PipelineRuntime(self.schedule, self.stages, compute, comm,
-                               lambda shape: self.adapter.activation_shape(self.model_cfg, shape), dtype, tied_grads)
+        return PipelineRuntime(self.schedule, self.stages, compute, comm, self.activation_shape, dtype, tied_grads)
+
+    def activation_shape(self, tokens_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """What crosses stages for a micro-batch of `tokens_shape` (batch, sequence) token ids: under
+        sequence parallelism this rank's share of the sequence, as the blocks leave it."""
+        batch, seq, *rest = tokens_shape
+        return self.adapter.activation_shape(self.model_cfg, (batch, seq // self.seq_shards, *rest))
 
 
 def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_stages: int,
@@ -101,7 +107,8 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
         tied = [local[n] for n in wanted if n in local and local[n].requires_grad]
         peer = all_stages[-1].index % p if holds_first else 0
     schedule = build_schedule(cfg.pipeline.schedule, p, cfg.train.microbatches, v)
-    return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model)
+    seq_shards = mesh.size("tp") if cfg.parallel.sequence_parallel else 1
+    return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model, seq_shards)
 
 
 def _grad_or_zeros(param: nn.Parameter, gradient_of) -> torch.Tensor:
