@@ -54,6 +54,7 @@ class Trainer:
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
+        self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
         t = cfg.train
@@ -185,6 +186,9 @@ class Trainer:
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
         record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
         record["comm"] = self.comm.traffic.take_window()
+        if self.mesh.world_size > local_world_size():  # several nodes: the bytes of axes that cross them
+            record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()
+                                         if a in self.inter_node_axes}
         return record
 
     def run(self) -> list[dict]:
