@@ -110,9 +110,13 @@ def chunk_bytes(w: Workload, st: Strategy, chunk: Chunk, rows_seen: bool = False
 def held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
     """Micro-batches held per chunk after each forward of `rank` (the states where peaks occur),
     keeping only states no other state dominates."""
-    from ..pipeline.schedules import compute_orders  # the lists the runtime runs (pure Python)
+    from ..pipeline import schedules  # the lists the runtime runs (pure Python)
 
-    order = compute_orders(schedule, p, m, v)[rank]
+    if schedule == "interleaved":
+        order = schedules.interleaved_order(p, m, rank, v)
+    else:
+        order = {"gpipe": schedules.gpipe_order, "1f1b": schedules.one_f_one_b_order,
+                 "zb-h1": schedules.zb_h1_order}[schedule](p, m, rank)
     counts, states = [0] * v, set()
     for a in order:
         chunk = a.stage // p

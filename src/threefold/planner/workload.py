@@ -150,15 +150,37 @@ def stage_ranges(m: ModelConfig, stages: int) -> tuple[range, ...]:
     the head - counted even when tied - on the last)."""
     if stages == 1:
         return (range(m.layers),)
-    from ..pipeline.stage import balance  # pure Python; the planner runs no collectives
-
     layer = float(layer_parameters(m).total)
-    last = float(_norm_params(m) + m.vocab * m.hidden)
-    bounds = balance([layer] * m.layers, stages, float(embedding_parameters(m).total), last)
+    first, last = float(embedding_parameters(m).total), float(_norm_params(m) + m.vocab * m.hidden)
+    bounds = balance_uniform(m.layers, stages, layer, first, last)
     ends = list(bounds[1:]) + [m.layers]
     return tuple(range(a, b) for a, b in zip(bounds, ends))
 
 
+def balance_uniform(layers: int, stages: int, cost: float, first: float, last: float) -> list[int]:
+    """pipeline.stage.balance for equal layer costs, the same programme and tie-break (the largest
+    cut among equal values) with each stage's row vectorised: O(S L) array operations."""
+    import numpy as np
+
+    L, S = layers, stages
+    extra = [(first if k == 0 else 0.0) + (last if k == S - 1 else 0.0) for k in range(S)]
+    best = np.full((S, L + 1), np.inf)
+    cut = np.zeros((S, L + 1), dtype=np.int64)
+    best[0, 1:] = np.arange(1, L + 1) * cost + extra[0]
+    for k in range(1, S):
+        for i in range(k + 1, L + 1):
+            j = np.arange(k, i)
+            values = np.maximum(best[k - 1, k:i], (i - j) * cost + extra[k])
+            low = values.min()
+            best[k, i], cut[k, i] = low, j[np.nonzero(values == low)[0][-1]]
+    bounds, i = [], L
+    for k in range(S - 1, 0, -1):
+        i = int(cut[k, i])
+        bounds.append(i)
+    return [0] + bounds[::-1]
+
+
+@lru_cache(maxsize=65536)
 def rank_chunks(m: ModelConfig, pp: int, rank: int, v: int = 1) -> list[Chunk]:
     """The stages pipeline rank `rank` holds: stage c * pp + rank for each of its v chunks."""
     ranges = stage_ranges(m, pp * v)
