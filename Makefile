@@ -16,7 +16,7 @@ setup: $(VENV)/.installed
 # The default job: the `small` model learns Python's own standard library, on 2 local processes.
 demo: setup
 	$(PY) -m threefold train --nproc 2 --model small --data stdlib --seq-len 128 --global-batch 16 \
-		--steps 300 --lr 2e-3 --set train.warmup_steps=20 --out runs/demo
+		--steps 300 --lr 2e-3 --set train.warmup_steps=20 --out runs/demo --overwrite
 	@echo "metrics: runs/demo/metrics.jsonl   loss curve: runs/demo/loss.png"
 
 test: setup

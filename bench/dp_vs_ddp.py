@@ -11,6 +11,7 @@ counted bytes per step against the ring all-reduce volume 2(n-1)/n x gradient by
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -56,23 +57,25 @@ def bench_rank(args: dict) -> dict:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.train.grad_clip)
         ddp_opt.step()
 
-    times = {"threefold": 0.0, "ddp": 0.0}
+    times = {"threefold": [], "ddp": []}
     for warm in range(2):
         ours_step(warm + 1)
         ddp_step(warm + 1)
     comm.traffic.take_window()
-    for _ in range(args["rounds"]):
-        for name, fn in (("threefold", ours_step), ("ddp", ddp_step)):
+    for r in range(args["rounds"]):  # alternating, the order reversed every other round
+        sides = (("threefold", ours_step), ("ddp", ddp_step))
+        for name, fn in (sides if r % 2 == 0 else sides[::-1]):
             torch.distributed.barrier()
             start = time.perf_counter()
             for s in range(args["steps"]):
                 fn(s + 3)
             torch.distributed.barrier()
-            times[name] += time.perf_counter() - start
+            times[name].append(time.perf_counter() - start)
     window = comm.traffic.take_window()
     measured_steps = args["steps"] * args["rounds"]
     grad_bytes = ours.grad_sync.gradient_bytes()
-    return {"tokens_per_s": {k: tokens * measured_steps / t for k, t in times.items()},
+    return {"tokens_per_s": {k: tokens * measured_steps / sum(t) for k, t in times.items()},
+            "round_ratios": [d / o for o, d in zip(times["threefold"], times["ddp"])],
             "bytes_per_step": window["dp"]["all_reduce"] / measured_steps, "grad_bytes": grad_bytes}
 
 
@@ -86,14 +89,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = vars(parser.parse_args())
     print(f"model={args['model']} seq_len={args['seq_len']} batch/rank={args['batch_per_rank']} gloo CPU")
-    print(f"{'procs':>5} {'threefold tok/s':>16} {'DDP tok/s':>10} {'ratio':>6} {'bytes/step/rank':>16} "
-          f"{'2(n-1)/n x grads':>17}")
+    print(f"{'procs':>5} {'threefold tok/s':>16} {'DDP tok/s':>10} {'ratio':>6} {'rounds min-max':>15} "
+          f"{'bytes/step/rank':>16} {'2(n-1)/n x grads':>17} {'load':>5}")
     for n in args["sizes"]:
         with World(n, threads=max(1, torch.get_num_threads() // n)) as world:
             r = world.run(bench_rank, args)[0]
         ours, ddp = r["tokens_per_s"]["threefold"], r["tokens_per_s"]["ddp"]
         theory = 2 * (n - 1) / n * r["grad_bytes"]
-        print(f"{n:>5} {ours:>16.0f} {ddp:>10.0f} {ours / ddp:>6.3f} {r['bytes_per_step']:>16.0f} {theory:>17.0f}")
+        spread = f"{min(r['round_ratios']):.3f}-{max(r['round_ratios']):.3f}"
+        print(f"{n:>5} {ours:>16.0f} {ddp:>10.0f} {ours / ddp:>6.3f} {spread:>15} {r['bytes_per_step']:>16.0f} "
+              f"{theory:>17.0f} {os.getloadavg()[0]:>5.1f}")
 
 
 if __name__ == "__main__":

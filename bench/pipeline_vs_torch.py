@@ -66,22 +66,16 @@ def run_rank(schedule_name: str, overrides: list[str], steps: int) -> dict:
     # --- threefold
     split = split_pipeline(build_model(cfg.model, seed=0), mesh, comm, cfg)
     runtime = split.runtime(comm, grad_sync=None)
-    times = []
-    for _ in range(steps + 1):
+
+    def threefold_step():
         for p in split.module.parameters():
             p.grad = None
-        comm.barrier("pp")
-        start = time.perf_counter()
-        loss = runtime.forward_backward(micro, tokens_per_step)
-        times.append(time.perf_counter() - start)
-    comm.all_reduce(loss, "pp")
-    result["threefold_s"] = statistics.median(times[1:])
-    result["threefold_loss"] = float(loss) / tokens_per_step
-    ours = {split.names[n]: p.grad.clone() for n, p in split.module.named_parameters() if p.grad is not None}
+        return runtime.forward_backward(micro, tokens_per_step)
 
     # --- torch.distributed.pipelining on a fresh copy of the same weights and split
     model = build_model(cfg.model, seed=0)
     modules = [TorchStage(model, s) for s in split.stages]
+    torch_step = None
     try:
         group = mesh.group("pp")
         stages = [pipelining.PipelineStage(mod, s.index, len(split.all_stages), torch.device("cpu"), group=group)
@@ -95,24 +89,50 @@ def run_rank(schedule_name: str, overrides: list[str], steps: int) -> dict:
                        loss_fn=loss_fn, scale_grads=False)
         inputs = torch.cat([b.inputs for b in micro])
         targets = torch.cat([b.targets for b in micro])
-        times = []
-        for _ in range(steps + 1):
+
+        def torch_step():
             for mod in modules:
                 mod.zero_grad(set_to_none=True)
-            comm.barrier("pp")
             losses = []
-            start = time.perf_counter()
             if mesh.is_first("pp"):
                 schedule.step(inputs, target=targets, losses=losses)
             elif mesh.is_last("pp"):
                 schedule.step(target=targets, losses=losses)
             else:
                 schedule.step()
-            times.append(time.perf_counter() - start)
+            return losses
+
+        torch_step()  # warm-up; errors surface here
+    except Exception as e:  # report, do not hide, what PyTorch's pipelining cannot do here
+        result["torch_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    # alternating rounds: each round times one step of each side, the order swapped every round,
+    # so load from other processes falls on both sides alike
+    loss = threefold_step()  # warm-up
+    sides = {"threefold": threefold_step} | ({"torch": torch_step} if "torch_error" not in result else {})
+    times = {name: [] for name in sides}
+    timelines, losses = [], []
+    for r in range(steps):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            comm.barrier("pp")
+            start = time.perf_counter()
+            out = sides[name]()
+            times[name].append(time.perf_counter() - start)
+            if name == "threefold":
+                loss = out
+                timelines.append(runtime.gathered_timeline())  # outside the timed region
+            else:
+                losses = out
+    result["threefold_times"] = times["threefold"]
+    comm.all_reduce(loss, "pp")
+    result["threefold_loss"] = float(loss) / tokens_per_step
+    result["timelines"] = timelines
+    if "torch" in times:
+        result["torch_times"] = times["torch"]
         total = torch.tensor(sum(float(x.detach()) for x in losses), dtype=torch.float32)
         comm.all_reduce(total, "pp")
-        result["torch_s"] = statistics.median(times[1:])
         result["torch_loss"] = float(total)
+        ours = {split.names[n]: p.grad.clone() for n, p in split.module.named_parameters() if p.grad is not None}
         theirs = {}
         for mod, s in zip(modules, split.stages):
             for n, p in mod.named_parameters():
@@ -120,8 +140,6 @@ def run_rank(schedule_name: str, overrides: list[str], steps: int) -> dict:
                     theirs[_global_name(n, s)] = p.grad
         errs = [float((ours[k] - g).norm() / g.norm()) for k, g in theirs.items() if k in ours and g.norm() > 0]
         result["max_grad_rel_diff"] = max(errs) if errs else float("nan")
-    except Exception as e:  # report, do not hide, what PyTorch's pipelining cannot do here
-        result["torch_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return result
 
 
@@ -133,11 +151,29 @@ def _global_name(local: str, stage) -> str:
     return local
 
 
+def step_times(results: list[dict], key: str) -> list[float]:
+    """Per round: the slowest rank's time of that side's step (the step ends when every rank is done)."""
+    return [max(r[key][i] for r in results) for i in range(len(results[0][key]))]
+
+
+def split_costs(timelines: list) -> dict:
+    """Median per round of: bubble (mean over ranks, from the recorded busy intervals), and
+    seconds of B, or of I + W, summed over all ranks."""
+    from threefold.pipeline.timeline import bubble_fractions
+
+    pp = 1 + max(e.rank for e in timelines[0])
+    bubbles = [statistics.mean(bubble_fractions(events, pp)) for events in timelines]
+    backward = [sum(e.end - e.start for e in events if e.kind in "BIW") for events in timelines]
+    return {"bubble": statistics.median(bubbles), "backward_s": statistics.median(backward)}
+
+
 def main() -> None:
+    import os
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7, help="alternating rounds (one step of each side each)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     args = parser.parse_args()
     from threefold.world import World
@@ -145,20 +181,34 @@ def main() -> None:
     overrides = ["model.preset=small", "model.tie_embeddings=false", "model.layers=4", "train.seq_len=64",
                  "train.global_batch=16", f"train.microbatches={args.microbatches}", f"parallel.pp={args.pp}"]
     print(f"model small (4 layers, hidden 256, untied), seq 64, batch 16, pp={args.pp}, m={args.microbatches}, "
-          f"CPU gloo, 1 thread per rank; median of {args.steps} steps (forward + backward)")
-    print(f"{'schedule':<12}{'threefold s':>12}{'torch s':>10}{'torch/threefold':>17}{'loss diff':>11}{'grad diff':>11}")
+          f"CPU gloo, 1 thread per rank; {args.steps} alternating rounds of one forward+backward step each; "
+          f"load average before: {os.getloadavg()[0]:.1f}")
+    print(f"{'schedule':<12}{'threefold s':>12}{'torch s':>10}{'torch/threefold':>17}{'(min-max)':>13}"
+          f"{'loss diff':>11}{'grad diff':>11}{'bubble':>8}{'backward s':>11}")
+    costs = {}
     with World(args.pp, timeout_s=900) as world:
         for name in args.schedules.split(","):
             results = world.run(run_rank, name, overrides, args.steps)
-            ours = max(r["threefold_s"] for r in results)
+            ours = step_times(results, "threefold_times")
+            costs[name] = split_costs(results[0]["timelines"])
+            tail = f"{costs[name]['bubble']:>8.3f}{costs[name]['backward_s']:>11.3f}"
             errors = [r["torch_error"] for r in results if "torch_error" in r]
             if errors:
-                print(f"{name:<12}{ours:>12.3f}  torch.distributed.pipelining failed: {errors[0]}")
+                print(f"{name:<12}{statistics.median(ours):>12.3f}  torch.distributed.pipelining failed: {errors[0]}")
                 continue
-            theirs = max(r["torch_s"] for r in results)
+            theirs = step_times(results, "torch_times")
+            ratios = [t / o for t, o in zip(theirs, ours)]
             loss_diff = abs(results[0]["threefold_loss"] - results[0]["torch_loss"])
             grad_diff = max(r["max_grad_rel_diff"] for r in results)
-            print(f"{name:<12}{ours:>12.3f}{theirs:>10.3f}{theirs / ours:>17.2f}{loss_diff:>11.1e}{grad_diff:>11.1e}")
+            spread = f"({min(ratios):.2f}-{max(ratios):.2f})"
+            print(f"{name:<12}{statistics.median(ours):>12.3f}{statistics.median(theirs):>10.3f}"
+                  f"{statistics.median(ratios):>17.2f}{spread:>13}{loss_diff:>11.1e}{grad_diff:>11.1e}{tail}")
+    if "zb-h1" in costs and "1f1b" in costs:
+        zb, one = costs["zb-h1"], costs["1f1b"]
+        print(f"\nthreefold zb-h1 vs 1f1b: bubble {zb['bubble']:.3f} vs {one['bubble']:.3f} "
+              f"({zb['bubble'] / one['bubble']:.2f}x); backward as I + W {zb['backward_s']:.3f} s vs B "
+              f"{one['backward_s']:.3f} s over all ranks ({zb['backward_s'] / one['backward_s']:.2f}x: the split's cost)")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

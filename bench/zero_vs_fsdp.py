@@ -6,12 +6,19 @@ per implementation: throughput, bytes each rank sends per step over dp (ring vol
 from `comm/`, FSDP2 from its collectives intercepted with the same formulas), model-state
 bytes per rank (each storage counted once), saved activations, and the final loss.
 
-    python bench/zero_vs_fsdp.py --nproc 2 --model small --steps 8 --seq-len 128
+Alternating rounds (every implementation once per round, the order reversed every other round)
+so load from other processes falls on all alike; per-round ratios with their spread. FSDP2's
+bytes are counted by a dispatch-mode interceptor in its first, untimed step only (threefold
+counts in its Comm layer, always on); each side uses its usual AdamW (threefold's
+sharded fp32-master optimizer; torch.optim.AdamW with its default implementation on FSDP2).
+
+    python bench/zero_vs_fsdp.py --nproc 2 --model small --steps 8 --seq-len 128 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -73,31 +80,37 @@ def fsdp2_run(overrides: list[str]) -> dict:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    # AdamW as FSDP2 users construct it: torch's default implementation choice
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
-                                  betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+                                  betas=(t.beta1, t.beta2), eps=t.eps)
     sampler = Sampler(load_tokens(cfg.data.source, cfg.model.vocab, t.seed), t.seq_len, t.global_batch, t.seed)
     tokens = t.global_batch * t.seq_len
     speeds, counter = [], _CountCollectives()
-    for step in range(1, t.steps + 1):
-        start = time.perf_counter()
-        counter.bytes = {}
+
+    def step(number: int) -> torch.Tensor:
         loss_sum = torch.zeros(())
-        with counter:
-            for mb in sampler.microbatches(step - 1, t.microbatches, rank, n, torch.device("cpu")):
-                loss = model(mb.inputs, mb.targets)
-                # FSDP2 averages gradients over ranks (a summing divide factor needs PREMUL_SUM, which
-                # gloo lacks): scaling by n makes the average the sum of threefold's step math
-                (loss * n / tokens).backward()
-                loss_sum += loss.detach()
+        for mb in sampler.microbatches(number - 1, t.microbatches, rank, n, torch.device("cpu")):
+            loss = model(mb.inputs, mb.targets)
+            # FSDP2 averages gradients over ranks (a summing divide factor needs PREMUL_SUM, which
+            # gloo lacks): scaling by n makes the average the sum of threefold's step math
+            (loss * n / tokens).backward()
+            loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        set_lr(optimizer, lr_at(step, t))
+        set_lr(optimizer, lr_at(number, t))
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         dist.all_reduce(loss_sum)
+        return loss_sum
+
+    with counter:  # step 1 (warm-up, untimed, as on the threefold side) counts the bytes
+        loss_sum = step(1)
+    for number in range(2, t.steps + 1):  # timed, without the counter
+        start = time.perf_counter()
+        loss_sum = step(number)
         speeds.append(tokens / (time.perf_counter() - start))
     local = [p.to_local() for p in model.parameters()]
     states = [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()]
-    return {"tokens_per_s": statistics.median(speeds[1:]), "dp_bytes": dict(counter.bytes),
+    return {"tokens_per_s": statistics.median(speeds), "dp_bytes": dict(counter.bytes),
             "mem": {"params": storage_bytes(local),
                     "grads": storage_bytes(p.grad.to_local() for p in model.parameters() if p.grad is not None),
                     "optimizer": storage_bytes(v for v in states if v.dim() > 0), "activations": None},
@@ -112,20 +125,31 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    failed: dict[str, str] = {}
     common = [f"model.preset={args.model}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
               f"train.seq_len={args.seq_len}", f"precision.compute={args.precision}", "data.source=stdlib",
               "run.out=runs/bench-zero"]
-    rows = []
+    sides = [(f"threefold ZeRO-{stage}", threefold_run, common + [f"parallel.zero={stage}"]) for stage in range(4)]
+    sides.append(("torch FSDP2 fully_shard", fsdp2_run, common))
+    per_round: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
+    load = [os.getloadavg()[0]]
     with World(args.nproc, timeout_s=1800) as world:
-        for stage in range(4):
-            rows.append((f"threefold ZeRO-{stage}", world.run(threefold_run, common + [f"parallel.zero={stage}"])[0]))
-        try:
-            rows.append(("torch FSDP2 fully_shard", world.run(fsdp2_run, common)[0]))
-        except Exception as e:  # noqa: BLE001 - report why the native side could not run
-            print(f"FSDP2 did not run on this backend: {str(e).strip().splitlines()[-1]}")
+        for r in range(args.rounds):  # alternating rounds, the order reversed every other round
+            for name, fn, overrides in (sides if r % 2 == 0 else sides[::-1]):
+                if name in failed:
+                    continue
+                try:
+                    per_round[name].append(world.run(fn, overrides)[0])
+                except Exception as e:  # noqa: BLE001 - report why the native side could not run
+                    failed[name] = str(e).strip().splitlines()[-1]
+                    print(f"{name} did not run on this backend: {failed[name]}")
+            load.append(os.getloadavg()[0])
+    rows = [(name, median_run(runs)) for name, runs in per_round.items() if runs]
     print(f"\nworld {args.nproc}, model {args.model}, seq {args.seq_len}, global batch {args.global_batch}, "
-          f"{args.precision}, {args.steps} steps (rank 0)")
+          f"{args.precision}, {args.steps} steps per run (first untimed), {args.rounds} alternating rounds, "
+          f"median (rank 0); load average {' -> '.join(f'{x:.1f}' for x in load)}")
     header = f"{'implementation':26} {'tokens/s':>9} {'dp bytes/step':>14} {'params':>10} {'grads':>10} " \
              f"{'optimizer':>10} {'state total':>11} {'activations':>11} {'final loss':>10}"
     print(header)
@@ -137,15 +161,27 @@ def main() -> None:
               f"{m['grads']:10,d} {m['optimizer']:10,d} {total:11,d} "
               f"{m['activations'] if m['activations'] is not None else '-':>11} {r['loss']:10.4f}")
     named = dict(rows)
+
+    def ratios(a: str, b: str) -> str:
+        """Per-round throughput ratio a / b: median and spread."""
+        x = [ra["tokens_per_s"] / rb["tokens_per_s"] for ra, rb in zip(per_round[a], per_round[b])]
+        return f"{statistics.median(x):.2f}x ({min(x):.2f}-{max(x):.2f})"
+
     if "torch FSDP2 fully_shard" in named:
         ours, theirs = named["threefold ZeRO-3"], named["torch FSDP2 fully_shard"]
-        print(f"\nZeRO-3 / FSDP2: throughput {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x, "
+        print(f"\nZeRO-3 / FSDP2: throughput {ratios('threefold ZeRO-3', 'torch FSDP2 fully_shard')}, "
               f"bytes sent {sum(ours['dp_bytes'].values()) / max(1, sum(theirs['dp_bytes'].values())):.2f}x, "
               f"final loss difference {abs(ours['loss'] - theirs['loss']):.2e}")
+    print("throughput relative to ZeRO-0: " + ", ".join(
+        f"ZeRO-{s} {ratios(f'threefold ZeRO-{s}', 'threefold ZeRO-0')}" for s in range(1, 4)))
     base = sum(named["threefold ZeRO-0"]["dp_bytes"].values())
     print("bytes sent relative to plain DP: " + ", ".join(
         f"ZeRO-{s} {sum(named[f'threefold ZeRO-{s}']['dp_bytes'].values()) / base:.2f}x" for s in range(4)))
 
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (its bytes, memory and loss are the same in every round)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,16 @@
 
 from .config import Config, load_config
 from .errors import ConfigError, UserError
-from .mesh import Layout, Mesh
 
 __version__ = "0.1.0"
 
 __all__ = ["Config", "load_config", "ConfigError", "UserError", "Layout", "Mesh", "__version__"]
+
+
+def __getattr__(name: str):
+    """`Layout` and `Mesh` import torch: only when asked for (the command line starts without it)."""
+    if name in ("Layout", "Mesh"):
+        from . import mesh
+
+        return getattr(mesh, name)
+    raise AttributeError(f"module 'threefold' has no attribute {name!r}")

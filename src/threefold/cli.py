@@ -1,7 +1,9 @@
 """The command line: `threefold <command> ...`.
 
 Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
-this file only dispatches and turns user errors into one line and exit code 2.
+this file only dispatches and turns user errors into one line and exit code 2. Only the chosen
+command's module is imported, and command modules import torch only when they run, so
+`threefold --help`, `threefold train --help`, `plan` and `schedule` start without it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ COMMANDS = {
     "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
     "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
     "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
+    "data": ("threefold.data.command", "train a tokenizer and prepare token shards for training"),
 }
 
 
@@ -27,17 +30,21 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `only`, the other commands are listed but their options not built."""
     parser = _Parser(prog="threefold", description="Train large PyTorch models across many processes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
-        command = importlib.import_module(module)
-        command.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            importlib.import_module(module).add_arguments(command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(only=chosen if chosen in COMMANDS else "").parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return module.run(args)

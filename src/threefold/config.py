@@ -93,7 +93,8 @@ class CompressConfig:
     dgc_local_clip: bool = True  # clip each rank's gradient at train.grad_clip / sqrt(dp) before accumulating
     onebit_adam: bool = True  # onebit: 1-bit Adam (compressed momentum); false: 1-bit gradients, any optimizer
     powersgd_rank: int = 4
-    warmup_steps: int = 0  # uncompressed steps before compression starts (1-bit, PowerSGD)
+    warmup_steps: int = -1  # uncompressed steps before compression starts (1-bit, PowerSGD); -1 = automatic:
+    # 20% of train.steps for 1-bit Adam (it needs them to estimate the variance it then freezes), else 0
     error_feedback: bool = True  # keep what compression dropped and send it later (dgc, onebit, powersgd)
     hierarchical: bool = False  # dense sums: reduce in each node, all-reduce across nodes, broadcast
 
@@ -117,11 +118,18 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip by global norm; 0 disables
     seed: int = 0
     deterministic: bool = False
+    eval_every: int = 0  # validation loss every N steps (and at the last); 0: never. Needs prepared data
+    eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | stdlib | a path (text file, directory of text, .npy tokens)
+    # synthetic | stdlib | a prepared directory (`threefold data prepare`: epochs, validation split)
+    # | a path read at the byte level (text file, directory of text, .npy tokens)
+    source: str = "synthetic"
+    sources: str = ""  # a weighted mixture of prepared directories, "DIR:WEIGHT,DIR:WEIGHT"; replaces source
+    skip_bad_documents: bool = False  # data prepare: skip documents that are not valid UTF-8 instead of stopping
+    prefetch: int = 2  # steps whose batches are prepared ahead on a background thread; 0: in the step
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    out: str = "runs/latest"
+    out: str = ""  # the run directory; "" = a fresh runs/<date>-<time> (the CLI points runs/latest at it)
+    id: str = ""  # the run that owns `out` (DIR/run.json), set when the directory is claimed
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = 1
     progress: bool = True

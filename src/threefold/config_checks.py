@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 
 
 def validate(c: Config, world_size: int) -> Config:
@@ -57,10 +57,7 @@ def validate(c: Config, world_size: int) -> Config:
             "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
             f"use a multiple of {dp * t.microbatches}")
     _validate_pipeline(c)
-    source = c.data.source
-    if source not in ("synthetic", "stdlib") and not Path(source).exists():
-        raise ConfigError("data.source", f"path '{source}' does not exist; give a text file, a directory of "
-                          "text files, a .npy token file, or 'synthetic' / 'stdlib'")
+    m = _validate_data(c)
     ck = c.checkpoint
     if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
@@ -75,7 +72,43 @@ def validate(c: Config, world_size: int) -> Config:
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
-    return replace(c, parallel=replace(p, dp=dp))
+    return replace(c, parallel=replace(p, dp=dp), model=m, compress=_compress_warmup(c.compress, t.steps))
+
+
+def _validate_data(c: Config) -> ModelConfig:
+    """Check [data] and the evaluation keys; returns the model config with the vocabulary of the
+    prepared data's tokenizer (the reference decoder's vocabulary is the data's)."""
+    from .data.prepared import data_tokenizer, is_prepared
+
+    d, t = c.data, c.train
+    source = d.source
+    if not d.sources and source not in ("synthetic", "stdlib") and not Path(source).exists():
+        raise ConfigError("data.source", f"path '{source}' does not exist; give a directory made by `threefold data "
+                          "prepare`, a text file, a directory of text files, a .npy token file, or 'synthetic' / 'stdlib'")
+    for key, value in [("train.eval_every", t.eval_every), ("data.prefetch", d.prefetch)]:
+        if value < 0:
+            raise ConfigError(key, f"must be at least 0, got {value}")
+    if t.eval_batches < 1:
+        raise ConfigError("train.eval_batches", f"must be at least 1, got {t.eval_batches}")
+    if t.eval_every and not (d.sources or is_prepared(source)):
+        raise ConfigError("train.eval_every", f"validation needs a held-out split: train from a directory made by "
+                          f"`threefold data prepare` (--data DIR), not '{source}'")
+    try:
+        tokenizer = data_tokenizer(source, d.sources)
+    except UserError as e:
+        raise ConfigError("", str(e)) from None
+    return c.model if tokenizer is None else replace(c.model, vocab=tokenizer.vocab_size)
+
+
+def compress_warmup(c: CompressConfig, steps: int) -> int:
+    """`compress.warmup_steps`, with -1 (automatic) resolved: 20% of the steps for 1-bit Adam, else 0."""
+    if c.warmup_steps >= 0:
+        return c.warmup_steps
+    return max(1, steps // 5) if c.method == "onebit" and c.onebit_adam else 0
+
+
+def _compress_warmup(c: CompressConfig, steps: int) -> CompressConfig:
+    return replace(c, warmup_steps=compress_warmup(c, steps))
 
 
 def parse_layout(text: str, key: str) -> tuple[int, int, int]:
@@ -160,8 +193,8 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
     if not 0.0 <= c.dgc_momentum < 1.0:
         raise ConfigError("compress.dgc_momentum", f"must be in [0, 1), got {c.dgc_momentum}; e.g. 0.9")
     for key, value in [("compress.dgc_warmup_steps", c.dgc_warmup_steps), ("compress.warmup_steps", c.warmup_steps)]:
-        if value < 0:
-            raise ConfigError(key, f"must be at least 0, got {value}")
+        if value < 0 and not (key == "compress.warmup_steps" and value == -1):
+            raise ConfigError(key, f"must be at least 0 (or -1 for automatic), got {value}")
     if c.powersgd_rank < 1:
         raise ConfigError("compress.powersgd_rank", f"must be at least 1, got {c.powersgd_rank}")
     method = c.method
@@ -174,7 +207,7 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
     if method == "onebit" and c.onebit_adam and t.optimizer != "adamw":
         raise ConfigError("compress.onebit_adam", f"1-bit Adam replaces AdamW, not train.optimizer={t.optimizer}; "
                           "use train.optimizer=adamw, or compress.onebit_adam=false (1-bit gradients, any optimizer)")
-    if method == "onebit" and c.onebit_adam and c.warmup_steps < 1:
+    if method == "onebit" and c.onebit_adam and c.warmup_steps == 0:
         raise ConfigError("compress.warmup_steps", "1-bit Adam needs uncompressed warm-up steps to estimate the "
                           "variance it then freezes; set it to about 15-25% of train.steps")
     if c.hierarchical and method in ("dgc", "onebit"):

@@ -8,7 +8,9 @@ world the launcher already describes.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -56,13 +58,16 @@ def free_port() -> int:
 
 
 def launch_local(nproc: int, argv: list[str], port: int | None = None, max_restarts: int = 0,
-                 hang_report: Path | None = None) -> int:
+                 hang_report: Path | None = None, out: Path | None = None, verbose: bool = False,
+                 resume: str = "none") -> int:
     """Run `python -m threefold *argv` on `nproc` local processes; returns the exit code.
 
-    A failing worker makes the agent stop the others; its rank and error are printed on one line
-    each. A worker that exited with 2 (a user error found late, e.g. in the data) gives 2.
-    When the hang watchdog stopped the world, its report (`hang_report`, written during this
-    launch) follows.
+    With `out` (the run directory) and not `verbose`, each worker's output goes to
+    `out/logs/rank-N.log` and the terminal shows threefold's own lines: the progress bar and
+    messages of rank 0, a restart line per restart, and, when the job fails, the failing rank
+    and its error on one line and where its log is. A worker that exited with 2 (a user error
+    found late, e.g. in a checkpoint) gives 2 and the error's one line. When the hang watchdog
+    stopped the world, its report (`hang_report`, written during this launch) follows.
     """
     started = time.time()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -72,6 +77,11 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         port = free_port()
     else:
         check_port(port)
+    if out is not None and hang_report is None:
+        hang_report = out / "flight" / "hang-report.txt"
+    log_dir = out / "logs" if out is not None and not verbose else None
+    if argv[:1] == ["train"]:
+        argv = [*argv, "--worker"] + (["--log-dir", str(log_dir)] if log_dir is not None else [])
     if max_restarts > 0:
         # The agent's shared TCPStore outlives a restart with the dead workers' gloo addresses in
         # it, and restarted workers intermittently connect to those (refused, then a hang until
@@ -80,25 +90,175 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"threefold-{uuid.uuid4().hex[:8]}",
                           max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+    watcher = _AgentWatcher(max_restarts, log_dir, out, resume, quiet=not verbose)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "threefold", *argv)
+        with watcher:
+            elastic_launch(config, entrypoint=sys.executable)("-m", "threefold", *argv)
     except ChildFailedError as e:
         failures = sorted(e.failures.items(), key=lambda item: item[1].timestamp)
         first_rank, first = failures[0]
-        print(f"threefold: rank {first_rank} failed (exit code {first.exitcode}): {_last_line(first.message)}",
-              file=sys.stderr)
+        if first.exitcode == 2:  # a user error: its one line, once
+            print(f"threefold: error: {_user_message(first.message)}", file=sys.stderr)
+            return 2
+        print(f"threefold: rank {first_rank} failed ({_exit_text(first.exitcode)}): "
+              f"{_error_line(first.message, log_dir, first_rank)}", file=sys.stderr)
         if len(failures) > 1:
             others = ", ".join(str(rank) for rank, _ in failures[1:])
             print(f"threefold: ranks {others} were stopped after rank {first_rank} failed", file=sys.stderr)
+        if log_dir is not None:
+            print(f"threefold: full log: {log_dir / f'rank-{first_rank}.log'} (--verbose shows every rank here)",
+                  file=sys.stderr)
         if hang_report is not None and hang_report.exists() and hang_report.stat().st_mtime >= started - 1:
             print(hang_report.read_text().rstrip(), file=sys.stderr)
-        return 2 if first.exitcode == 2 else 1
+        return 1
     return 0
 
 
-def _last_line(message) -> str:
-    """The error line of a failure record (the agent stores a dict or a plain string)."""
+def _exit_text(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _error_line(message, log_dir: Path | None, rank: int) -> str:
+    """The error line of a failure record (the agent stores a dict or a plain string), else the
+    last line of the rank's log."""
     if isinstance(message, dict):
         message = message.get("message", "")
     lines = [line for line in str(message).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no error message (see the rank's output above)"
+    if lines and not lines[-1].startswith("Signal ") and "To enable traceback" not in lines[-1]:
+        return lines[-1]
+    if log_dir is not None:
+        last = _last_log_line(log_dir / f"rank-{rank}.log")
+        if last:
+            return last
+    return lines[-1] if lines else "no error message"
+
+
+def _user_message(message) -> str:
+    """A UserError's text without its class name (`CheckpointError: x` -> `x`)."""
+    line = _error_line(message, None, 0)
+    name, sep, rest = line.partition(": ")
+    return rest if sep and name.isidentifier() and name.endswith("Error") else line
+
+
+def _last_log_line(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class _AgentWatcher(logging.Handler):
+    """Reads the elastic agent's log records during a launch: turns a restart into one threefold
+    line, and (unless verbose) keeps the agent's own messages off the terminal."""
+
+    LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+    AGENT = "torch.distributed.elastic.agent.server.api"
+
+    def __init__(self, max_restarts: int, log_dir: Path | None, out: Path | None, resume: str, quiet: bool):
+        super().__init__(logging.INFO)
+        self.max_restarts, self.log_dir, self.out, self.resume, self.quiet = max_restarts, log_dir, out, resume, quiet
+        self.failure: tuple[int, int] | None = None  # (exit code, local rank) of the attempt's first failure
+        self._saved: list = []
+
+    def __enter__(self):
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved.append((logger, logger.propagate))
+            logger.addHandler(self)
+            logger.propagate = not self.quiet
+        agent = logging.getLogger(self.AGENT)
+        self._saved.append((agent, agent.level))
+        agent.setLevel(min(agent.getEffectiveLevel(), logging.INFO))  # the restart record is INFO
+        return self
+
+    def __exit__(self, *exc):
+        (agent, level), saved = self._saved[-1], self._saved[:-1]
+        agent.setLevel(level)
+        for logger, propagate in saved:
+            logger.removeHandler(self)
+            logger.propagate = propagate
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = str(record.msg)
+        if text.startswith("failed (exitcode") and record.args:
+            self.failure = (int(record.args[0]), int(record.args[1]))
+        elif "will restart worker group" in text and "attempts left" in text and record.args:
+            left = int(record.args[2])
+            attempt = self.max_restarts - left + 2
+            who = "a rank failed"
+            if self.failure is not None:
+                code, rank = self.failure
+                line = _last_log_line(self.log_dir / f"rank-{rank}.log") if self.log_dir and code > 0 else ""
+                who = f"rank {rank} failed ({_exit_text(code)}{': ' + line if line else ''})"
+            print(f"threefold: {who}; restarting (attempt {attempt} of {self.max_restarts + 1}) from "
+                  f"{self._restart_point()}", file=sys.stderr, flush=True)
+            self.failure = None
+
+    def _restart_point(self) -> str:
+        if self.resume != "auto" or self.out is None:
+            return "the start" if self.resume == "none" else self.resume
+        from .checkpoint.writer import complete_checkpoints
+
+        found = complete_checkpoints(self.out / "checkpoints")
+        return found[-1].name if found else "the start (no checkpoint yet)"
+
+
+def redirect_worker_output(log_dir: Path) -> None:
+    """In a worker started by `launch_local`: everything the process writes (Python and C++)
+    goes to `log_dir/rank-N.log`; threefold's own lines of rank 0 and its progress bar also
+    reach the terminal. Each attempt appends under a header."""
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+    log_dir.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    log = open(log_dir / f"rank-{rank}.log", "a", buffering=1)
+    log.write(f"==== rank {rank}, attempt {attempt}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stderr = _Console(sys.stderr, terminal if rank == 0 else None)
+
+
+class _Console:
+    """sys.stderr of a worker: everything to the log; threefold's lines and the progress bar
+    (writes starting with `threefold:` or a carriage return) also to the terminal."""
+
+    def __init__(self, log, terminal):
+        self._log, self._terminal, self._forwarding = log, terminal, False
+
+    def write(self, text: str) -> int:
+        self._log.write(text)
+        if self._terminal is not None:
+            if text.startswith(("threefold:", "\r")) and not text.startswith("threefold: error:"):
+                self._forwarding = True
+            elif not (self._forwarding and text.strip() == ""):
+                self._forwarding = False
+            if self._forwarding:
+                self._terminal.write(text)
+                self._terminal.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._log.flush()
+        if self._terminal is not None:
+            self._terminal.flush()
+
+    def fileno(self) -> int:  # the terminal's size is what a progress bar asks for
+        return (self._terminal or self._log).fileno()
+
+    def isatty(self) -> bool:
+        return self._terminal is not None and self._terminal.isatty()
+
+    def __getattr__(self, name):
+        return getattr(self._log, name)

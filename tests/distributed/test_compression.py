@@ -262,3 +262,54 @@ def test_dgc_takes_the_momentum_of_sgd(worlds, tmp_path):
     close = max(rel_err(runs["dgc_all"]["moved"][n], plain[n]) for n in plain if plain[n].norm() > 0)
     far = max(rel_err(runs["dgc_all"]["moved"][n], momentum[n]) for n in plain if plain[n].norm() > 0)
     assert close < 1e-2 and far > 0.2, (close, far)
+
+
+# ---------------------------------------------------------------- convergence against the dense run
+
+CONVERGE_STEPS = 40
+CONVERGE = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", f"train.steps={CONVERGE_STEPS}",
+            "train.warmup_steps=4", "data.source=stdlib"]
+ADAMW = ["train.lr=3e-3"]
+SGD = ["train.optimizer=sgd", "train.lr=0.5", "train.momentum=0.9", "train.weight_decay=0"]
+WARM = ["compress.warmup_steps=8"]
+NO_EF = ["compress.error_feedback=false"]
+CONVERGE_RUNS = {  # name -> (baseline, overrides)
+    "adamw": ("adamw", ADAMW), "sgd": ("sgd", SGD),
+    "bf16": ("adamw", ADAMW + ["compress.method=bf16"]),
+    "powersgd": ("adamw", ADAMW + ["compress.method=powersgd", "compress.powersgd_rank=4"]),
+    "powersgd no-ef": ("adamw", ADAMW + ["compress.method=powersgd", "compress.powersgd_rank=4"] + NO_EF),
+    "dgc": ("sgd", SGD + ["compress.method=dgc", "compress.dgc_warmup_steps=8"]),
+    "dgc no-ef": ("sgd", SGD + ["compress.method=dgc", "compress.dgc_warmup_steps=8"] + NO_EF),
+    "sign": ("sgd", SGD + ["compress.method=onebit", "compress.onebit_adam=false"] + WARM),
+    "sign no-ef": ("sgd", SGD + ["compress.method=onebit", "compress.onebit_adam=false"] + WARM + NO_EF),
+}
+# docs/compression.md: within 3% of the uncompressed run of the same optimizer
+WITHIN = {"bf16": 0.03, "powersgd": 0.03, "dgc": 0.03}
+
+
+def converge_run(extra: list[str], out: str) -> list[float]:
+    return train_and_report(CONVERGE + extra, out)["losses"]
+
+
+def final_loss(losses: list[float]) -> float:
+    return sum(losses[-10:]) / 10
+
+
+def test_compressed_training_converges_like_the_dense_run(worlds, tmp_path, capsys):
+    # one world task per run: each stays well inside the world's time limit on a loaded machine
+    losses = {name: worlds(4).run(converge_run, extra, str(tmp_path))[0] for name, (_, extra) in CONVERGE_RUNS.items()}
+    final = {name: final_loss(x) for name, x in losses.items()}
+    lines = [f"{name}: final loss {final[name]:.4f} ({final[name] / final[base] - 1:+.2%} vs {base})"
+             for name, (base, _) in CONVERGE_RUNS.items()]
+    with capsys.disabled():
+        print(f"\n{CONVERGE_STEPS} steps, mean of the last 10:\n  " + "\n  ".join(lines), flush=True)
+    for base in ("adamw", "sgd"):  # the dense runs learn a lot, so a compressor sending nothing is far off
+        assert final[base] < 0.75 * losses[base][0], f"{base}: {losses[base][0]:.3f} -> {final[base]:.3f}"
+    for name, bound in WITHIN.items():
+        base = CONVERGE_RUNS[name][0]
+        assert final[name] <= (1 + bound) * final[base], lines
+    # the 1-bit sign hook trails momentum SGD (docs: Limits) but must still learn
+    assert final["sign"] < 0.85 * losses["sgd"][0], lines
+    for name in ("powersgd", "dgc", "sign"):  # error feedback acts: switched off, the run is another one
+        gap = max(abs(a - b) for a, b in zip(losses[f"{name} no-ef"], losses[name]))
+        assert gap > 1e-3, f"{name}: error feedback off changes the losses by only {gap:.1e}"

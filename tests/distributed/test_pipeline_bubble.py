@@ -17,11 +17,10 @@ from threefold.pipeline.runtime import PipelineRuntime
 from threefold.pipeline.schedules import build_schedule
 from threefold.pipeline.simulate import Costs, simulate
 from threefold.pipeline.stage import Stage
-from threefold.pipeline.timeline import bubble_fractions, makespan, peak_in_flight
+from threefold.pipeline.timeline import peak_in_flight
 
 UNIT_S = 0.04  # one forward; backward-input and backward-weight cost the same
-REPEATS = 2
-ROUNDS = 3  # measure a deviating schedule again, at most this many times in all
+REPEATS = 3
 TOLERANCE = 0.03  # bubble fraction, per rank
 SHAPE = (2, 4, 8)  # what crosses stages
 
@@ -73,73 +72,86 @@ def run_calibrated(runs: list[tuple[str, int, int]], unit_s: float, repeats: int
     return out[1:]
 
 
-# ZB-H1 has no slack anywhere: a longer run keeps per-message delays a small share of it
 RUNS = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 8, 1)]
+UNITS = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
-def _fastest(per_rank: list, index: int, repeats: int) -> list:
-    """The repetition of run `index` with the shortest makespan, all ranks' events together."""
-    attempts = [[e for timeline in per_rank for e in timeline[index][k]] for k in range(repeats)]
-    return min(attempts, key=makespan)
+def producer(e, last_stage: int):
+    """The (kind, stage, mb) whose result action `e` waits for, or None (its input is local)."""
+    if e.kind == "F" and e.stage > 0:
+        return ("F", e.stage - 1, e.mb)
+    if e.kind in ("B", "I") and e.stage < last_stage:
+        return ("B", e.stage + 1, e.mb)
+    return None
 
 
-def message_latency(events: list) -> float:
-    """Median delay between a message's producer ending and its waiting consumer starting (seconds).
+def unexplained_waits(events: list) -> dict:
+    """Per action: how long it started after its rank's previous action, when its input was already there.
 
-    Only consumers whose rank was idle, waiting for that message, count: that wait is the
-    transfer. It calibrates the simulator's communication cost.
+    A wait the schedule does not have (an extra synchronisation) shows here at the same action
+    in every repetition; a process descheduled by load shows at random places.
     """
     by_action = {(e.kind, e.stage, e.mb): e for e in events}
     last_stage = max(e.stage for e in events)
-    delays = []
+    waits = {}
     for rank in {e.rank for e in events}:
         mine = sorted((e for e in events if e.rank == rank), key=lambda e: e.start)
-        for before, e in zip(mine, mine[1:]):
-            if e.kind == "F" and e.stage > 0:
-                source = by_action[("F", e.stage - 1, e.mb)]
-            elif e.kind in ("B", "I") and e.stage < last_stage:
-                source = by_action.get(("B", e.stage + 1, e.mb)) or by_action[("I", e.stage + 1, e.mb)]
-            else:
-                continue
-            if source.rank != rank and source.end > before.end:
-                delays.append(e.start - source.end)
-    return statistics.median(delays) if delays else 0.0
+        for before, e in zip([None, *mine], mine):
+            source = producer(e, last_stage)
+            arrived = None
+            if source is not None:
+                done = by_action.get(source) or by_action[("I", source[1], source[2])]
+                assert done.end <= e.start, f"{e} started before its input {done} was done"
+                arrived = done.end if done.rank != rank else None
+            # waiting for a message from another rank is the transfer's latency, which load stretches
+            # and the schedule has; waiting with the input already there is not
+            free = before is not None and (arrived is None or arrived <= before.end)
+            waits[(e.kind, e.stage, e.mb)] = e.start - before.end if free else 0.0
+    return waits
 
 
-def test_measured_bubble_matches_the_simulator(worlds):
-    # Other processes share the 2 cores: a rank descheduled between actions stalls the pipeline,
-    # which only ever lengthens a run. So the fastest repetition is the schedule's own behaviour,
-    # and a schedule measured off by more than the tolerance is measured again (at most
-    # ROUNDS - 1 more times): a systematic error - a wait the schedule does not have - fails every round.
+def test_measured_bubble_matches_the_simulator(worlds, capsys):
+    """The runtime runs each schedule's actions in the schedule's order, with no wait the schedule
+    lacks, and the bubble its recorded busy intervals give is the simulator's.
+
+    What load cannot distort: the order (exact), causality (exact), and the bubble of the run
+    re-timed on its own dependencies with each action's *recorded* duration (the busy intervals,
+    without the gaps between them, which the 2 shared cores stretch). What load can stretch - the
+    gaps - is checked for systematic waits only: the smallest of an action's unexplained waits over
+    the repetitions must stay below half an action; an extra synchronisation would wait there
+    every time, for at least one action of another rank.
+    """
     per_rank = worlds(4).run(run_calibrated, RUNS, UNIT_S, REPEATS)
-    best = {run: _fastest(per_rank, i, REPEATS) for i, run in enumerate(RUNS)}
     report = []
-
-    def deviation(run) -> float:
-        name, m, v = run
-        compute = [e for e in best[run] if e.kind in "FBIW"]
-        measured = bubble_fractions(compute, 4)
-        sim = simulate(build_schedule(name, 4, m, v), Costs(1, 1, 1, comm=message_latency(compute) / UNIT_S))
-        report.append(f"{name}: measured {[round(b, 3) for b in measured]} simulated {[round(b, 3) for b in sim.bubble]}")
-        return max(abs(a - b) for a, b in zip(measured, sim.bubble))
-
-    for _ in range(ROUNDS - 1):
-        again = [run for run in RUNS if deviation(run) > TOLERANCE]
-        if not again:
-            break
-        per_rank = worlds(4).run(run_calibrated, again, UNIT_S, REPEATS)
-        for i, run in enumerate(again):
-            events = _fastest(per_rank, i, REPEATS)
-            best[run] = min(best[run], events, key=makespan)
-    report.clear()
-    for run in RUNS:
-        assert deviation(run) <= TOLERANCE, "\n".join(report)
+    for i, (name, m, v) in enumerate(RUNS):
+        schedule = build_schedule(name, 4, m, v)
+        nominal = simulate(schedule, Costs(1, 1, 1))
+        attempts = [[e for timeline in per_rank for e in timeline[i][k] if e.kind in "FBIW"] for k in range(REPEATS)]
+        waits = [unexplained_waits(events) for events in attempts]
+        for events in attempts:
+            for rank, actions in enumerate(schedule.ranks):
+                ran = [(e.kind, e.stage, e.mb) for e in sorted((e for e in events if e.rank == rank),
+                                                               key=lambda e: e.start)]
+                assert ran == [(a.kind, a.stage, a.mb) for a in actions if a.kind in "FBIW"], f"{name} rank {rank}"
+        unit = statistics.median((e.end - e.start) / UNITS[e.kind] for events in attempts for e in events)
+        steady = {key: min(w[key] for w in waits) for key in waits[0]}
+        worst = max(steady, key=steady.get)
+        assert steady[worst] < 0.5 * unit, f"{name}: {worst} waits {steady[worst] * 1e3:.1f} ms in every repetition"
+        bubbles = []
+        for events in attempts:
+            recorded = {(e.kind, e.stage, e.mb): e.end - e.start for e in events}
+            bubbles.append(simulate(schedule, duration=lambda a: recorded.get((a.kind, a.stage, a.mb), 0.0)).bubble)
+        measured = [statistics.median(b[r] for b in bubbles) for r in range(4)]
+        report.append(f"{name}: measured {[round(b, 3) for b in measured]} simulated "
+                      f"{[round(b, 3) for b in nominal.bubble]} steadiest wait {steady[worst] * 1e3:.1f} ms "
+                      f"(action {unit * 1e3:.1f} ms)")
+        assert max(abs(a - b) for a, b in zip(measured, nominal.bubble)) <= TOLERANCE, report[-1]
         # activations held per rank follow the schedule: GPipe all m, 1F1B at most p
-        name, m, v = run
-        held = peak_in_flight(best[run], 4)
-        assert held == simulate(build_schedule(name, 4, m, v)).peak_activations
+        held = peak_in_flight(attempts[0], 4)
+        assert held == nominal.peak_activations
         if name == "gpipe":
             assert held == [m] * 4
         if name == "1f1b":
             assert max(held) <= 4
-    print("\n".join(report))
+    with capsys.disabled():
+        print("\n" + "\n".join(report))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 from pathlib import Path
 
 from tests.e2e.cli import threefold
@@ -20,13 +21,27 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+ARGS = ("--nproc", "4", "--model", "tiny", "--global-batch", "8", "--seq-len", "16", "--no-progress")
+
+
 def test_rank_skipping_a_collective_is_named_and_no_process_is_left(tmp_path):
-    timeout_s = 5
-    run = threefold("train", "--nproc", "4", "--model", "tiny", "--steps", "4", "--global-batch", "8",
-                    "--seq-len", "16", "--no-progress", "--out", str(tmp_path),
-                    "--set", f"debug.hang_timeout_s={timeout_s}", "--set", "debug.hang_grace_s=5",
+    # Timing from this machine's observed speed, not fixed: a healthy run of the same job first
+    # (start-up and step time), then the watchdog's limit well above any healthy step's wait and
+    # the whole run's limit well above start-up + steps + limit + report.
+    healthy_out = tmp_path / "healthy"
+    started = time.monotonic()
+    healthy = threefold("train", *ARGS, "--steps", "2", "--out", str(healthy_out), timeout=1800)
+    wall_s = time.monotonic() - started
+    assert healthy.returncode == 0, healthy.stderr
+    steps = [json.loads(line) for line in (healthy_out / "metrics.jsonl").read_text().splitlines()]
+    timeout_s = max(5.0, round(10 * max(s["step_time_s"] for s in steps), 1))
+    grace_s = max(5.0, timeout_s)
+    out = tmp_path / "hang"
+    run = threefold("train", *ARGS, "--steps", "4", "--out", str(out),
+                    "--set", f"debug.hang_timeout_s={timeout_s}", "--set", f"debug.hang_grace_s={grace_s}",
                     "--set", "fault.kind=skip_collective", "--set", "fault.rank=2", "--set", "fault.step=2",
-                    timeout=180)
+                    timeout=3 * wall_s + timeout_s + 4 * grace_s + 120)
+    tmp_path = out
     assert run.returncode == 1, run.stderr
     report = json.loads((tmp_path / "flight" / "hang-report.json").read_text())
     assert report["never_joined"] == [2] and report["missing"] == []

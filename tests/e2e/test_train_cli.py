@@ -53,11 +53,31 @@ def test_a_failing_rank_stops_the_others_and_is_named(tmp_path):
     assert run.returncode == 1
     assert "threefold: rank 1 failed (exit code 1): RuntimeError: injected fault on rank 1 at step 2" in run.stderr
     assert "ranks 0 were stopped after rank 1 failed" in run.stderr
+    assert f"threefold: full log: {tmp_path / 'logs' / 'rank-1.log'}" in run.stderr
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    assert len(lines) == 3 and "Traceback" not in run.stderr, run.stdout + run.stderr  # only threefold's lines
+    log = (tmp_path / "logs" / "rank-1.log").read_text()
+    assert "Traceback" in log and "RuntimeError: injected fault on rank 1 at step 2" in log  # the whole story
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1  # step 1 finished, step 2 never did
+
+
+def test_a_garbled_manifest_under_nproc_is_one_error(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text("{garbage")
+    run = threefold("train", "--nproc", "2", *QUICK, "--out", str(tmp_path / "run"), "--resume", str(ckpt))
+    assert run.returncode == 2
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    assert len(lines) == 2, run.stdout + run.stderr  # the reason (rank 0), then the error once
+    assert "manifest.json: not a valid JSON manifest" in lines[0]
+    assert lines[1] == f"threefold: error: checkpoint {ckpt} failed verification (the reason is printed above)"
 
 
 def test_single_process_without_launcher(tmp_path):
     run = threefold("train", *QUICK, "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    done, files = run.stderr.strip().splitlines()[-2:]  # the summary, also with --no-progress
+    assert done.startswith("threefold: done: 3 steps, loss ") and "tokens/s" in done and "peak memory" in done
+    assert files == f"threefold: files in {tmp_path}: metrics.jsonl, loss.png, throughput.png, memory.png"

@@ -80,7 +80,7 @@ def test_adapt_optimizer_keeps_adamw_unless_one_bit_adam():
     (["compress.method=dgc", "parallel.zero=2"], "compress.method", "ZeRO-2"),
     (["compress.method=onebit", "compress.warmup_steps=5", "parallel.zero=2", "compress.onebit_adam=false"],
      "compress.method", "ZeRO-2"),
-    (["compress.method=onebit"], "compress.warmup_steps", "warm-up"),
+    (["compress.method=onebit", "compress.warmup_steps=0"], "compress.warmup_steps", "warm-up"),
     (["compress.method=dgc", "compress.hierarchical=true"], "compress.hierarchical", "all-gather"),
     (["compress.hierarchical=true", "parallel.zero=1"], "compress.hierarchical", "ZeRO reduce-scatters"),
     (["compress.dgc_sparsity=1.0"], "compress.dgc_sparsity", "[0, 1)"),
@@ -90,6 +90,12 @@ def test_incompatible_combinations_are_clear_errors(overrides, key, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides).validate(4)
     assert str(err.value).startswith(key) and words in str(err.value)
+
+
+def test_onebit_works_as_typed_with_an_automatic_warm_up():
+    assert load_config(None, ["compress.method=onebit", "train.steps=50"]).validate(4).compress.warmup_steps == 10
+    assert load_config(None, ["compress.method=onebit", "compress.warmup_steps=3"]).validate(4).compress.warmup_steps == 3
+    assert load_config(None, ["compress.method=powersgd"]).validate(4).compress.warmup_steps == 0
 
 
 def test_compatible_combinations_validate():

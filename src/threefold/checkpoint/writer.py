@@ -190,7 +190,7 @@ def finalize(partial: Path, step: int, world_size: int, meta: dict, keep: int, t
     fsync_dir(root)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-    prune(root, keep)
+    prune(root, keep, meta.get("config", {}).get("run", {}).get("id", ""))
     return final
 
 
@@ -202,11 +202,20 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints (0 keeps all)."""
+def prune(root: Path, keep: int, run_id: str = "") -> None:
+    """Keep the newest `keep` checkpoints of run `run_id` (0 keeps all); never touch another run's."""
     if keep > 0:
-        for old in complete_checkpoints(root)[:-keep]:
+        for old in [p for p in complete_checkpoints(root) if run_of(p) == run_id][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def run_of(ckpt: Path) -> str | None:
+    """The run id a checkpoint's manifest names ("" for runs without one; None when unreadable)."""
+    try:
+        run = json.loads((ckpt / MANIFEST).read_text()).get("config", {}).get("run", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(run.get("id", "")) if isinstance(run, dict) else None
 
 
 def remove_partials(root: Path) -> None:

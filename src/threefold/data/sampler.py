@@ -1,15 +1,19 @@
-"""The deterministic sampler: global sample index -> window of the token stream.
+"""The deterministic sampler: global sample index -> sequence of seq_len + 1 token ids.
 
-Sample g of the run is the window of seq_len + 1 tokens starting at offset(seed, g), a pure
-function of the seed and g. Step k (0-based) uses samples k*B .. k*B+B-1 in that order, and a
-data-parallel rank takes its contiguous slice of them. So every layout sees the same global
-batch at every step, and resuming needs nothing but the step number.
+Sample g of the run is a pure function of the seed and g: a window at offset(seed, g) of an
+in-memory token stream (`Windows`: synthetic, stdlib, raw files), or the g-th sequence of the
+epochs of a prepared directory or a mixture of them (epochs.py). Step k (0-based) uses
+samples k*B .. k*B+B-1 in that order, and a data-parallel rank takes its contiguous slice of
+them. So every layout sees the same global batch at every step, and resuming needs nothing
+but the step number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 _MASK = (1 << 64) - 1
@@ -29,28 +33,60 @@ class Batch:
     targets: torch.Tensor  # (b, s) int64: inputs shifted by one
 
 
-class Sampler:
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int):
+class SampleSource(Protocol):
+    def sample(self, g: int) -> np.ndarray | torch.Tensor:
+        """The seq_len + 1 token ids of global sample g."""
+
+    def state(self, samples: int) -> dict:
+        """The data position after `samples` samples, for checkpoints (epoch, position, ...)."""
+
+
+class Windows:
+    """Sample g = the window at a random offset(seed, g) of one token stream (with replacement)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int):
         if tokens.numel() < seq_len + 2:
             raise ValueError(f"the data has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}")
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.seed = seed
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self._windows = tokens.numel() - seq_len - 1
 
     def offset(self, sample: int) -> int:
         return splitmix64((self.seed << 32) ^ sample) % self._windows
 
+    def sample(self, g: int) -> torch.Tensor:
+        o = self.offset(g)
+        return self.tokens[o: o + self.seq_len + 1]
+
+    def state(self, samples: int) -> dict:
+        return {}
+
+
+class Sampler:
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int):
+        self._setup(Windows(tokens, seq_len, seed), seq_len, global_batch)
+
+    @classmethod
+    def from_source(cls, source: SampleSource, seq_len: int, global_batch: int) -> "Sampler":
+        sampler = cls.__new__(cls)
+        sampler._setup(source, seq_len, global_batch)
+        return sampler
+
+    def _setup(self, source: SampleSource, seq_len: int, global_batch: int) -> None:
+        self.source, self.seq_len, self.global_batch = source, seq_len, global_batch
+
     def samples(self, first: int, count: int) -> Batch:
-        rows = torch.stack([self.tokens[o: o + self.seq_len + 1] for o in map(self.offset, range(first, first + count))])
-        rows = rows.long()
+        rows = [torch.as_tensor(self.source.sample(g)) for g in range(first, first + count)]
+        rows = torch.stack(rows).long()
         return Batch(rows[:, :-1], rows[:, 1:])
 
     def step_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """This data-parallel rank's share of the global batch of `step` (0-based)."""
         per_rank = self.global_batch // dp_size
         return self.samples(step * self.global_batch + dp_rank * per_rank, per_rank)
+
+    def state(self, steps: int) -> dict:
+        """The layout-independent data position after `steps` steps."""
+        return self.source.state(steps * self.global_batch)
 
     def microbatches(self, step: int, count: int, dp_rank: int = 0, dp_size: int = 1,
                      device: torch.device | str = "cpu") -> list[Batch]:

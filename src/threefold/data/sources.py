@@ -16,6 +16,8 @@ import torch
 from ..errors import UserError
 
 SYNTHETIC_TOKENS = 1 << 20
+SYNTHETIC_SYMBOLS = 8  # ids the synthetic stream uses
+SYNTHETIC_JUMP = 10  # one token in this many starts anywhere in the cycle
 STDLIB_LIMIT_BYTES = 16 << 20  # plenty for the demo, and loads in well under a second
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 
@@ -46,11 +48,18 @@ def load_tokens(source: str, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def _synthetic(vocab: int, seed: int) -> torch.Tensor:
-    """Random tokens with a learnable rule (every 4th token repeats the one 3 back)."""
+    """Tokens that walk a fixed cycle of SYNTHETIC_SYMBOLS ids and jump to a random place of it
+    one time in SYNTHETIC_JUMP: a rule strong enough that a model learns it visibly in a few
+    steps (the best achievable loss is about 0.5 nats)."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (SYNTHETIC_TOKENS,), generator=gen)
-    tokens[3::4] = tokens[0::4][: tokens[3::4].numel()]
-    return tokens
+    k = min(vocab, SYNTHETIC_SYMBOLS)
+    cycle = torch.randperm(vocab, generator=gen)[:k]
+    jumps = torch.rand(SYNTHETIC_TOKENS, generator=gen) < 1 / SYNTHETIC_JUMP
+    jumps[0] = True
+    landing = torch.randint(0, k, (SYNTHETIC_TOKENS,), generator=gen)
+    index = torch.arange(SYNTHETIC_TOKENS)
+    last_jump = torch.cummax(torch.where(jumps, index, 0), 0).values
+    return cycle[(landing[last_jump] + index - last_jump) % k]
 
 
 def _stdlib_files() -> list[Path]:

@@ -1,6 +1,6 @@
 """PNG plots of a run from its DIR/metrics.jsonl: loss, throughput, memory, per-rank time.
 
-    loss.png         training loss (and gradient norm) per step
+    loss.png         training loss (and gradient norm) per step, validation loss where evaluated
     throughput.png   tokens / s per step
     memory.png       bytes held by the writing rank: parameters, gradients, optimizer, activations, peak
     ranks.png        per-rank median compute / communication / idle seconds per step (debug.stats)
@@ -38,6 +38,11 @@ def plot_run(metrics_path: Path, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["loss"] for r in rows], label="loss")
     ax.set(xlabel="step", ylabel="loss", title="training loss")
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]  # train.eval_every
+    if val:
+        ax.plot(*zip(*val), marker="o", color="tab:orange", label="validation loss")
+        ax.set_title("training and validation loss")
+        ax.legend(loc="upper right")
     if all("grad_norm" in r for r in rows):
         twin = ax.twinx()
         twin.plot(steps, [r["grad_norm"] for r in rows], color="tab:gray", alpha=0.5, linewidth=1)

@@ -1,124 +1,24 @@
 """Pipeline parallelism: stages over the "pp" axis, schedules as data, one runtime.
 
-`split_pipeline` is step 2 of `parallelize()`: it keeps this rank's stages of the model and
-prepares the schedule; `PipelineSplit.runtime` then builds the interpreter once the gradient
-sync over dp exists. See docs/pipeline.md.
+`split_pipeline` (split.py) is step 2 of `parallelize()`: it keeps this rank's stages of the
+model and prepares the schedule; `PipelineSplit.runtime` then builds the interpreter once the
+gradient sync over dp exists. See docs/pipeline.md. The names below load on first use, so
+`threefold schedule` (schedules, simulation, pictures) starts without importing torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-from torch import nn
-
-from ..comm import Comm
-from ..config import Config
-from ..mesh import Mesh
-from ..observe.memory import SavedTensorMeter
-from .adapter import PipelineAdapter, adapter_for
-from .runtime import ModuleCompute, PipelineRuntime
-from .schedules import Schedule, build_schedule
-from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
-                    parse_split, stages_from_bounds)
+import importlib
 
 __all__ = ["PipelineSplit", "split_pipeline", "plan_stages", "build_schedule", "PipelineRuntime"]
+_HOMES = {"build_schedule": ".schedules", "PipelineRuntime": ".runtime"}
 
 
-@dataclass
-class PipelineSplit:
-    module: RankModule  # this rank's stages, parameters under global names
-    stages: list[Stage]  # this rank's stages, in chunk order
-    all_stages: list[Stage]
-    schedule: Schedule
-    adapter: PipelineAdapter
-    names: dict[str, str]  # local parameter name -> global name
-    tied: list[nn.Parameter]  # weights this rank shares with the other end of the pipeline
-    tied_peer: int  # pp coordinate holding the other copy
-    model_cfg: object
-
-    def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32,
-                weights: list[torch.Tensor] | None = None) -> PipelineRuntime:
-        """The interpreter for this rank. `weights`: every tensor holding weights (under ZeRO-3 the
-        shards and the whole forms), which the activation meter must not count."""
-        if weights is None:
-            weights = list(self.module.parameters()) + list(self.module.buffers())
-        meter = SavedTensorMeter(exclude=weights)
-        compute = ModuleCompute(self.module, self.adapter, grad_sync, meter)
-        # the tied weights' gradients as the sync holds them after the schedule: whole and not yet
-        # reduced over dp (plain DP, ZeRO 1-2), or this rank's reduced shard (ZeRO-3); both ends alike
-        gradient_of = getattr(grad_sync, "gradient_of", None) or (lambda p: p.grad)
-        tied_grads = (lambda: sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied],
-                                                 self.tied_peer)) if self.tied else None
-        return PipelineRuntime(self.schedule, self.stages, compute, comm,
-                               lambda shape: self.adapter.activation_shape(self.model_cfg, shape), dtype, tied_grads)
-
-
-def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_stages: int,
-                mesh: Mesh | None = None, comm: Comm | None = None) -> list[Stage]:
-    """All stages of the model: explicit `pipeline.split`, or balanced by parameters or time."""
-    num_layers = len(getattr(model, adapter.layers))
-    if cfg.pipeline.split:
-        bounds = parse_split(cfg.pipeline.split, num_layers, num_stages)
-    elif cfg.pipeline.balance == "time":
-        t = cfg.train
-        micro = t.global_batch // (cfg.parallel.dp or 1) // t.microbatches
-        device = mesh.device if mesh is not None else torch.device("cpu")
-        layer_costs, first, last = measured_costs(model, adapter, cfg.model, (micro, t.seq_len), device)
-        if comm is not None:  # ranks time differently: all adopt global rank 0's figures
-            figures = torch.tensor(layer_costs + [first, last], dtype=torch.float64, device=device)
-            for axis in ("tp", "dp", "pp"):
-                comm.broadcast(figures, axis, src=0)
-            *layer_costs, first, last = figures.tolist()
-        bounds = balance(layer_costs, num_stages, first, last)
-    else:
-        layer_costs, first, last = parameter_costs(model, adapter)
-        bounds = balance(layer_costs, num_stages, first, last)
-    return stages_from_bounds(bounds, num_layers)
-
-
-def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=None) -> PipelineSplit:
-    """Keep this rank's stages of `model` (built on any device, meta included).
-
-    `init(named)` initialises parameters by global name when the model lives on the meta
-    device (only this rank's stages are then allocated).
-    """
-    adapter = adapter_for(model)
-    p, v = mesh.size("pp"), cfg.pipeline.virtual_stages
-    all_stages = plan_stages(model, adapter, cfg, p * v, mesh, comm)
-    rank = mesh.rank("pp")
-    mine = [all_stages[c * p + rank] for c in range(v)]
-    tied_map = adapter.tied(model)
-    module = RankModule(model, adapter, mine)
-    if init is not None:
-        materialise(module, mesh.device, tied_map, init)
-    names = global_names(module, tied_map)
-    holds_first, holds_last = mine[0].first, mine[-1].last
-    tied, peer = [], 0
-    if tied_map and holds_first != holds_last:
-        local = dict(module.named_parameters())
-        wanted = tied_map.values() if holds_first else tied_map.keys()
-        tied = [local[n] for n in wanted if n in local and local[n].requires_grad]
-        peer = all_stages[-1].index % p if holds_first else 0
-    schedule = build_schedule(cfg.pipeline.schedule, p, cfg.train.microbatches, v)
-    return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model)
-
-
-def _grad_or_zeros(param: nn.Parameter, gradient_of) -> torch.Tensor:
-    grad = gradient_of(param)
-    if grad is None:  # no gradient reached this end (plain tensors without a sync)
-        grad = param.grad = torch.zeros_like(param)
-    return grad
-
-
-def sum_tied_gradients(comm: Comm, grads: list[torch.Tensor], peer: int) -> None:
-    """First and last stage each add the other's gradient of their shared weights (send/recv on "pp").
-
-    `grads` are the tensors holding the gradients, in the same form on both ends. Both end with
-    the same sum (a + b == b + a exactly), so both copies take the same step.
-    """
-    for grad in grads:
-        received = torch.empty_like(grad)
-        for handle in comm.batch_send_recv([(grad, "pp", peer)], [(received, "pp", peer)]):
-            handle.wait()
-        grad.add_(received)
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    module = importlib.import_module(_HOMES.get(name, ".split"), __name__)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,14 +1,17 @@
-"""`threefold train`: options of the interface contract mapped onto config keys."""
+"""`threefold train`: options of the interface contract mapped onto config keys.
+
+Importing this module does not import torch: `threefold train --help` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from ..config import load_config
-from ..launch import adopt_slurm_environment, in_launched_world, launch_local, launched_world_size
+from ..config import Config, load_config
+from ..models.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
 OPTION_KEYS = {
@@ -20,20 +23,52 @@ OPTION_KEYS = {
     "data": "data.source", "out": "run.out", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic"}
+_NOTES = {  # what a default or a value means, where the type alone does not say
+    "parallel.dp": "0 = world / (tp x pp)", "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
+    "a directory or a .npy token array", "run.out": "a fresh runs/<date>-<time>, linked from runs/latest",
+    "checkpoint.resume": "none, auto (the newest checkpoint of this run) or a checkpoint directory",
+    "checkpoint.save_every": "0 = never",
+}
+
+
+def _describe(key: str) -> str:
+    """`sets KEY; choices; (default D)` from the config's own types and defaults."""
+    section, name = key.split(".")
+    cls = typing.get_type_hints(Config)[section]
+    kind = typing.get_type_hints(cls)[name]
+    default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
+    parts = [f"sets {key}"]
+    if key == "model.preset":
+        parts.append("one of " + ", ".join(PRESETS))
+    elif typing.get_origin(kind) is typing.Literal:
+        parts.append("one of " + ", ".join(map(str, typing.get_args(kind))))
+    if key in _NOTES:
+        parts.append(_NOTES[key])
+    if key != "run.out" and not isinstance(default, bool):
+        parts.append(f"default {default}")
+    return "; ".join(parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with any config key; the options below override it")
     p.add_argument("--nproc", type=int, help="local processes to start (ignored inside a launched world)")
     p.add_argument("--port", type=int, help="rendezvous port for --nproc (default: a free one)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the local world after a failure")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the local world after a failure "
+                   "(default 0)")
     for option, key in OPTION_KEYS.items():
-        p.add_argument("--" + option.replace("_", "-"), dest=option, metavar="V", help=f"sets {key}")
+        p.add_argument("--" + option.replace("_", "-"), dest=option, metavar="V", help=_describe(key))
     for option, key in FLAG_KEYS.items():
         p.add_argument("--" + option.replace("_", "-"), dest=option, action="store_true", help=f"sets {key}")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, repeatable, e.g. --set model.layers=4")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--out holds another run: move it aside to OUT.old-<time> (nothing is deleted)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every rank's output and the launcher's log here (default: in OUT/logs/rank-N.log)")
+    # set by the local launcher for the processes it starts: the run directory is already claimed
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-dir", help=argparse.SUPPRESS)
 
 
 def overrides_from(args: argparse.Namespace) -> list[str]:
@@ -46,22 +81,64 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..launch import adopt_slurm_environment, in_launched_world, launched_world_size
+    from . import rundir
+    from .inputs import check_data, check_nproc, print_warnings
+
     cfg = load_config(args.config, overrides_from(args))
-    if args.nproc and not in_launched_world():
-        cfg = cfg.validate(args.nproc)  # fail before starting any process
-        out = Path(cfg.run.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(cfg.to_toml())
-        return launch_local(args.nproc, ["train", "--config", str(out / "config.toml")], args.port,
-                            args.max_restarts, hang_report=out / "flight" / "hang-report.txt")
-    adopt_slurm_environment()
-    cfg.validate(launched_world_size())
+    check_nproc(args.nproc)
+    if in_launched_world():
+        if args.worker:  # started by `--nproc`: log to the run directory, the directory is claimed
+            if args.log_dir:
+                from ..launch import redirect_worker_output
+
+                redirect_worker_output(Path(args.log_dir))
+        else:  # torchrun / Slurm: the first process of the first attempt claims the directory
+            adopt_slurm_environment()
+            cfg = _claim_in_launched_world(cfg, args.overwrite)
+        cfg.validate(launched_world_size())
+        _train(cfg)
+        return 0
+    cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
+    check_data(cfg)
+    cfg = rundir.claim(cfg, args.overwrite)
+    print_warnings(cfg)
+    if args.nproc:
+        return _launch(cfg, args)
     _train(cfg)
     return 0
 
 
-@record  # under the elastic agent: writes this rank's error for the launcher to report
+def _launch(cfg, args: argparse.Namespace) -> int:
+    from ..launch import launch_local
+
+    out = Path(cfg.run.out)
+    (out / "config.toml").write_text(cfg.to_toml())
+    return launch_local(args.nproc, ["train", "--config", str(out / "config.toml")], args.port,
+                        args.max_restarts, out=out, verbose=args.verbose, resume=cfg.checkpoint.resume)
+
+
+def _claim_in_launched_world(cfg, overwrite: bool):
+    import os
+
+    from ..errors import ConfigError
+    from ..observe.faults import first_attempt
+    from . import rundir
+
+    if not cfg.run.out:
+        raise ConfigError("run.out", "under torchrun or Slurm every process must name the same run directory; "
+                          "pass --out")
+    if os.environ.get("RANK", "0") == "0" and first_attempt():
+        from .inputs import print_warnings
+
+        print_warnings(cfg)
+        return rundir.claim(cfg, overwrite)  # the others wait for rank 0 in the rendezvous
+    return rundir.adopt(cfg)
+
+
 def _train(cfg) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from .trainer import train
 
-    train(cfg)
+    record(train)(cfg)  # under the elastic agent: writes this rank's error for the launcher to report

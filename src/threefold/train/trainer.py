@@ -16,7 +16,8 @@ from ..checkpoint import Checkpointer, TrainingState, import_model
 from ..comm import Comm
 from ..comm.compression import adapt_optimizer
 from ..config import Config
-from ..data import Sampler, load_tokens
+from ..data.build import build_samplers
+from ..data.loader import Loader
 from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.decoder import build_model
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
@@ -24,8 +25,11 @@ from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
+from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
+from .rundir import run_directory
 from .step import TrainStep
+from .summary import print_summary
 
 
 def share_cpu_threads(device: torch.device) -> None:
@@ -50,10 +54,13 @@ class Trainer:
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history)
-        self.out = Path(cfg.run.out)
+        self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
-        tokens = load_tokens(cfg.data.source, cfg.model.vocab, cfg.train.seed)
-        self.sampler = Sampler(tokens, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
+        t = cfg.train
+        self.sampler, val_sampler = build_samplers(cfg.data, t.seq_len, t.global_batch, t.seed, cfg.model.vocab,
+                                                   validation=t.eval_every > 0)
+        self.loader = Loader(self.sampler, t.microbatches, self.mesh.rank("dp"), self.mesh.size("dp"), device,
+                             cfg.data.prefetch)
         model = build_model(cfg.model, cfg.train.seed, device)
         self.parallel = parallelize(model, self.mesh, self.comm, cfg)
         # AdamW or momentum SGD with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
@@ -70,6 +77,9 @@ class Trainer:
             self.step_fn.forward_backward = lambda mbs, tokens: pipeline.forward_backward(
                 mbs, tokens / self.step_fn.loss_scale)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
+        self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
+            val_sampler, cfg.train, self.parallel.module, self.comm,
+            self.step_fn.forward_backward if pipeline is not None else None, self.parallel.grad_sync.zero_grad)
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
@@ -110,6 +120,9 @@ class Trainer:
                 self._warn_data_mismatch(manifest.data)
         elif ck.init_from:
             import_model(Path(ck.init_from), list(self.parallel.module.named_parameters()), self.parallel.placements)
+            if self.is_writer:
+                print(f"threefold: initialised the model from {ck.init_from} (checkpoint.init_from)", file=sys.stderr,
+                      flush=True)
 
     def _warn_data_mismatch(self, data: dict) -> None:
         t = self.cfg.train
@@ -124,7 +137,8 @@ class Trainer:
         return {"layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size},
                 # the sampler is a pure function of the step: the step is the whole data position
                 "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
-                         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed},
+                         "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed,
+                         "position": self.sampler.state(self.step)},  # epoch and position (per mixture source)
                 "config": cfg.to_dict()}
 
     def save_checkpoint(self) -> None:
@@ -163,8 +177,7 @@ class Trainer:
         self.observer.step_begin(step)
         start = time.perf_counter()
         self.faults.step_start(step)
-        micro_batches = self.sampler.microbatches(step - 1, cfg.train.microbatches, self.mesh.rank("dp"),
-                                                  self.mesh.size("dp"), self.mesh.device)
+        micro_batches, data_wait = self.loader.get(step - 1)
         micro_batches = self.faults.batches(step, micro_batches)
         result = self.step_fn(step, micro_batches, self.global_tokens)
         loss_sum = result.loss_sum.clone()
@@ -178,7 +191,7 @@ class Trainer:
         self.step = step
         record = {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                  "step_time_s": elapsed, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
+                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
                   "mem": self.memory()}
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
         record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
@@ -200,6 +213,8 @@ class Trainer:
             while self.step < cfg.train.steps:
                 record = self.train_one_step()
                 records.append(record)
+                if self.evaluator is not None and self.evaluator.due(self.step):
+                    record.update(self.evaluator())
                 if log is not None:
                     log.write(record)
                 if self._save_due():
@@ -208,6 +223,7 @@ class Trainer:
                 self.checkpointer.close()
             self.observer.finish()
         finally:
+            self.loader.close()
             self.observer.stop()
             restore(self._determinism)
             if log is not None:
@@ -216,6 +232,8 @@ class Trainer:
             plot_run(log.path, self.out)
         if self.parallel.pipeline is not None and cfg.run.plot and records:
             self._export_pipeline_timeline()
+        if log is not None:
+            print_summary(self.out)
         return records
 
     def _export_pipeline_timeline(self) -> None:

@@ -118,7 +118,7 @@ class PowerSGDHook:
         q_all = torch.empty_like(state["q"])
         bases = []
         for mat in layout.matrices:
-            p = torch.linalg.qr(send[mat.p_offset: mat.p_offset + mat.rows * r].view(mat.rows, r)).Q
+            p = _orthonormal(send[mat.p_offset: mat.p_offset + mat.rows * r].view(mat.rows, r))
             m = self._matrix(grads, mat)
             q_local = q_all[mat.q_offset: mat.q_offset + mat.cols * r].view(mat.cols, r)
             torch.matmul(m.t(), p, out=q_local)
@@ -136,3 +136,10 @@ class PowerSGDHook:
             at += numel
         state["q"] = q_all  # warm start of the next step
         state["step"] += 1
+
+
+def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """Q of the QR decomposition of `p`, in fp32 when `p` is 16-bit (CPU has no 16-bit QR)."""
+    if p.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.qr(p.float()).Q.to(p.dtype)
+    return torch.linalg.qr(p).Q

@@ -1,0 +1,54 @@
+"""Batches prepared ahead on a background thread, so the step does not wait for data.
+
+The sampler is a pure function of the step, so the loader simply computes the batches of the
+next `depth` steps while the current one trains: on the host, in pinned memory when the
+device is a GPU (the copy to the device is then asynchronous). `get` reports how long the
+step waited: for the batch to be ready and for the copy to be issued.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .sampler import Batch, Sampler
+
+
+class Loader:
+    def __init__(self, sampler: Sampler, microbatches: int, dp_rank: int, dp_size: int, device: torch.device,
+                 depth: int = 2):
+        self.sampler, self.microbatches = sampler, microbatches
+        self.dp_rank, self.dp_size, self.device, self.depth = dp_rank, dp_size, device, depth
+        self.pin = device.type == "cuda"
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="threefold-data") if depth > 0 else None
+        self._ahead: dict[int, Future] = {}
+
+    def _host(self, step: int) -> list[Batch]:
+        batch = self.sampler.step_batch(step, self.dp_rank, self.dp_size)
+        inputs, targets = batch.inputs.chunk(self.microbatches), batch.targets.chunk(self.microbatches)
+        if self.pin:
+            return [Batch(i.contiguous().pin_memory(), t.contiguous().pin_memory()) for i, t in zip(inputs, targets)]
+        return [Batch(i, t) for i, t in zip(inputs, targets)]
+
+    def get(self, step: int) -> tuple[list[Batch], float]:
+        """The micro-batches of `step` (0-based) on the device, and the seconds spent waiting for them."""
+        start = time.perf_counter()
+        if self._pool is None:
+            host = self._host(step)
+        else:
+            for ahead in range(step, step + self.depth + 1):
+                if ahead not in self._ahead:
+                    self._ahead[ahead] = self._pool.submit(self._host, ahead)
+            for old in [s for s in self._ahead if s < step]:  # a jump back (not in training)
+                self._ahead.pop(old).cancel()
+            host = self._ahead.pop(step).result()
+        batches = [Batch(b.inputs.to(self.device, non_blocking=self.pin), b.targets.to(self.device, non_blocking=self.pin))
+                   for b in host]
+        return batches, time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._ahead.clear()

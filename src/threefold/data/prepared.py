@@ -1,0 +1,125 @@
+"""Reading a prepared data directory: the index, checked against its shards, and memory maps.
+
+Only numpy and json: the config checks read the index too (the model's vocabulary comes from
+the directory's tokenizer), without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .tokenizer import TokenizerIdentity
+
+INDEX = "index.json"
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / INDEX).is_file()
+
+
+def read_index(directory: str | Path) -> dict:
+    path = Path(directory) / INDEX
+    try:
+        index = json.loads(path.read_text())
+        TokenizerIdentity.from_dict(index["tokenizer"])
+        index["splits"]["train"]["shards"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"data: '{path}' is not a readable index of `threefold data prepare` ({e}); "
+                        "prepare the directory again") from None
+    return index
+
+
+def tokenizer_of(directory: str | Path) -> TokenizerIdentity:
+    return TokenizerIdentity.from_dict(read_index(directory)["tokenizer"])
+
+
+@dataclass
+class Documents:
+    """The documents of one split: lengths, and where each lies (shard, first token)."""
+
+    directory: Path
+    shards: list[np.ndarray]  # memory maps
+    lengths: np.ndarray  # int64 per document
+    shard_of: np.ndarray  # int32 per document
+    start: np.ndarray  # int64 per document, offset in its shard
+    tokenizer: TokenizerIdentity
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def tokens_of(self, doc: int, first: int, count: int) -> np.ndarray:
+        s = int(self.start[doc]) + first
+        return self.shards[int(self.shard_of[doc])][s: s + count]
+
+
+def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
+    """The documents of `split`, after checking every shard against the index and the model's vocabulary."""
+    directory = Path(directory)
+    index = read_index(directory)
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    shards, lengths, shard_of, starts = [], [], [], []
+    for number, entry in enumerate(index["splits"].get(split, {}).get("shards", [])):
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise UserError(f"data: shard '{path}' listed in {directory / INDEX} is missing; prepare the directory again")
+        size = path.stat().st_size
+        if size != entry["tokens"] * dtype.itemsize:
+            raise UserError(f"data: shard '{path}' holds {size // dtype.itemsize} tokens but {directory / INDEX} "
+                            f"says {entry['tokens']}; the index does not match its shards, prepare the directory again")
+        ends = np.asarray(entry["documents"], dtype=np.int64)
+        if ends.size == 0 or ends[-1] != entry["tokens"] or np.any(np.diff(ends) <= 0):
+            raise UserError(f"data: the document boundaries of shard '{path}' in {directory / INDEX} do not match "
+                            "its tokens; prepare the directory again")
+        if entry["max_token"] >= vocab:
+            raise UserError(f"data: shard '{path}' holds token id {entry['max_token']}, beyond the model's "
+                            f"vocabulary of {vocab}; use a model with the data's tokenizer (vocab "
+                            f"{index['tokenizer']['vocab_size']})")
+        shards.append(np.memmap(path, dtype=dtype, mode="r"))
+        begin = np.concatenate([[0], ends[:-1]])
+        lengths.append(ends - begin)
+        starts.append(begin)
+        shard_of.append(np.full(ends.size, number, dtype=np.int32))
+    if not shards:
+        raise UserError(f"data: '{directory}' has no {split} documents; prepare it with a larger --val-fraction"
+                        if split == "val" else f"data: '{directory}' has no training documents")
+    return Documents(directory, shards, np.concatenate(lengths), np.concatenate(shard_of), np.concatenate(starts),
+                     TokenizerIdentity.from_dict(index["tokenizer"]))
+
+
+def mixture_of(text: str) -> list[tuple[str, float]]:
+    """`data.sources` "DIR:WEIGHT,DIR:WEIGHT,..." (a missing weight is 1) -> [(DIR, WEIGHT), ...]."""
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        path, sep, weight = item.rpartition(":")
+        if not sep:
+            path, weight = item, "1"
+        try:
+            value = float(weight)
+        except ValueError:
+            raise UserError(f"data.sources: weight '{weight}' of '{item}' is not a number; write DIR:WEIGHT, "
+                            "e.g. code:0.7,prose:0.3") from None
+        if not value > 0:
+            raise UserError(f"data.sources: weight of '{path}' must be positive, got {weight}")
+        if not is_prepared(path):
+            raise UserError(f"data.sources: '{path}' is not a prepared data directory (no {INDEX}); "
+                            "make it with `threefold data prepare`")
+        out.append((path, value))
+    return out
+
+
+def data_tokenizer(source: str, sources: str) -> TokenizerIdentity | None:
+    """The tokenizer of the prepared data a run reads (all mixture sources must share it), or None."""
+    paths = [p for p, _ in mixture_of(sources)] if sources else [source] if is_prepared(source) else []
+    identities = [(p, tokenizer_of(p)) for p in paths]
+    for path, identity in identities[1:]:
+        if identity.sha256 != identities[0][1].sha256:
+            raise UserError(f"data.sources: '{path}' was tokenized by the {identity.describe()}, but "
+                            f"'{identities[0][0]}' by the {identities[0][1].describe()}; prepare every source "
+                            "with one tokenizer")
+    return identities[0][1] if identities else None

@@ -1,0 +1,59 @@
+"""Validation loss on the held-out split, under any layout.
+
+Every evaluation reads the same `train.eval_batches` global batches of the validation split
+(samples 0 .. eval_batches x global_batch - 1 of its sampler), each data-parallel rank its
+slice, so the figure is comparable across steps and layouts. loss = summed token loss over
+all of them / their token count; perplexity = exp(loss). Without pipeline parallelism the
+forward runs under no_grad. With pp > 1 the schedule's runtime is the only way through the
+stages: it runs forward and backward, and the gradients are thrown away (zeroed) before the
+next training step, which zeroes them anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..config import TrainConfig
+from ..data.sampler import Batch, Sampler
+
+
+class Evaluator:
+    def __init__(self, sampler: Sampler, cfg: TrainConfig, module: nn.Module, comm: Comm,
+                 pipeline_forward: Callable[[list[Batch], int], torch.Tensor] | None = None,
+                 discard_grads: Callable[[], None] | None = None):
+        self.sampler, self.cfg, self.module, self.comm = sampler, cfg, module, comm
+        self.pipeline_forward, self.discard_grads = pipeline_forward, discard_grads
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval_every
+        return every > 0 and (step % every == 0 or step == self.cfg.steps)
+
+    def __call__(self) -> dict:
+        mesh, cfg = self.comm.mesh, self.cfg
+        tokens = cfg.eval_batches * cfg.global_batch * cfg.seq_len
+        total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+        for k in range(cfg.eval_batches):
+            mbs = self.sampler.microbatches(k, cfg.microbatches, mesh.rank("dp"), mesh.size("dp"), mesh.device)
+            total += self._loss_sum(mbs, tokens)
+        for axis in ("pp", "dp"):  # tp ranks hold the same loss; only the last stage has one
+            self.comm.all_reduce(total, axis, tag="metrics")
+        loss = float(total) / tokens
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+
+    def _loss_sum(self, mbs: list[Batch], tokens: int) -> torch.Tensor:
+        if self.pipeline_forward is not None:
+            loss = self.pipeline_forward(mbs, tokens).detach().float()
+            self.discard_grads()
+            return loss
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return sum(self.module(mb.inputs, mb.targets).float() for mb in mbs)
+        finally:
+            self.module.train(was_training)

@@ -1,0 +1,57 @@
+"""Checks of what the user passed that the config alone cannot see: process counts and data files.
+
+They run before any process starts, so a mistake ends in one line and exit code 2 instead of a
+traceback from every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import Config
+from ..errors import ConfigError, UserError
+
+_SMALL_FILE_BYTES = 1 << 20  # files this small are read once here to count their tokens
+
+
+def check_nproc(nproc: int | None) -> None:
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc: {nproc} is not a number of processes; give 1 or more "
+                        "(or leave it out to train in this process)")
+
+
+def check_data(cfg: Config) -> None:
+    """An empty data file, or one shorter than one training sample (seq_len + 2 tokens)."""
+    need = cfg.train.seq_len + 2
+    path = Path(cfg.data.source)
+    if cfg.data.source in ("synthetic", "stdlib") or not path.is_file():
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise ConfigError("data.source", f"'{path}' is empty; give a file with at least {need} tokens "
+                          f"(train.seq_len + 2)")
+    if size < _SMALL_FILE_BYTES:
+        from ..data import load_tokens
+
+        count = load_tokens(cfg.data.source, cfg.model.vocab, cfg.train.seed).numel()
+        if count < need:
+            raise ConfigError("data.source", f"'{path}' holds {count} tokens, fewer than train.seq_len + 2 = "
+                              f"{need}; give more data or a smaller --seq-len")
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Settings that run but probably not as meant; printed once, by the process that starts the job."""
+    found = []
+    c = cfg.compress
+    if c.method == "dgc" and cfg.train.optimizer == "adamw" and c.dgc_momentum_correction:
+        found.append("compress.method=dgc with train.optimizer=adamw: DGC's momentum correction "
+                     "(compress.dgc_momentum_correction) assumes momentum SGD; set train.optimizer=sgd (with a larger "
+                     "train.lr, e.g. 0.1-0.5), or compress.dgc_momentum_correction=false")
+    return found
+
+
+def print_warnings(cfg: Config) -> None:
+    import sys
+
+    for text in warnings_for(cfg):
+        print(f"threefold: warning: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,114 @@
+"""A run directory belongs to one run; inputs that would fail late exit 2 with one line at once."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from threefold.checkpoint.writer import prune
+from threefold.cli import main
+from threefold.config import load_config
+from threefold.errors import UserError
+from threefold.train import rundir
+
+
+def claim(out, *overrides, overwrite=False):
+    return rundir.claim(load_config(None, [f"run.out={out}", *overrides]), overwrite)
+
+
+def finished_run(out):
+    """A directory as a finished run leaves it: run file, metrics, a checkpoint."""
+    cfg = claim(out)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (out / "checkpoints" / "step-00000001").mkdir(parents=True)
+    manifest = {"config": {"model": cfg.to_dict()["model"], "run": {"id": cfg.run.id}}}
+    (out / "checkpoints" / "step-00000001" / "manifest.json").write_text(json.dumps(manifest))
+    return cfg
+
+
+def test_a_new_run_in_another_runs_directory_exits_with_the_choices(tmp_path):
+    first = finished_run(tmp_path / "run")
+    with pytest.raises(UserError) as err:
+        claim(tmp_path / "run")
+    text = str(err.value)
+    assert text.startswith("run.out:") and str(tmp_path / "run") in text and first.run.id in text
+    assert "--resume auto" in text and "new --out" in text and "--overwrite" in text
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
+
+
+def test_resume_auto_continues_only_a_run_of_the_same_model(tmp_path):
+    first = finished_run(tmp_path / "run")
+    assert claim(tmp_path / "run", "checkpoint.resume=auto").run.id == first.run.id
+    with pytest.raises(UserError) as err:
+        claim(tmp_path / "run", "checkpoint.resume=auto", "model.layers=3")
+    assert "another model" in str(err.value) and str(tmp_path / "run") in str(err.value)
+
+
+def test_stale_checkpoints_of_another_model_are_refused_without_a_run_file(tmp_path):
+    finished_run(tmp_path / "run")
+    (tmp_path / "run" / "run.json").unlink()  # a directory from before run files
+    with pytest.raises(UserError) as err:
+        claim(tmp_path / "run", "checkpoint.resume=auto", "model.hidden=64")
+    assert "step-00000001" in str(err.value) and "another model" in str(err.value)
+    assert claim(tmp_path / "run", "checkpoint.resume=auto").run.id  # the same model adopts the directory
+
+
+def test_overwrite_moves_the_old_run_aside_and_keeps_its_files(tmp_path):
+    first = finished_run(tmp_path / "run")
+    second = claim(tmp_path / "run", overwrite=True)
+    (moved,) = tmp_path.glob("run.old-*")
+    assert json.loads((moved / "run.json").read_text())["run_id"] == first.run.id
+    assert (moved / "metrics.jsonl").exists() and (moved / "checkpoints" / "step-00000001" / "manifest.json").exists()
+    assert second.run.id != first.run.id and sorted(os.listdir(tmp_path / "run")) == ["run.json"]
+
+
+def test_default_out_is_a_fresh_directory_linked_from_latest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a = claim("")
+    (tmp_path / a.run.out / "metrics.jsonl").write_text("")
+    b = claim("")
+    assert a.run.out != b.run.out and a.run.out.startswith("runs/") and b.run.out.startswith("runs/")
+    assert (tmp_path / "runs" / "latest").resolve() == (tmp_path / b.run.out).resolve()
+    (tmp_path / b.run.out / "metrics.jsonl").write_text("")
+    again = claim("runs/latest", "checkpoint.resume=auto")  # --out runs/latest continues the run it points at
+    assert again.run.id == b.run.id and again.run.out == str((tmp_path / b.run.out).resolve())
+    moved = claim("runs/latest", overwrite=True)
+    assert moved.run.id != b.run.id and (tmp_path / "runs" / "latest").resolve() == (tmp_path / b.run.out).resolve()
+
+
+def test_retention_prunes_only_checkpoints_of_the_same_run(tmp_path):
+    for step, run_id in [(1, "old"), (2, "old"), (3, "new"), (4, "new"), (5, "new")]:
+        ckpt = tmp_path / f"step-{step:08d}"
+        ckpt.mkdir()
+        (ckpt / "manifest.json").write_text(json.dumps({"config": {"run": {"id": run_id}}}))
+    prune(tmp_path, keep=2, run_id="new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002", "step-00000004",
+                                                          "step-00000005"]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("x" * 20)
+    np.save(tmp_path / "short.npy", np.arange(10, dtype=np.int64))
+    (tmp_path / "a-file").write_text("not a directory")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--out", "{tmp}/a-file"], ["run.out:", "a-file", "is a file"]),
+    (["--data", "{tmp}/empty.txt"], ["data.source:", "empty.txt", "is empty", "34 tokens"]),
+    (["--data", "{tmp}/short.txt"], ["data.source:", "short.txt", "holds 20 tokens", "seq_len + 2 = 34"]),
+    (["--data", "{tmp}/short.npy"], ["data.source:", "short.npy", "holds 10 tokens"]),
+    (["--nproc", "0"], ["--nproc: 0 is not a number of processes", "1 or more"]),
+    (["--nproc", "-1"], ["--nproc: -1 is not a number of processes"]),
+])
+def test_bad_inputs_exit_2_with_one_line(args, words, files, capsys):
+    args = [a.replace("{tmp}", str(files)) for a in args]
+    out = ["--out", str(files / "run")] if "--out" not in args else []
+    assert main(["train", "--steps", "2", "--no-progress", *out, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("threefold: error: "), err
+    assert all(w in err[0] for w in words), err[0]
+    assert not (files / "run").exists()  # nothing claimed for a run that never started
