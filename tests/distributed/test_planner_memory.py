@@ -11,13 +11,15 @@ a fraction of a second; starting processes is what costs).
 Requirement: within 5% of every counted part. Today every case matches to the byte.
 """
 
+import os
+
 import pytest
 
 from tests.helpers import make_config, train_and_report
 from threefold.planner.memory import predict_memory, stage_memory
 from threefold.planner.workload import Strategy, Workload, hf_llama_model
 
-TOLERANCE = 0.05
+TOLERANCE = float(os.environ.get("PLANNER_MEMORY_TOLERANCE", "0.05"))  # 0 checks the "to the byte" claim
 
 TINY = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32"]
 LLAMA = ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=32"]

@@ -33,7 +33,8 @@ are whole (gathered) before the library's fp32 loss, and the labels are shifted 
 int64 tensor (8*bs).
 
 Checkpointing: `full` keeps each block's input (c*bsh, /t under SP); `selective` drops the
-attention core's internals (the log-sum-exp here, the s^2 scores in the paper); `every-k`
+attention core's internals (the log-sum-exp here - and the core's output where RoPE's copy feeds
+the o projection - the s^2 scores in the paper); `every-k`
 applies `full` to the blocks whose global index is a multiple of k.
 """
 
@@ -103,8 +104,10 @@ def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False) -> floa
     if policy == "full":
         return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
     items = block_items(m, x, hf)
-    if policy == "selective":
+    if policy == "selective":  # the core's log-sum-exp goes; so does its output when RoPE copies it for o
         items.pop("attention_core")
+        if m.position == "rope" and not hf:
+            items["attention_out"] /= 2
     return sum(items.values())
 
 
