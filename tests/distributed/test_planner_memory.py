@@ -8,7 +8,9 @@ nothing downloaded), split it with threefold's tensor plan and count what one fo
 All cases of one world size run in one call of that shared world (a step of a tiny model takes
 a fraction of a second; starting processes is what costs).
 
-Requirement: within 5% of every counted part. Today every case matches to the byte.
+Requirement: within 5% of every counted part (1% for the Hugging Face cases, where one missed
+tensor per layer is only ~3%). Today every case matches to the byte:
+PLANNER_MEMORY_TOLERANCE=0 checks that.
 """
 
 import os
@@ -20,6 +22,7 @@ from threefold.planner.memory import predict_memory, stage_memory
 from threefold.planner.workload import Strategy, Workload, hf_llama_model
 
 TOLERANCE = float(os.environ.get("PLANNER_MEMORY_TOLERANCE", "0.05"))  # 0 checks the "to the byte" claim
+HF_TOLERANCE = min(TOLERANCE, 0.01)  # one (b, s, h) tensor per layer is ~3% of these tiny models: catch it
 
 TINY = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32"]
 LLAMA = ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=32"]
@@ -150,4 +153,4 @@ def test_predicted_activations_of_a_hugging_face_llama(worlds, size):
             st = Strategy(tp=size, sequence_parallel=sp and size > 1, precision="fp32" if dtype == "float32" else "bf16")
             predicted = stage_memory(Workload(m, batch, seq, "hf-llama"), st, 0).activations
             err = abs(predicted / counted - 1)
-            assert err <= TOLERANCE, f"tp={size} {changes} {dtype} sp={sp} rank {rank}: {predicted} vs {counted}"
+            assert err <= HF_TOLERANCE, f"tp={size} {changes} {dtype} sp={sp} rank {rank}: {predicted} vs {counted}"
