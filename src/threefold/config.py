@@ -264,15 +264,33 @@ def build_config(raw: dict[str, dict]) -> Config:
     """A Config from {section: {key: typed value}}; `model.preset` fills the model defaults."""
     model_values = dict(raw.get("model", {}))
     preset = model_values.get("preset", ModelConfig.preset)
-    if preset not in PRESETS:
-        raise ConfigError("model.preset", f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
+    defaults = _hf_model_fields(preset, model_values) if preset.startswith("hf:") else PRESETS.get(preset)
+    if defaults is None:
+        raise ConfigError("model.preset", f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}, "
+                          "or hf:DIR for a Hugging Face model directory")
     sections = {}
     for section, cls in _SECTION_TYPES.items():
         values = dict(raw.get(section, {}))
         if section == "model":
-            values = {**PRESETS[preset], **values, "preset": preset}
+            values = {**defaults, **values, "preset": preset}
         sections[section] = cls(**values)
     return Config(**sections)
+
+
+def _hf_model_fields(preset: str, given: dict) -> dict:
+    """The model fields of `hf:DIR` from DIR/config.json; fields given as well must agree with it."""
+    from .errors import UserError
+    from .models.hf_causal import model_fields
+
+    try:
+        fields_ = model_fields(Path(preset[3:]))
+    except UserError as e:
+        raise ConfigError("model.preset", str(e)) from None
+    for key, value in given.items():
+        if key in fields_ and fields_[key] != value:
+            raise ConfigError(f"model.{key}", f"{value} contradicts {preset[3:]}/config.json ({fields_[key]}); "
+                              "the model directory defines the architecture: drop the override")
+    return fields_
 
 
 def with_overrides(config: Config, **sections: dict) -> Config:

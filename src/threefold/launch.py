@@ -18,24 +18,25 @@ import uuid
 from pathlib import Path
 
 from .errors import UserError
+from .nodes import Nodes, wait_for_endpoint
 
 
-def in_launched_world() -> bool:
-    """True under torchrun / the elastic agent, or Slurm with several tasks."""
+def in_launched_world(launching: bool = False) -> bool:
+    """True under torchrun / the elastic agent, or Slurm with one task per process.
+
+    `launching`: the command asked to start processes itself (--nproc / --nnodes), so a Slurm
+    step of one task per node runs the launcher rather than being the world.
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    return not launching and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
 def adopt_slurm_environment() -> None:
-    """Map Slurm's task variables to torch.distributed's (MASTER_ADDR must come from the job script)."""
-    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
-        return
-    if "MASTER_ADDR" not in os.environ:
-        raise UserError("under Slurm, export MASTER_ADDR (the first node's host name) and MASTER_PORT in the job script")
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    os.environ.setdefault("MASTER_PORT", "29500")
+    """Map Slurm's task variables to torch.distributed's (nodes.adopt_slurm_tasks)."""
+    from .nodes import adopt_slurm_tasks
+
+    adopt_slurm_tasks()
 
 
 def launched_world_size() -> int:
@@ -59,8 +60,12 @@ def free_port() -> int:
 
 def launch_local(nproc: int, argv: list[str], port: int | None = None, max_restarts: int = 0,
                  hang_report: Path | None = None, out: Path | None = None, verbose: bool = False,
-                 resume: str = "none") -> int:
+                 resume: str = "none", nodes: Nodes | None = None) -> int:
     """Run `python -m threefold *argv` on `nproc` local processes; returns the exit code.
+
+    With `nodes`, this node's agent joins the agents of the other nodes in a c10d rendezvous
+    at `nodes.endpoint` (hosted by node rank 0) and the world spans them all; every node's
+    launcher returns 0 when the job finished.
 
     With `out` (the run directory) and not `verbose`, each worker's output goes to
     `out/logs/rank-N.log` and the terminal shows threefold's own lines: the progress bar and
@@ -71,9 +76,15 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     """
     started = time.time()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if port is None:
+    if nodes is not None:
+        port = nodes.port
+        if nodes.hosts_rendezvous and nodes.on_loopback:
+            check_port(port)
+        wait_for_endpoint(nodes)
+    elif port is None:
         port = free_port()
     else:
         check_port(port)
@@ -81,8 +92,9 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         hang_report = out / "flight" / "hang-report.txt"
     log_dir = out / "logs" if out is not None and not verbose else None
     if argv[:1] == ["train"]:
-        argv = [*argv, "--worker"] + (["--log-dir", str(log_dir)] if log_dir is not None else [])
-    if max_restarts > 0:
+        argv = [*argv, "--worker" if nodes is None else "--node-worker"] + \
+            (["--log-dir", str(log_dir)] if log_dir is not None else [])
+    if max_restarts > 0 or nodes is not None:
         # The agent's shared TCPStore outlives a restart with the dead workers' gloo addresses in
         # it, and restarted workers intermittently connect to those (refused, then a hang until
         # the timeout). Without sharing, rank 0 of every attempt hosts a fresh store.
@@ -90,10 +102,17 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"threefold-{uuid.uuid4().hex[:8]}",
                           max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+    if nodes is not None:
+        config = _node_config(config, nodes)
     watcher = _AgentWatcher(max_restarts, log_dir, out, resume, quiet=not verbose)
     try:
         with watcher:
             elastic_launch(config, entrypoint=sys.executable)("-m", "threefold", *argv)
+    except RendezvousError as e:
+        if nodes is None:
+            raise
+        print(f"threefold: error: {_rendezvous_line(e, nodes)}", file=sys.stderr)
+        return 2
     except ChildFailedError as e:
         failures = sorted(e.failures.items(), key=lambda item: item[1].timestamp)
         first_rank, first = failures[0]
@@ -112,6 +131,28 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
             print(hang_report.read_text().rstrip(), file=sys.stderr)
         return 1
     return 0
+
+
+def _node_config(config, nodes: Nodes):
+    """The launch config of one node of a multi-node job: the same run id and endpoint on every
+    node; node rank 0 hosts the rendezvous store, the others connect to it."""
+    import dataclasses
+
+    wait = max(1, int(nodes.timeout_s))
+    return dataclasses.replace(
+        config, min_nodes=nodes.min, max_nodes=nodes.max, rdzv_endpoint=nodes.endpoint,
+        run_id=f"threefold-{nodes.port}",
+        rdzv_configs={"is_host": nodes.hosts_rendezvous, "join_timeout": wait, "read_timeout": wait, "timeout": wait,
+                      "last_call_timeout": 1 if nodes.min == nodes.max else 30},
+        local_addr="127.0.0.1" if nodes.on_loopback else None)
+
+
+def _rendezvous_line(error: Exception, nodes: Nodes) -> str:
+    if nodes.hosts_rendezvous and "store" in str(error).lower():
+        return (f"--rdzv-endpoint: this node (--node-rank 0) cannot host the rendezvous at {nodes.endpoint}; run "
+                f"node rank 0 on {nodes.host} with a free port")
+    return (f"--nnodes: the rendezvous at {nodes.endpoint} did not complete within {nodes.timeout_s:.0f} s "
+            f"({type(error).__name__}); start every node's launcher with the same --nnodes and --rdzv-endpoint")
 
 
 def _exit_text(exitcode: int) -> str:

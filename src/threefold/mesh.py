@@ -126,6 +126,14 @@ class Mesh:
             return self._node_axis(axis).index(dist.get_rank())
         return self.device_mesh.get_local_rank(axis)
 
+    def inter_node_axes(self, node_size: int) -> tuple[str, ...]:
+        """The axes whose group of this rank holds ranks of more than one node (nodes of
+        `node_size` processes in launcher order); their bytes cross the network."""
+        if node_size < 1 or node_size >= self.world_size:
+            return ()
+        axes = AXES + tuple(self._node_ranks)
+        return tuple(a for a in axes if len({r // node_size for r in self.ranks(a)}) > 1)
+
     def has_node_axes(self) -> bool:
         return bool(self._node_ranks)
 

@@ -28,9 +28,10 @@ EXACT = 1e-5
 # precision: the loss to a few bf16/fp16 ulps; parameters loosely (biases and norm gains start
 # at 0 / 1, so a rounding difference in their few updates is a large relative one). A lossy
 # wire (bf16 values; PowerSGD rank 4; ZeRO casts to it even at dp=1) against fp32 one process;
-# DGC sends only the largest 0.1% of entries per step, so only the loss compares.
+# DGC sends only the largest 0.1% of entries per step, so only the loss compares, loosely (by
+# step 3 the one-process run has taken two full steps, DGC two of 0.1% of the entries).
 LOOSE = {"bf16": (2e-2, 1e-1), "fp16": (5e-3, 1e-1), "bf16-wire": (2e-2, 5e-2), "powersgd": (2e-2, 5e-2),
-         "dgc": (2e-2, float("inf"))}
+         "dgc": (1e-1, float("inf"))}
 
 
 def bounds(case: dict) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from tests.helpers import flat_pieces
 from threefold.comm.compression import DenseHook, DGCHook
 from threefold.config import TrainConfig
 from threefold.parallel import ParallelModel
+from threefold.parallel.data import DataParallelReducer
 from threefold.parallel.master import ShardedOptimizer
 
 SGD = TrainConfig(optimizer="sgd", lr=0.1, momentum=0.9, weight_decay=1e-2)
@@ -95,8 +96,8 @@ def test_adamw_step_count_survives_after_load():
 def test_dgc_momentum_correction_takes_the_optimizer_momentum(hook, momentum):
     param = torch.nn.Parameter(torch.zeros(3, 2))
 
-    class Sync:
-        pass
+    class Sync:  # the data-parallel reducer's view of its hook, without the buckets
+        applies_momentum = DataParallelReducer.applies_momentum
 
     sync = Sync()
     sync.hook = hook

@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+from ..errors import UserError
 from .export import export_model
 from .format import read_manifest
 from .verify import find_checkpoint_dir, verify
@@ -24,9 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     inspect.add_argument("--json", action="store_true", help="print the manifest (without RNG states) as JSON")
     check = sub.add_parser("verify", help="check completeness, sizes and sha256 of every file")
     check.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
-    export = sub.add_parser("export", help="write the model as one Hugging Face-style safetensors file")
+    export = sub.add_parser("export", help="write the model as one safetensors file, or as a Hugging Face "
+                                           "model directory (--hf)")
     export.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
-    export.add_argument("out", help="output .safetensors file (start a run from it with checkpoint.init_from)")
+    export.add_argument("out", nargs="?", help="output .safetensors file (start a run from it with "
+                                               "checkpoint.init_from)")
+    export.add_argument("--hf", metavar="OUT", help="write a Hugging Face model directory (config.json, sharded "
+                                                    "safetensors + index, tokenizer files) of a --model hf:DIR run")
+    export.add_argument("--shard-mb", type=float, default=2048.0, help="largest safetensors shard of --hf (MB)")
 
 
 def _size(n: int) -> str:
@@ -86,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
         return inspect(Path(args.dir), args.json)
     if args.action == "verify":
         return check(Path(args.dir))
+    if (args.out is None) == (args.hf is None):
+        raise UserError("ckpt export: give either an output file (OUT) or --hf OUT (a Hugging Face directory)")
+    if args.hf is not None:
+        from .hf import export_hf
+
+        ckpt, count = export_hf(Path(args.dir), Path(args.hf), int(args.shard_mb * 2**20))
+        print(f"wrote {args.hf}: {count} tensors from {ckpt} (open with transformers' from_pretrained)")
+        return 0
     ckpt, count = export_model(Path(args.dir), Path(args.out))
     print(f"wrote {args.out}: {count} tensors from {ckpt}")
     return 0

@@ -171,25 +171,32 @@ def parameter_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+def initial_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig) -> torch.Tensor:
+    """The initial value of parameter `name` (whole, fp32): a function of (seed, name) only.
+
+    Biases start at zero, norm gains at one, every other weight ~ N(0, init_std), residual
+    output projections (attn.o, mlp.down) with std / sqrt(2 * layers) as in GPT-2.
+    """
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(("attn.o.weight", "mlp.down.weight")):
+        std /= math.sqrt(2 * cfg.layers)
+    gen = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
-    """Deterministic initialisation that depends only on (seed, parameter name).
+    """Deterministic initialisation that depends only on (seed, parameter name) (`initial_value`).
 
     Because no parameter's values depend on which others exist, a pipeline stage or a tensor
     shard initialised alone gets exactly the values the whole model would have.
-    Residual output projections are scaled by 1/sqrt(2 * layers) as in GPT-2.
     """
-    residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
     for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            param.zero_()
-        elif "norm" in name:
-            param.fill_(1.0)
-        else:
-            std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else cfg.init_std
-            gen = torch.Generator().manual_seed(parameter_seed(seed, name))
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            param.copy_(values)
+        param.copy_(initial_value(name, tuple(param.shape), seed, cfg))
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Decoder:

@@ -21,7 +21,7 @@ separate column blocks of one parameter, which a single Placement box cannot des
 
 from __future__ import annotations
 
-from ..parallel.tensor_plan import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead
+from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead
 
 
 def llama_plan(config, tp: int) -> TensorPlan:

@@ -12,8 +12,8 @@ sequence chunks and the learned position table is cut along the sequence.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..parallel.tensor_plan import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead,
-                                    VocabLoss)
+from ..plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead,
+                     VocabLoss)
 
 
 def decoder_plan(cfg: ModelConfig) -> TensorPlan:

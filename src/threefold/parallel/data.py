@@ -111,6 +111,20 @@ class DataParallelReducer:
         if hook_state:
             self.hook.load_state_dict(hook_state)
 
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets.buckets]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []  # the module's parameters are the only weights
+
+    def gather_for(self, params: list[nn.Parameter]) -> None:
+        """Nothing to gather: every rank holds its parameters whole."""
+
+    @property
+    def applies_momentum(self) -> bool:
+        """Whether the hook applies the optimizer's momentum before the exchange (DGC's correction)."""
+        return bool(getattr(self.hook, "applies_momentum", False))
+
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)
 

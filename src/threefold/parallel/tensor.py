@@ -117,7 +117,7 @@ class RowParallelLinear(nn.Module):
     """y_bsh = sum_r x_r W_r^T + b: partial products summed over tp, then the (replicated) bias.
 
     Forward all-reduce (Megatron "g"), or reduce-scatter along the sequence under SP, where the
-    bias then meets only this rank's tokens and its gradient is summed over tp.
+    bias then meets only this rank's tokens: the plan sums its gradient over tp.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, sequence_parallel: bool,
@@ -130,8 +130,6 @@ class RowParallelLinear(nn.Module):
         self.bias = as_parameter(bias)
         self.in_features = weight.shape[1] * comm.mesh.size(AXIS)
         self.out_features = weight.shape[0]
-        if self.bias is not None and sequence_parallel and self.bias.requires_grad:
-            sum_gradient_over(self.bias, comm)
 
     def forward(self, x_bsf: torch.Tensor) -> torch.Tensor:
         y = leave_region(F.linear(x_bsf, self.weight), self.comm, self.sequence_parallel, self.seq_dim)

@@ -1,24 +1,9 @@
-"""Tensor plans: a model declares how its modules split over tp; `parallelize_tensor` applies it.
+"""Applying a tensor plan (the vocabulary is in plans.py): `parallelize_tensor` shards a model over tp.
 
-A plan names modules by pattern (`*` matches one name component, e.g. `blocks.*.attn.q`):
-
-    layers       module -> style: ColumnParallel, GroupedKV, RowParallel, VocabEmbedding,
-                 VocabHead, VocabLoss. The module is replaced by its parallel
-                 version holding this rank's slice of the single-device weights; parameter
-                 names do not change.
-    regions      modules whose input enters the tp region once (f, or the SP all-gather),
-                 e.g. attention and MLP, so q, k, v share one collective.
-    sequence     modules that run on sequence-split activations under SP (norms): their
-                 parameters' gradients are summed over tp.
-    scatter_sequence  module -> dim: outputs that are cut along the sequence under SP (a
-                 learned position table, added to the sequence-split embedding).
-    scatter_inputs    module -> dim: first inputs cut along the sequence under SP (where a
-                 library model's sequence-parallel region begins).
-    attributes   module -> {attribute: value} to set after sharding (a library model's
-                 cached head counts).
-
-Splitting a single-device model (rather than building shards directly) keeps the init rule
-"weights depend only on seed and name": every layout starts from the same numbers.
+Splitting in two phases lets `parallelize()` shard a model built on the meta device, keep its
+pipeline stages and only then give the local shards storage: `shard_tensor` replaces the
+modules and returns the placements plus the gradient hooks still to install on the final
+parameters (`TensorShards.install()`); `parallelize_tensor` does both at once.
 """
 
 from __future__ import annotations
@@ -30,85 +15,12 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..errors import UserError
 from ..mesh import Mesh
+from ..plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, TensorPlanError, VocabEmbedding,  # noqa: F401
+                     VocabHead, VocabLoss)
 from ..sharding import Placement
 from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                      VocabParallelEmbedding, as_parameter, enter_region, padded_size, scatter_sequence, sum_gradient_over)
-
-
-class TensorPlanError(UserError):
-    """A model cannot be split as asked: names the module, the size and the constraint."""
-
-
-@dataclass(frozen=True)
-class ColumnParallel:
-    """Output features split over tp in whole units (a head's width), e.g. q, MLP up/gate."""
-
-    unit: int = 1
-    what: str = "output features"  # named in errors, e.g. "attention heads (model.heads)"
-
-
-@dataclass(frozen=True)
-class GroupedKV:
-    """Key/value projection of grouped-query attention.
-
-    kv_heads divisible by tp: split by whole kv heads (each rank's q heads use exactly its kv
-    heads). tp divisible by kv_heads: the weight is replicated, each rank uses the one kv head
-    its q heads belong to, and the gradient is summed over tp. Anything else: an error.
-    """
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-
-@dataclass(frozen=True)
-class RowParallel:
-    """Input features split over tp (attention output, MLP down); output summed over tp."""
-
-    unit: int = 1
-    what: str = "input features"
-
-
-@dataclass(frozen=True)
-class VocabEmbedding:
-    """Embedding rows split over the vocabulary, padded to a multiple of tp with zero rows.
-
-    Under SP its reduction is a reduce-scatter along the sequence (the SP region starts here),
-    unless `sequence_output` is False (a library model that reads the sequence length off the
-    embedding's output; its plan cuts the sequence later with `scatter_inputs`).
-    """
-
-    vocab: int
-    sequence_output: bool = True
-
-
-@dataclass(frozen=True)
-class VocabHead:
-    """Output projection split over the (padded) vocabulary; `gather_output` for library losses."""
-
-    vocab: int
-    gather_output: bool = False
-
-
-@dataclass(frozen=True)
-class VocabLoss:
-    """Token cross-entropy (sum) on vocabulary-split logits: never gathers them."""
-
-    vocab: int
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    layers: dict[str, object]
-    regions: tuple[str, ...] = ()
-    sequence: tuple[str, ...] = ()
-    scatter_sequence: dict[str, int] = field(default_factory=dict)
-    scatter_inputs: dict[str, int] = field(default_factory=dict)
-    attributes: dict[str, dict] = field(default_factory=dict)
-    seq_dim: int = 1  # the sequence dimension of the activations between regions (b, s, h)
-    supports_sequence_parallel: bool = True
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -137,6 +49,10 @@ class _Sharder:
         self.global_name = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         self.done: dict[int, tuple[tuple, nn.Parameter, torch.Tensor]] = {}  # originals kept alive: ids stay unique
         self.placements: dict[int, Placement] = {}  # id(new parameter) -> placement
+        self.partial: list[nn.Parameter] = []  # replicated parameters whose gradient is summed over tp
+
+    def sum_over_tp(self, *params: nn.Parameter | None) -> None:
+        self.partial += [p for p in params if p is not None and p.requires_grad]
 
     def split(self, param: torch.Tensor | None, dim: int, pad_to: int | None = None) -> nn.Parameter | None:
         """This rank's part of `param` along `dim` (after zero-padding to `pad_to` along it)."""
@@ -198,14 +114,15 @@ def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, s
         used = rank // (tp // style.kv_heads)
         layer = ColumnParallelLinear(sharder.keep(w), sharder.keep(b), comm,
                                      rows=(used * style.head_dim, style.head_dim))
-        for p in (layer.weight, layer.bias):
-            if p is not None and p.requires_grad:
-                sum_gradient_over(p, comm)
+        sharder.sum_over_tp(layer.weight, layer.bias)
         return layer
     if isinstance(style, RowParallel):
         w, b = _linear_parts(module, name)
         _check_units(name, w.shape[1], style.unit, tp, style.what)
-        return RowParallelLinear(sharder.split(w, 1), sharder.keep(b), comm, sp, plan.seq_dim)
+        layer = RowParallelLinear(sharder.split(w, 1), sharder.keep(b), comm, sp, plan.seq_dim)
+        if sp:  # the bias meets only this rank's tokens
+            sharder.sum_over_tp(layer.bias)
+        return layer
     if isinstance(style, VocabEmbedding):
         if not isinstance(module, nn.Embedding):
             raise TensorPlanError(f"tensor plan: {name} is a {type(module).__name__}, not a torch.nn.Embedding")
@@ -243,6 +160,21 @@ def _scatter_input_hook(comm: Comm, dim: int):
     return lambda module, args: (scatter_sequence(args[0], comm, dim),) + tuple(args[1:])
 
 
+@dataclass
+class TensorShards:
+    """The result of `shard_tensor`: placements by parameter name and the gradient hooks to install."""
+
+    placements: dict[str, Placement]
+    partial: list[nn.Parameter] = field(default_factory=list)  # gradients summed over tp
+    comm: Comm | None = None
+
+    def install(self) -> None:
+        """Register the tp gradient sums, on the parameters' final storage (after materialisation)."""
+        for p in self.partial:
+            sum_gradient_over(p, self.comm)
+        self.partial = []
+
+
 def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
                        sequence_parallel: bool = False) -> dict[str, Placement]:
     """Shard `model` in place over the mesh's tp axis by `plan`; return every parameter's Placement.
@@ -250,9 +182,17 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPla
     Split parameters get `Placement.whole(...)[.padded(...)].split(dim, tp_rank, tp)`; all others
     are whole and `.replicated("tp")`. With tp = 1 nothing changes (and nothing is replicated).
     """
+    shards = shard_tensor(model, mesh, comm, plan, sequence_parallel)
+    shards.install()
+    return shards.placements
+
+
+def shard_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
+                 sequence_parallel: bool = False) -> TensorShards:
+    """`parallelize_tensor` without installing the gradient hooks (works on the meta device)."""
     tp, rank = mesh.size(AXIS), mesh.rank(AXIS)
     if tp == 1:
-        return {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()}
+        return TensorShards({n: Placement.whole(n, p.shape) for n, p in model.named_parameters()}, [], comm)
     if sequence_parallel and not plan.supports_sequence_parallel:
         raise TensorPlanError(f"parallel.sequence_parallel: the tensor plan of {type(model).__name__} does not "
                               "support sequence parallelism; set parallel.sequence_parallel=false")
@@ -264,19 +204,17 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPla
     for pattern in plan.regions:
         for _, module in _matching(model, pattern):
             module.register_forward_pre_hook(_region_hook(comm, sp, plan.seq_dim), with_kwargs=True)
+    for pattern in plan.partial + (plan.sequence if sp else ()):
+        for _, module in _matching(model, pattern):
+            sharder.sum_over_tp(*module.parameters(recurse=False))
     if sp:
-        for pattern in plan.sequence:
-            for _, module in _matching(model, pattern):
-                for p in module.parameters(recurse=False):
-                    if p.requires_grad:
-                        sum_gradient_over(p, comm)
         for pattern, dim in plan.scatter_sequence.items():
             for _, module in _matching(model, pattern):
                 module.register_forward_hook(_scatter_hook(comm, dim))
         for pattern, dim in plan.scatter_inputs.items():
             for _, module in _matching(model, pattern):
                 module.register_forward_pre_hook(_scatter_input_hook(comm, dim))
-    for pattern, values in plan.attributes.items():
+    for pattern, values in list(plan.attributes.items()) + (list(plan.sequence_attributes.items()) if sp else []):
         for _, module in _matching(model, pattern):
             for key, value in values.items():
                 setattr(module, key, value)
@@ -284,7 +222,7 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPla
     placements = {}
     for name, p in model.named_parameters():
         placements[name] = sharder.placements.get(id(p)) or Placement.whole(name, p.shape).replicated(AXIS)
-    return placements
+    return TensorShards(placements, sharder.partial, comm)
 
 
 def _check_ties(model: nn.Module, sharder: _Sharder) -> None:

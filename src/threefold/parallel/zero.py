@@ -188,6 +188,21 @@ class ZeroReducer:
         """Gradient storage of this rank (released stage-2 buckets count zero bytes)."""
         return [b.buffer for b in self.buckets.buckets] + self.grad_shards
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []  # the parameters are views of `param_flats`, already the module's parameters
+
+    def gather_for(self, params: list[nn.Parameter]) -> None:
+        """Nothing to gather: every rank holds its parameters whole."""
+
+    applies_momentum = False  # ZeRO's only compression is a 16-bit wire
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing per rank beyond the optimizer's shards
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"ZeRO-{self.stage} keeps no per-rank state; got {sorted(state)}")
+
     # ------------------------------------------------------------ the optimizer's view
 
     def pieces(self, placements: dict[str, Placement]) -> list[Piece]:

@@ -389,6 +389,15 @@ class Zero3:
         """Shards and whole forms: never activations, whatever autograd saves."""
         return [t for unit in self.units for sp in unit.params for t in (sp.shard, sp.full)]
 
+    applies_momentum = False  # ZeRO's only compression is a 16-bit wire
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing per rank beyond the optimizer's shards
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"ZeRO-3 keeps no per-rank state; got {sorted(state)}")
+
     def reset_peak(self) -> None:
         self.peak_whole_numel = self.whole_numel
 

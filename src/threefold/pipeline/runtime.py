@@ -127,9 +127,8 @@ class ModuleCompute:
     def backward_weight(self, stage, state: MicroState) -> None:
         weights = self._weights(stage, state)
         with self._sync():
-            gather_for = getattr(self.grad_sync, "gather_for", None)
-            if gather_for is not None:  # ZeRO-3: no module hook runs here, the weights must be whole
-                gather_for(weights)
+            if self.grad_sync is not None:  # ZeRO-3: no module hook runs here, the weights must be whole
+                self.grad_sync.gather_for(weights)
             stage_backward_weight(iter(weights), state.groups)
             if state.embed_out is not None:
                 torch.autograd.backward(state.embed_out, state.inp.grad)

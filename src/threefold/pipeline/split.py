@@ -16,7 +16,7 @@ from ..comm import Comm
 from ..config import Config
 from ..mesh import Mesh
 from ..observe.memory import SavedTensorMeter
-from .adapter import PipelineAdapter, adapter_for
+from .adapter import DecoderAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
 from .schedules import Schedule, build_schedule
 from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
@@ -48,7 +48,7 @@ class PipelineSplit:
         compute = ModuleCompute(self.module, self.adapter, grad_sync, meter)
         # the tied weights' gradients as the sync holds them after the schedule: whole and not yet
         # reduced over dp (plain DP, ZeRO 1-2), or this rank's reduced shard (ZeRO-3); both ends alike
-        gradient_of = getattr(grad_sync, "gradient_of", None) or (lambda p: p.grad)
+        gradient_of = grad_sync.gradient_of if grad_sync is not None else (lambda p: p.grad)
         tied_grads = (lambda: sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied],
                                                  self.tied_peer)) if self.tied else None
         return PipelineRuntime(self.schedule, self.stages, compute, comm, self.activation_shape, dtype, tied_grads)
@@ -83,13 +83,15 @@ def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_sta
     return stages_from_bounds(bounds, num_layers)
 
 
-def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=None) -> PipelineSplit:
+def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=None,
+                   adapter: PipelineAdapter | None = None) -> PipelineSplit:
     """Keep this rank's stages of `model` (built on any device, meta included).
 
+    `adapter`: the model's (`ModelSpec.adapter`); the reference decoder's when not given.
     `init(named)` initialises parameters by global name when the model lives on the meta
-    device (only this rank's stages are then allocated).
+    device (only this rank's stages are then allocated); `parallelize` materialises instead.
     """
-    adapter = adapter_for(model)
+    adapter = adapter or DecoderAdapter()
     p, v = mesh.size("pp"), cfg.pipeline.virtual_stages
     all_stages = plan_stages(model, adapter, cfg, p * v, mesh, comm)
     rank = mesh.rank("pp")

@@ -29,7 +29,7 @@ SCALING_GPUS = [8 * 2**i for i in range(11)]  # 8 .. 8192
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", metavar="NAME", help="preset of the reference model")
+    p.add_argument("--model", default="tiny", metavar="NAME", help="preset of the reference model, or hf:DIR (a Hugging Face model directory)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="model field, repeatable, e.g. --set model.layers=48")
     p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")

@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with any config key; the options below override it")
     p.add_argument("--nproc", type=int, help="local processes to start (ignored inside a launched world)")
     p.add_argument("--port", type=int, help="rendezvous port for --nproc (default: a free one)")
+    p.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of a multi-node job (with --node-rank, "
+                   "--rdzv-endpoint and --nproc per node); default 1, or Slurm's when run by srun once per node")
+    p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous (default 0)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet: node rank 0's host and a "
+                   "free port, the same on every node")
+    p.add_argument("--rdzv-timeout", type=float, help="seconds to wait for the endpoint and the other nodes "
+                   "(default 300)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the local world after a failure "
                    "(default 0)")
     for option, key in OPTION_KEYS.items():
@@ -68,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="show every rank's output and the launcher's log here (default: in OUT/logs/rank-N.log)")
     # set by the local launcher for the processes it starts: the run directory is already claimed
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # set by a multi-node launcher: global rank 0 claims the run directory, as under torchrun
+    p.add_argument("--node-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-dir", help=argparse.SUPPRESS)
 
 
@@ -87,18 +96,23 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, overrides_from(args))
     check_nproc(args.nproc)
-    if in_launched_world():
-        if args.worker:  # started by `--nproc`: log to the run directory, the directory is claimed
-            if args.log_dir:
-                from ..launch import redirect_worker_output
+    launching = bool(args.nproc or args.nnodes or args.rdzv_endpoint or args.node_rank is not None)
+    if in_launched_world(launching):
+        if args.log_dir:  # started by our launcher: log to the run directory
+            from ..launch import redirect_worker_output
 
-                redirect_worker_output(Path(args.log_dir))
-        else:  # torchrun / Slurm: the first process of the first attempt claims the directory
+            redirect_worker_output(Path(args.log_dir))
+        if not args.worker:  # torchrun / Slurm / many nodes: the first process of the first attempt claims it
             adopt_slurm_environment()
             cfg = _claim_in_launched_world(cfg, args.overwrite)
         cfg.validate(launched_world_size())
         _train(cfg)
         return 0
+    from .multinode import launch_nodes, node_options
+
+    nodes = node_options(args)
+    if nodes is not None:
+        return launch_nodes(cfg, args, nodes)
     cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
     check_data(cfg)
     cfg = rundir.claim(cfg, args.overwrite)
@@ -130,8 +144,10 @@ def _claim_in_launched_world(cfg, overwrite: bool):
                           "pass --out")
     if os.environ.get("RANK", "0") == "0" and first_attempt():
         from .inputs import print_warnings
+        from .multinode import print_node_warnings
 
         print_warnings(cfg)
+        print_node_warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))
         return rundir.claim(cfg, overwrite)  # the others wait for rank 0 in the rendezvous
     return rundir.adopt(cfg)
 

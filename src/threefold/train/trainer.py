@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, TrainingState, import_model
+from ..checkpoint.hf import pretrained
 from ..comm import Comm
-from ..comm.compression import adapt_optimizer
 from ..config import Config
 from ..data.build import build_samplers
 from ..data.loader import Loader
 from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
-from ..models.decoder import build_model
+from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
 from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
@@ -54,6 +54,7 @@ class Trainer:
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history)
+        self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
         t = cfg.train
@@ -61,34 +62,25 @@ class Trainer:
                                                    validation=t.eval_every > 0)
         self.loader = Loader(self.sampler, t.microbatches, self.mesh.rank("dp"), self.mesh.size("dp"), device,
                              cfg.data.prefetch)
-        model = build_model(cfg.model, cfg.train.seed, device)
-        self.parallel = parallelize(model, self.mesh, self.comm, cfg)
+        # the model's spec (built on the meta device by parallelize: each rank allocates only its
+        # shards), with the pretrained weights of a Hugging Face directory when it has them
+        self.parallel = parallelize(pretrained(model_spec(cfg.model, cfg.train.seed)), self.mesh, self.comm, cfg)
         # AdamW or momentum SGD with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
         # 1-bit Adam takes its place when compress.method=onebit asks for it
-        self.optimizer = adapt_optimizer(self.parallel.make_optimizer(cfg.train), self.parallel.grad_sync)
-        pipeline = self.parallel.pipeline  # pp > 1: the schedule's runtime runs forward and backward
-        self.step_fn = TrainStep(self.parallel.module, self.parallel.grad_sync, self.optimizer, self.comm,
-                                 cfg.train, self.parallel.params, self.parallel.param_placements,
-                                 scaler=self.parallel.scaler, weights=self.parallel.weight_tensors(),
-                                 meter=pipeline.meter if pipeline else None)
-        if pipeline is not None:
-            # dividing the token count by the loss scale (a power of two: exact) scales the loss
-            # the schedule backpropagates, as plain accumulation does
-            self.step_fn.forward_backward = lambda mbs, tokens: pipeline.forward_backward(
-                mbs, tokens / self.step_fn.loss_scale)
+        self.optimizer = self.parallel.make_optimizer(cfg.train)
+        self.step_fn = TrainStep(self.parallel, self.optimizer, self.comm, cfg.train)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
             val_sampler, cfg.train, self.parallel.module, self.comm,
-            self.step_fn.forward_backward if pipeline is not None else None, self.parallel.grad_sync.zero_grad)
+            self.parallel.forward_backward if self.parallel.pipeline is not None else None,
+            self.parallel.grad_sync.zero_grad)
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps completed
         # State outside parameters and optimizer that checkpoints carry (e.g. {"loss_scaler": scaler}):
         # objects with state_dict() / load_state_dict() of plain JSON values.
-        self.stateful: dict[str, object] = {}
-        if self.parallel.scaler is not None:
-            self.stateful["loss_scaler"] = self.parallel.scaler
+        self.stateful: dict[str, object] = dict(self.parallel.stateful)
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.mesh, self.comm, cfg.checkpoint.keep,
                                          cfg.checkpoint.async_save, cfg.run.collective_timeout_s)
         self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
@@ -98,10 +90,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def training_state(self) -> TrainingState:
-        grad_sync = self.parallel.grad_sync
         return TrainingState(list(self.parallel.module.named_parameters()), self.parallel.placements,
-                             self.optimizer, self.stateful,
-                             rank_state=grad_sync if hasattr(grad_sync, "state_dict") else None,
+                             self.optimizer, self.stateful, rank_state=self.parallel.rank_state,
                              rank=self.mesh.global_rank, layout=self._checkpoint_meta()["layout"])
 
     def _restore(self) -> None:
@@ -196,6 +186,9 @@ class Trainer:
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
         record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
         record["comm"] = self.comm.traffic.take_window()
+        if self.mesh.world_size > local_world_size():  # several nodes: the bytes of axes that cross them
+            record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()
+                                         if a in self.inter_node_axes}
         return record
 
     def run(self) -> list[dict]:

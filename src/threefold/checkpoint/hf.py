@@ -1,0 +1,162 @@
+"""Hugging Face model directories: pretrained weights in, trained weights out.
+
+In (`HFWeights`, `pretrained`): a directory with config.json and `model.safetensors`, or
+sharded `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Each rank fills
+its local tensors from the boxes its placements hold, read with safetensors' `get_slice`
+straight from the memory-mapped files (reader.py): no rank reads or holds the whole model.
+
+Out (`export_hf`): a checkpoint's model tensors under the Hugging Face names, in shards of at
+most `shard_bytes` with their index, the source model's config.json (with the written dtype)
+and its tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..models.spec import HFFormat, ModelSpec
+from ..sharding import Placement
+from .format import DTYPES, CheckpointError, Slice, TensorInfo
+from .pieces import local_pieces
+from .reader import _SAFETENSORS_DTYPES, index_of_file, load_entries
+from .state import Entry
+from .verify import find_checkpoint_dir, verify
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+
+def has_weights(directory: Path) -> bool:
+    return (Path(directory) / INDEX).is_file() or (Path(directory) / SINGLE).is_file()
+
+
+def hf_index(directory: Path) -> dict[str, TensorInfo]:
+    """{Hugging Face key: stored tensor} of a directory's safetensors files (headers only)."""
+    directory = Path(directory)
+    if (directory / SINGLE).is_file() and not (directory / INDEX).is_file():
+        return index_of_file(directory / SINGLE)
+    try:
+        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{directory / INDEX}: not a safetensors index with a weight_map ({e})") from None
+    index = {}
+    for file in sorted(set(weight_map.values())):
+        path = directory / file
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    shape = tuple(view.get_shape())
+                    index[key] = TensorInfo(shape, _SAFETENSORS_DTYPES.get(view.get_dtype(), "?"),
+                                            (Slice(file, key, (0,) * len(shape), shape),))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e}); {INDEX} lists it") from None
+    return index
+
+
+class HFWeights:
+    """Pretrained values of a Hugging Face directory for `parallelize` (a `WeightSource`)."""
+
+    def __init__(self, directory: Path, fmt: HFFormat):
+        self.directory = Path(directory)
+        self.fmt = fmt
+        self.bytes_read = 0  # bytes of the boxes this rank asked for (what get_slice reads)
+
+    @torch.no_grad()
+    def load(self, named_params: list[tuple[str, nn.Parameter]], placements: dict[str, Placement]) -> None:
+        index = hf_index(self.directory)
+        entries = []
+        for local_name, param in named_params:
+            place = placements[local_name]
+            key = self.fmt.key_of(place.name)
+            info = index.get(key)
+            if info is None:
+                raise CheckpointError(f"{self.directory}: no tensor '{key}' in the safetensors files (parameter "
+                                      f"{place.name}); the weights do not belong to this config.json")
+            if tuple(info.shape) != tuple(place.global_shape):
+                raise CheckpointError(f"{self.directory / info.slices[0].file}: tensor '{key}' has shape "
+                                      f"{list(info.shape)}, config.json "
+                                      f"implies {list(place.global_shape)}; use the config.json the weights were "
+                                      "saved with")
+            entries.append(Entry(key, param.data, replace(place, name=key)))
+            size = torch.empty((), dtype=DTYPES.get(info.dtype, torch.float32)).element_size()
+            self.bytes_read += size * sum(p.numel() for p in local_pieces(place))
+        load_entries(self.directory, index, entries)
+
+
+def pretrained(spec: ModelSpec) -> ModelSpec:
+    """`spec` starting from the weights of the directory it came from, when that has any."""
+    if spec.hf is None or spec.hf.source is None or not has_weights(spec.hf.source):
+        return spec
+    return replace(spec, weights=HFWeights(spec.hf.source, spec.hf))
+
+
+def _hf_format_of(manifest) -> HFFormat:
+    from ..config import ModelConfig
+    from ..models.registry import model_spec
+
+    model = manifest.config.get("model", {})
+    spec = model_spec(ModelConfig(**model), 0)
+    if spec.hf is None:
+        raise CheckpointError(f"checkpoint of model.preset={model.get('preset')}: only Hugging Face families "
+                              "(trained with --model hf:DIR) export with --hf; use `ckpt export CKPT FILE`")
+    return spec.hf
+
+
+def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path, int]:
+    """Write checkpoint `path` (verified first) as a Hugging Face model directory `out`; (checkpoint, tensors)."""
+    ckpt = find_checkpoint_dir(path)
+    manifest, problems = verify(ckpt)
+    if problems:
+        raise CheckpointError(f"{ckpt} failed verification: {'; '.join(problems)}")
+    fmt = _hf_format_of(manifest)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; give a new directory for the export")
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(n for n in manifest.tensors if n.startswith("model/"))
+    shards, current, size = [], {}, 0
+    for name in names:
+        info = manifest.tensors[name]
+        nbytes = math.prod(info.shape) * torch.empty((), dtype=DTYPES[info.dtype]).element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = info
+        size += nbytes
+    shards.append(current)
+    weight_map, dtypes, total = {}, set(), 0
+    for i, shard in enumerate(shards):
+        file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, info in shard.items():  # one shard's tensors in memory at a time
+            full = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+            load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
+            key = fmt.key_of(name[len("model/"):])
+            tensors[key] = full
+            weight_map[key] = file
+            dtypes.add(full.dtype)
+            total += full.numel() * full.element_size()
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = dict(fmt.config)
+    if len(dtypes) == 1:
+        config["torch_dtype"] = config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt.source is not None:
+        for file in TOKENIZER_FILES:
+            if (fmt.source / file).is_file():
+                shutil.copy2(fmt.source / file, out / file)
+    return ckpt, len(names)

@@ -1,0 +1,184 @@
+"""Hugging Face decoders of the Llama shape: Llama (2/3 and look-alikes), Mistral, Qwen2, Qwen3.
+
+The modules are the `transformers` classes themselves - the decoder layers, norms, embedding
+and head of `<Family>ForCausalLM`, built from the model directory's config.json - arranged in
+the shape every threefold family has (models/spec.py):
+
+    embed              model.embed_tokens
+    blocks.<i>.layer   model.layers.<i>  (`HFBlock` adds the rotary position embeddings)
+    norm, head         model.norm, lm_head (tied to the embedding when the config says so)
+    loss               summed token cross-entropy (threefold's; vocabulary-parallel under tp)
+
+so one pipeline adapter, one set of strategies and one checkpoint format serve them; the
+Hugging Face checkpoint names are a rename of prefixes (`HF_RENAMES`). Attention is the
+library's SDPA path without a mask (causal); the key-projection bias (Qwen2) is frozen, its
+gradient being identically zero; Mistral's sliding window is not applied, so
+train.seq_len must not exceed it (checked).
+
+Tensor plan: exactly the reference decoder's - q by heads, k/v by key/value heads (or
+replicated when there are fewer than tp), o row-parallel, gate/up column, down row, the
+vocabulary split for the embedding, the head and the loss. Qwen3's per-head q/k norms are
+replicated and see only this rank's heads: their gradients are summed over tp (`partial`).
+Under sequence parallelism the blocks see a sequence chunk: `seq_parts` tells them the whole
+length for the rotary table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
+from .decoder import TokenCrossEntropy
+from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
+              (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."))
+
+
+def read_config_json(directory: Path) -> dict:
+    """config.json of a Hugging Face model directory, checked for a supported architecture."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: no config.json; --model hf:DIR needs a Hugging Face model directory "
+                        "(config.json and model.safetensors or model-*-of-*.safetensors)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e}); give the config.json that save_pretrained wrote") from None
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED:
+        raise UserError(f"{path}: architectures={arch} is not supported; supported: {', '.join(SUPPORTED)}")
+    return raw
+
+
+def load_hf_config(directory: Path):
+    """The `transformers` config object of the directory (nothing downloaded: a local path)."""
+    read_config_json(directory)
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(directory))
+    config._attn_implementation = "sdpa"  # causal without a mask; eager would need one
+    return config
+
+
+class HFBlock(nn.Module):
+    """One library decoder layer, given the rotary position embeddings of the whole sequence."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.seq_parts = 1  # sequence parallelism: the input is one of seq_parts chunks of the sequence
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x_bsh.shape[1] * self.seq_parts, device=x_bsh.device).unsqueeze(0)
+        return self.layer(x_bsh, position_embeddings=self.rotary(x_bsh, positions), position_ids=positions)
+
+
+class HFCausalLM(nn.Module):
+    """A library causal LM's parts in threefold's shape: embed -> blocks -> norm -> head -> loss."""
+
+    def __init__(self, config):
+        super().__init__()
+        import transformers
+
+        library = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.device("cpu"):  # the rotary table is computed, not loaded: real values even under meta
+            rotary_cls = type(library.model.rotary_emb)
+            self.embed = library.model.embed_tokens
+            self.blocks = nn.ModuleList(HFBlock(layer, rotary_cls(config=config)) for layer in library.model.layers)
+        self.norm = library.model.norm
+        self.head = library.lm_head
+        self.loss = TokenCrossEntropy()
+        if config.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        for block in self.blocks:
+            bias = block.layer.self_attn.k_proj.bias
+            if bias is not None:
+                # softmax(q.(k + b)) = softmax(q.k): an identically zero gradient, which training would
+                # only turn into Adam-sized steps of rounding noise (as the reference decoder's key bias)
+                bias.requires_grad_(False)
+
+    def forward(self, tokens_bs, targets_bs=None):
+        """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given."""
+        x = self.embed(tokens_bs)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return logits if targets_bs is None else self.loss(logits, targets_bs)
+
+
+def hf_plan(config, tp: int) -> TensorPlan:
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    what_heads = f"attention heads (num_attention_heads={heads} in config.json)"
+    what_ffn = f"MLP features (intermediate_size={config.intermediate_size} in config.json)"
+    layer = "blocks.*.layer"
+    attributes = {}
+    if kv_heads % tp and heads % tp == 0 and tp % kv_heads == 0:
+        # each rank keeps one replicated kv head for its heads/tp query heads
+        attributes[f"{layer}.self_attn"] = {"num_key_value_groups": heads // tp}
+    qk_norms = (f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm")
+    return TensorPlan(
+        layers={
+            "embed": VocabEmbedding(config.vocab_size),
+            f"{layer}.self_attn.q_proj": ColumnParallel(unit=head_dim, what=what_heads),
+            f"{layer}.self_attn.k_proj": GroupedKV(heads, kv_heads, head_dim),
+            f"{layer}.self_attn.v_proj": GroupedKV(heads, kv_heads, head_dim),
+            f"{layer}.self_attn.o_proj": RowParallel(unit=head_dim, what=what_heads),
+            f"{layer}.mlp.gate_proj": ColumnParallel(what=what_ffn),
+            f"{layer}.mlp.up_proj": ColumnParallel(what=what_ffn),
+            f"{layer}.mlp.down_proj": RowParallel(what=what_ffn),
+            "head": VocabHead(config.vocab_size),
+            "loss": VocabLoss(config.vocab_size),
+        },
+        regions=(f"{layer}.self_attn", f"{layer}.mlp", "head"),
+        sequence=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "norm"),
+        partial=qk_norms if config.model_type == "qwen3" else (),
+        attributes=attributes,
+        sequence_attributes={"blocks.*": {"seq_parts": tp}},
+    )
+
+
+def hf_init(config, seed: int):
+    """Seeded initial values in the library's scheme: N(0, initializer_range), zero biases, unit norms."""
+    def init(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if "norm" in name:
+            return torch.ones(shape)
+        return seeded_normal(seed, name, shape, config.initializer_range)
+    return init
+
+
+def hf_spec(directory: Path, seed: int) -> ModelSpec:
+    config = load_hf_config(directory)
+    tied = {"head.weight": "embed.weight"} if config.tie_word_embeddings else {}
+    return ModelSpec(
+        family=config.architectures[0],
+        build=lambda: HFCausalLM(config),
+        plan=lambda tp: hf_plan(config, tp),
+        adapter=CausalAdapter(tied),
+        init=hf_init(config, seed),
+        tied=tied,
+        hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
+    )
+
+
+def model_fields(directory: Path) -> dict:
+    """The `model.*` config fields (sizes for validation, data and the planner) of a model directory."""
+    raw = read_config_json(directory)
+    heads = raw["num_attention_heads"]
+    return dict(layers=raw["num_hidden_layers"], hidden=raw["hidden_size"], heads=heads,
+                kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
+                vocab=raw["vocab_size"], max_seq=raw.get("max_position_embeddings", 2048), mlp="swiglu",
+                norm="rmsnorm", position="rope", tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                bias=bool(raw.get("attention_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+                init_std=float(raw.get("initializer_range", 0.02)))

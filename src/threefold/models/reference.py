@@ -1,0 +1,20 @@
+"""The reference decoder (models/decoder.py) as a model family: its `ModelSpec`."""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .decoder import Decoder, initial_value
+from .plan import decoder_plan
+from .spec import CausalAdapter, ModelSpec
+
+
+def decoder_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
+    tied = {"head.weight": "embed.tok.weight"} if cfg.tie_embeddings else {}
+    return ModelSpec(
+        family="threefold-decoder",
+        build=lambda: Decoder(cfg),
+        plan=lambda tp: decoder_plan(cfg),
+        adapter=CausalAdapter(tied),
+        init=lambda name, shape: initial_value(name, shape, seed, cfg),
+        tied=tied,
+    )

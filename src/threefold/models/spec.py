@@ -1,0 +1,138 @@
+"""The contract between a model family, `parallelize()` and the trainer: one `ModelSpec` object.
+
+A family (models/<family>.py) describes itself completely here; strategies read nothing else:
+
+    build()        the whole single-device module, created on the current default device
+                   (`parallelize` calls it under `torch.device("meta")`: no storage yet)
+    plan(tp)       its tensor plan (plans.py vocabulary)
+    adapter        how the pipeline cuts it: embedding / layer list / norm + head + loss
+    init(name, shape)  the seeded initial value of one whole tensor, by global name (a shard or a
+                   stage initialised alone equals the same part of the whole model)
+    tied           {parameter name: name of the parameter it shares storage with}
+    hf             its Hugging Face form: checkpoint key of every parameter, config.json to
+                   write, the directory it came from (tokenizer files)
+    weights        pretrained values to start from (None: initialised from the seed)
+
+Every family has the same top-level shape, so one pipeline adapter serves all of them:
+`embed` (token ids -> x_bsh), `blocks` (a ModuleList of layers x_bsh -> x_bsh), `norm`,
+`head` and `loss` (summed token cross-entropy). Nothing here knows about processes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from ..plans import TensorPlan
+
+
+class PipelineAdapter(Protocol):
+    layers: str  # attribute holding the nn.ModuleList cut into stages
+    first: tuple[str, ...]  # modules that run before the layers (first stage)
+    last: tuple[str, ...]  # modules that run after the layers (last stage)
+
+    def tied(self, model: nn.Module) -> dict[str, str]:
+        """{name on the last stage: global name on the first stage} of weights shared by both ends."""
+
+    def embed(self, module: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor: ...
+
+    def head_loss(self, module: nn.Module, x_bsh: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor: ...
+
+    def activation_shape(self, model_cfg, tokens_shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+
+class CausalAdapter:
+    """embed -> blocks -> norm -> head -> loss: the shape every family in models/ has."""
+
+    layers = "blocks"
+    first = ("embed",)
+    last = ("norm", "head", "loss")
+
+    def __init__(self, tied: dict[str, str] | None = None):
+        self._tied = dict(tied or {})
+
+    def tied(self, model: nn.Module) -> dict[str, str]:
+        return dict(self._tied)
+
+    def embed(self, module: nn.Module, tokens_bs: torch.Tensor) -> torch.Tensor:
+        return module.embed(tokens_bs)
+
+    def head_loss(self, module: nn.Module, x_bsh: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        """Summed token loss (fp32, 0-dim) of the last stage's output."""
+        return module.loss(module.head(module.norm(x_bsh)), targets_bs)
+
+    def activation_shape(self, model_cfg, tokens_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """What flows between stages for a micro-batch of token ids of `tokens_shape`: x_bsh."""
+        return (*tokens_shape, model_cfg.hidden)
+
+
+class WeightSource(Protocol):
+    """Pretrained values: fills this rank's local tensors, reading only the boxes they hold."""
+
+    def load(self, named_params: list[tuple[str, nn.Parameter]], placements: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """How a family's parameters are named in a Hugging Face checkpoint (renames of name prefixes)."""
+
+    renames: tuple[tuple[str, str], ...]  # (regex on our name, replacement giving the HF key)
+    config: dict = field(default_factory=dict)  # the config.json of the model
+    source: Path | None = None  # the directory the model came from (tokenizer files), if any
+
+    def key_of(self, name: str) -> str:
+        for pattern, replacement in self.renames:
+            key, n = re.subn(pattern, replacement, name)
+            if n:
+                return key
+        return name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    build: Callable[[], nn.Module]
+    plan: Callable[[int], TensorPlan]
+    adapter: PipelineAdapter
+    init: Callable[[str, tuple[int, ...]], torch.Tensor]
+    tied: dict[str, str] = field(default_factory=dict)
+    hf: HFFormat | None = None
+    weights: WeightSource | None = None
+
+
+def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """Normal(0, std) values that depend only on (seed, name)."""
+    from .decoder import parameter_seed
+
+    gen = torch.Generator().manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+def build_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole model on `device` with its initial (seeded) values: for references and tests."""
+    with torch.device("meta"):
+        model = spec.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        seen = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen[id(p)] = name
+            p.copy_(spec.init(name, tuple(p.shape)))
+    retie(model, spec.tied)
+    return model
+
+
+def retie(model: nn.Module, tied: dict[str, str]) -> None:
+    """Make the parameters named in `tied` share storage again (after `to_empty`)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, other in tied.items():
+        if name in params and other in params:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, params[other])

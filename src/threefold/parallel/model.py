@@ -1,0 +1,162 @@
+"""`ParallelModel`: this rank's part of the model with everything that acts on it.
+
+What `parallelize()` returns and the trainer drives: the local module and placements, the
+gradient sync over dp (one complete Protocol, `GradSync`), `forward_backward` (plain gradient
+accumulation, or the pipeline schedule when pp > 1), the optimizer it needs
+(`make_optimizer`: fp32 masters over this rank's pieces, AdamW / momentum SGD, or 1-bit Adam
+when the compression asks for it) and the extra state a checkpoint carries (`stateful`,
+`rank_state`). The trainer only loops, logs and saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from ..comm.compression import adapt_optimizer
+from ..config import TrainConfig
+from ..observe.memory import SavedTensorMeter
+from ..sharding import Placement
+from .master import Piece, ShardedOptimizer
+from .precision import MixedPrecision
+
+
+class GradSync(Protocol):
+    """Gradient communication over dp: plain data parallelism (data.py) or a ZeRO stage (zero.py, zero3.py)."""
+
+    applies_momentum: bool  # the exchange already applied the optimizer's momentum (DGC's correction)
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager: ...  # around one backward
+
+    def finish(self) -> None: ...  # after the last backward: complete every reduction
+
+    def zero_grad(self) -> None: ...
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor: ...  # where its gradient is held now
+
+    def gradient_tensors(self) -> list[torch.Tensor]: ...  # gradient storage (memory accounting)
+
+    def weight_tensors(self) -> list[torch.Tensor]: ...  # weight storage besides the module's parameters
+
+    def gather_for(self, params: list[nn.Parameter]) -> None: ...  # whole weights for a hook-less backward
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...  # this rank's own state (compression residuals)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float,
+               meter: SavedTensorMeter | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward over the micro-batches; returns this rank's summed token loss.
+
+    Each micro-batch's backward starts from `summed loss / global_tokens * loss_scale` (fp16's
+    dynamic loss scale; the optimizer divides the gradients by it again).
+    """
+    total = None
+    for i, mb in enumerate(micro_batches):
+        with grad_sync.micro_batch(last=i == len(micro_batches) - 1):
+            if meter is not None:
+                meter.reset()
+                with meter.measure():
+                    loss_sum = model(mb.inputs, mb.targets)
+            else:
+                loss_sum = model(mb.inputs, mb.targets)
+            loss = loss_sum / global_tokens
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        loss_sum = loss_sum.detach().float()
+        total = loss_sum if total is None else total + loss_sum
+    return total
+
+
+@dataclass
+class ParallelModel:
+    module: nn.Module  # this rank's part of the model
+    grad_sync: GradSync  # gradient communication over dp
+    placements: dict[str, Placement]  # local parameter name -> where it sits in the global model
+    pieces: list[Piece] = field(default_factory=list)  # what this rank's optimizer updates
+    precision: MixedPrecision | None = None
+    zero: int = 0
+    offload: bool = False
+    after_step: Callable[[], None] | None = None  # e.g. ZeRO-1/2's all-gather of the updated shards
+    remat_regions: list[str] = field(default_factory=list)
+    pipeline: object | None = None  # pipeline.PipelineRuntime when pp > 1: runs forward_backward
+    spec: object | None = None  # the models.spec.ModelSpec it was built from
+    materialised_bytes: int = 0  # model-tensor bytes this rank allocated while starting (meta build)
+    _meter: SavedTensorMeter | None = None
+
+    def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_trainable()]
+
+    @property
+    def param_placements(self) -> list[Placement]:
+        return [self.placements[n] for n, _ in self.named_trainable()]
+
+    @property
+    def scaler(self):
+        return self.precision.scaler if self.precision is not None else None
+
+    # ------------------------------------------------------------ the step
+
+    @property
+    def meter(self) -> SavedTensorMeter:
+        """Activation bytes autograd saves (the pipeline's meter sees the stages in flight)."""
+        if self.pipeline is not None:
+            return self.pipeline.meter
+        if self._meter is None:
+            self._meter = SavedTensorMeter(exclude=self.weight_tensors())
+        return self._meter
+
+    def forward_backward(self, micro_batches: list, global_tokens: float, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches (gradients accumulate, the sync runs inside);
+        returns this rank's summed token loss (0 on pipeline stages without the loss)."""
+        if self.pipeline is not None:
+            # dividing the token count by the loss scale (a power of two: exact) scales the loss
+            # the schedule backpropagates, as plain accumulation does
+            return self.pipeline.forward_backward(micro_batches, global_tokens / loss_scale)
+        return accumulate(self.module, micro_batches, self.grad_sync, global_tokens, self.meter, loss_scale)
+
+    def make_optimizer(self, cfg: TrainConfig, compression: bool = True):
+        """`cfg.optimizer` with fp32 masters over this rank's pieces (consumes the fp32 initial values);
+        1-bit Adam in its place when the gradient compression asks for it (`compression`).
+
+        A gradient hook that applies the momentum itself before the exchange (DGC's momentum
+        correction) gets SGD without momentum: the exchanged sum already is the momentum update.
+        """
+        if cfg.optimizer == "sgd" and self.grad_sync.applies_momentum:
+            cfg = replace(cfg, momentum=0.0, nesterov=False)
+        fp32_init = self.precision.fp32_init if self.precision is not None else {}
+        optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
+        fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
+        return adapt_optimizer(optimizer, self.grad_sync) if compression else optimizer
+
+    # ------------------------------------------------------------ checkpoint state
+
+    @property
+    def stateful(self) -> dict[str, object]:
+        """State outside parameters and optimizer that checkpoints carry (objects with state_dict())."""
+        return {"loss_scaler": self.scaler} if self.scaler is not None else {}
+
+    @property
+    def rank_state(self) -> GradSync:
+        """This rank's own tensors (gradient-compression residuals): restored under the same layout only."""
+        return self.grad_sync
+
+    # ------------------------------------------------------------ memory accounting
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.grad_sync.gradient_tensors()
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding weights (excluded from activation accounting)."""
+        return list(self.module.parameters()) + list(self.module.buffers()) + self.grad_sync.weight_tensors()

@@ -1,0 +1,52 @@
+"""`threefold train --nnodes ...`: one node's share of a multi-node job.
+
+Every node runs the same command with its own `--node-rank`; this launcher checks the input,
+then hands `--nproc` processes to torch's elastic agent (launch.launch_local with nodes). The
+run directory is claimed by global rank 0 once the world exists (which node holds it is
+decided by the rendezvous), exactly as under torchrun, so `--out` is required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..nodes import Nodes, nodes_from_options, tp_across_nodes
+
+
+def node_options(args: argparse.Namespace) -> Nodes | None:
+    return nodes_from_options(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The workers' `train` arguments: the same config file and overrides as this command."""
+    from .command import overrides_from
+
+    argv = ["train"]
+    if args.config:
+        argv += ["--config", str(Path(args.config).resolve())]
+    for item in overrides_from(args):
+        argv += ["--set", item]
+    return argv + (["--overwrite"] if args.overwrite else [])
+
+
+def print_node_warnings(cfg, per_node: int) -> None:
+    text = tp_across_nodes(cfg.parallel.tp, per_node)
+    if text:
+        print(f"threefold: warning: {text}", file=sys.stderr, flush=True)
+
+
+def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes) -> int:
+    from ..launch import launch_local
+    from .inputs import check_data
+
+    nproc = args.nproc or 1
+    cfg = cfg.validate(nproc * nodes.max)  # fail before starting any process
+    check_data(cfg)
+    if not cfg.run.out:
+        raise ConfigError("run.out", "a multi-node job needs --out, the same run directory on every node "
+                          "(a shared file system keeps checkpoints in one place)")
+    return launch_local(nproc, worker_argv(args), None, args.max_restarts, out=Path(cfg.run.out),
+                        verbose=args.verbose, resume=cfg.checkpoint.resume, nodes=nodes)

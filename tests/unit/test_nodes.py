@@ -1,0 +1,80 @@
+"""Node options, Slurm's variables and the multi-node launcher's bad input (no processes start)."""
+
+import time
+
+import pytest
+
+from tests.e2e.cli import threefold
+from threefold.errors import UserError
+from threefold.launch import free_port
+from threefold.nodes import (adopt_slurm_tasks, first_slurm_host, nodes_from_options, parse_nnodes,
+                             slurm_node_options, tasks_per_node, tp_across_nodes)
+
+
+def test_nnodes_forms():
+    assert parse_nnodes("2") == (2, 2) and parse_nnodes("1:4") == (1, 4)
+    for bad in ("0", "a", "1:2:3", "2:x"):
+        with pytest.raises(UserError, match="--nnodes"):
+            parse_nnodes(bad)
+    with pytest.raises(UserError, match="MIN 3 is larger than MAX 2"):
+        parse_nnodes("3:2")
+
+
+def test_node_options_need_an_endpoint_and_a_rank_in_range():
+    assert nodes_from_options(None, None, None, env={}) is None
+    with pytest.raises(UserError, match="--rdzv-endpoint"):
+        nodes_from_options("2", 0, None, env={})
+    with pytest.raises(UserError, match="--node-rank"):
+        nodes_from_options("2", 2, "h:1234", env={})
+    nodes = nodes_from_options("1:2", 1, "node7:29400", env={})
+    assert (nodes.min, nodes.max, nodes.node_rank, nodes.host, nodes.port) == (1, 2, 1, "node7", 29400)
+    assert not nodes.hosts_rendezvous and not nodes.on_loopback
+
+
+def test_slurm_variables():
+    assert first_slurm_host("node[003-005,9],gpu1") == "node003" and first_slurm_host("gpu1,gpu2") == "gpu1"
+    assert tasks_per_node({"SLURM_TASKS_PER_NODE": "4(x2)"}) == 4
+    per_node = {"SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[01-02]"}
+    assert slurm_node_options(per_node) == ("2", 1, "n01:29500")
+    assert slurm_node_options({**per_node, "SLURM_NTASKS": "8"}) is None  # one task per process: no launcher
+    env = {"SLURM_NNODES": "2", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+           "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "n[01-02]"}
+    adopt_slurm_tasks(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == \
+        ("3", "4", "1", "2", "n01")
+
+
+def test_tp_across_nodes_warns():
+    assert tp_across_nodes(2, 4) is None and tp_across_nodes(1, 3) is None
+    assert "span nodes" in tp_across_nodes(4, 2) and "span nodes" in tp_across_nodes(2, 3)
+
+
+RUN = ["train", "--model", "tiny", "--steps", "1", "--no-progress"]
+
+
+def test_min_above_max_is_one_line(tmp_path):
+    done = threefold(*RUN, "--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:1", "--out", str(tmp_path / "r"))
+    assert done.returncode == 2
+    assert done.stderr.strip() == "threefold: error: --nnodes: MIN 3 is larger than MAX 2; give MIN:MAX with MIN <= MAX"
+
+
+def test_unreachable_endpoint_is_one_line_after_a_bounded_wait(tmp_path):
+    port = free_port()  # nobody listens there
+    start = time.monotonic()
+    done = threefold(*RUN, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                     "--rdzv-timeout", "2", "--nproc", "1", "--out", str(tmp_path / "r"), timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"threefold: error: --rdzv-endpoint: nothing answers at "
+                                                   f"127.0.0.1:{port} after 2 s"), done.stderr
+    assert time.monotonic() - start >= 2
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_node_is_one_line_after_the_join_timeout(tmp_path):
+    port = free_port()
+    done = threefold(*RUN, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                     "--rdzv-timeout", "3", "--nproc", "1", "--out", str(tmp_path / "r"), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"threefold: error: --nnodes: the rendezvous at 127.0.0.1:{port} did not complete within 3 s"), done.stderr
