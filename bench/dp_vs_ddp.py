@@ -22,6 +22,7 @@ from threefold.config import load_config
 from threefold.data import Sampler, load_tokens
 from threefold.mesh import Layout, Mesh
 from threefold.models.decoder import build_model
+from threefold.models.registry import model_spec
 from threefold.parallel import parallelize
 from threefold.train.optim import make_optimizer
 from threefold.train.step import TrainStep
@@ -37,11 +38,9 @@ def bench_rank(args: dict) -> dict:
     sampler = Sampler(load_tokens("synthetic", cfg.model.vocab), cfg.train.seq_len, cfg.train.global_batch, 0)
     tokens = cfg.train.global_batch * cfg.train.seq_len
 
-    ours_model = build_model(cfg.model, 0)
-    ours = parallelize(ours_model, mesh, comm, cfg)
+    ours = parallelize(model_spec(cfg.model, 0), mesh, comm, cfg)
     # the trainer's own path: fp32-master AdamW over this rank's pieces
-    step_fn = TrainStep(ours.module, ours.grad_sync, ours.make_optimizer(cfg.train), comm, cfg.train, ours.params,
-                        ours.param_placements, scaler=ours.scaler, weights=ours.weight_tensors())
+    step_fn = TrainStep(ours, ours.make_optimizer(cfg.train), comm, cfg.train)
 
     ddp = DistributedDataParallel(build_model(cfg.model, 0), bucket_cap_mb=cfg.parallel.bucket_mb)
     ddp_opt = make_optimizer(ddp.module.named_parameters(), cfg.train)

@@ -168,6 +168,7 @@ class DebugConfig:
     replica_check_every: int = 0  # steps between hash comparisons of dp replicas; 0 = off
     trace: bool = False  # DIR/trace/rank-N.json: Chrome / Perfetto trace of steps and collectives
     dump_params: bool = False  # DIR/params/rank-N.safetensors: final owned parameter boxes (parity)
+    comm_semantics: str = "native"  # "nccl": gloo behaves as NCCL does for p2p batches (tests; docs/observe.md)
 
 
 @dataclass(frozen=True)

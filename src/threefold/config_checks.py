@@ -135,6 +135,8 @@ def _validate_debug(c: Config) -> None:
                        ("fault.delay_s", f.delay_s)]:
         if value < 0:
             raise ConfigError(key, f"must be at least 0, got {value}")
+    if d.comm_semantics not in ("native", "nccl"):
+        raise ConfigError("debug.comm_semantics", f"must be native or nccl, got '{d.comm_semantics}'")
     if d.hang_grace_s <= 0:
         raise ConfigError("debug.hang_grace_s", f"must be positive, got {d.hang_grace_s}")
     if c.run.collective_timeout_s <= 0:

@@ -38,16 +38,22 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the world described by the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR...).
 
     A lone process with no launcher becomes a world of one. NCCL drives CUDA, gloo the CPU.
+    On CUDA the process group is bound to this rank's device (`device_id`): NCCL then creates
+    its communicators eagerly - the world's here, every subgroup's when the Mesh creates it, in
+    the same order on every rank - instead of at a group's first operation, where a first
+    batched send/receive that not every member of the group joins can hang.
     """
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,19 @@ class Mesh:
         self._node_ranks: dict[str, list[int]] = {}
         if node_size:
             self._build_node_axes(node_size)
+        if device.type == "cuda":
+            self._connect()
+
+    def _connect(self) -> None:
+        """One tiny all-reduce on every group of more than one rank, in axis order on every rank:
+        each NCCL communicator exists and has run a collective that all its members joined
+        before any point-to-point batch uses it (a first batched p2p must include every member).
+        Bookkeeping of the groups, not model traffic: it does not go through Comm."""
+        probe = torch.zeros(1, device=self.device)
+        for axis in AXES + tuple(a for a in NODE_AXES if a in self._node_ranks):
+            if self.size(axis) > 1:
+                dist.all_reduce(probe, group=self._groups[axis])
+        torch.cuda.synchronize(self.device)
 
     def _build_node_axes(self, node_size: int) -> None:
         """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""

@@ -95,6 +95,17 @@ def test_pipeline_matches_single_process(worlds, tmp_path, reference, schedule, 
     check(results, reference(steps, m), f"{schedule} p={p} m={m}")
 
 
+@pytest.mark.parametrize("schedule, p, m", [("gpipe", 2, 4), ("1f1b", 2, 4), ("zb-h1", 2, 4), ("interleaved", 2, 4),
+                                            ("interleaved", 4, 8)])
+def test_pipeline_parity_under_nccl_semantics(worlds, tmp_path, reference, schedule, p, m):
+    """Comm as NCCL behaves: one Work per p2p batch, batches of an axis in issue order."""
+    v = 2 if schedule == "interleaved" else 1
+    overrides = BASE + ["train.steps=4", f"train.microbatches={m}", f"parallel.pp={p}", "debug.comm_semantics=nccl",
+                        f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}"]
+    results = worlds(p).run(train_and_collect, overrides, str(tmp_path))
+    check(results, reference(4, m), f"{schedule} p={p} m={m} under NCCL semantics")
+
+
 def test_activation_memory_follows_the_schedule(worlds, tmp_path):
     """Bytes autograd held at the peak, per rank: GPipe m micro-batches, 1F1B p - rank."""
     held = {}

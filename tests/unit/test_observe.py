@@ -78,7 +78,7 @@ class _FakeMesh:
 
 def test_watchdog_dumps_and_reports_a_collective_in_flight_too_long(tmp_path):
     comm = SimpleNamespace(mesh=_FakeMesh(), records=[_call(1, end=0.5), _call(2, group=(0,), start=time.monotonic())],
-                           _axis_seq={"dp": 2})
+                           _axis_seq={"dp": 2}, poll=lambda: None)
     dog = Watchdog(comm, tmp_path, timeout_s=0.2, grace_s=1.0, poll_s=0.05, step=lambda: 7, exit_process=False)
     dog.start()
     deadline = time.monotonic() + 20

@@ -42,6 +42,7 @@ class Checkpointer:
         self._staged = threading.Event()  # set while no snapshot is in flight
         self._staged.set()
         self._guarded = False
+        self._guarded_states: list = []  # rank states whose in-place updates wait for the snapshot
         self.last_stall_s = 0.0  # how long the last save() held up training
         self.last_write_s = 0.0  # how long the last save's writing took (in the background when async)
 
@@ -71,6 +72,8 @@ class Checkpointer:
             remove_partials(self.root)
             partial.mkdir()
         self._agree(0)  # the partial directory exists before anyone writes into it
+        if self.async_save and state.rank_state is not None:
+            self._guard_rank_state(state.rank_state)
         entries = state.entries()
         rng = capture_rng(self.mesh.device)
         meta = {**meta, "extra": state.extra()}
@@ -109,6 +112,13 @@ class Checkpointer:
         the snapshot of an async save in flight. Without a guard, async saves snapshot at once."""
         optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
         self._guarded = True
+
+    def _guard_rank_state(self, rank_state) -> None:
+        """Compression residuals and momenta change in place during the next backward (not in the
+        optimizer step): their updates wait for the snapshot too."""
+        if not any(s is rank_state for s in self._guarded_states):
+            rank_state.register_update_pre_hook(self.wait_staged)
+            self._guarded_states.append(rank_state)
 
     def wait_staged(self) -> None:
         """Block until the snapshot of the save in flight is in host memory (counted as stall)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -136,6 +137,15 @@ def restore_rng(states: dict[str, str], device: torch.device) -> None:
         raise CheckpointError(f"the checkpoint's RNG state cannot be restored ({e})") from None
 
 
+class RankState(Protocol):
+    """Tensors of one rank alone (the gradient sync's compression residuals and momenta)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def register_update_pre_hook(self, hook) -> None:
+        """Call `hook()` before anything updates the tensors in place (an async save's guard)."""
+
+
 @dataclass
 class TrainingState:
     """Everything of one rank that a checkpoint saves, as seen through placements."""
@@ -147,7 +157,7 @@ class TrainingState:
     # Tensors that belong to this rank alone (gradient-compression residuals and momenta): saved
     # as rank/<global rank>/<key>, restored only under the same layout, dropped under another one
     # (their split over buckets and dp ranks would not fit).
-    rank_state: object | None = None  # state_dict() / load_state_dict() of named tensors
+    rank_state: RankState | None = None
     rank: int = 0
     layout: dict = field(default_factory=dict)
     _pending: dict = field(default_factory=dict, repr=False)

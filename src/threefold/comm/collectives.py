@@ -20,6 +20,19 @@
   time split into compute and communication (observe/stats.py). `listeners` are called with
   each new record (the collective-sequence fingerprint is one).
 
+`end` means *completion*, not the return of `wait()`: on NCCL `wait()` only makes the current
+CUDA stream wait, so a record of a CUDA tensor keeps a CUDA event recorded after that wait and
+`poll()` stamps `end` once the event has passed (the hang watchdog polls; a hung collective
+stays in flight and is named). On gloo (CPU) `wait()` returns on completion and stamps `end`.
+Every op is issued asynchronously underneath, also the blocking ones, so this holds for all.
+
+Semantics. `batch_send_recv` accepts both forms `dist.batch_isend_irecv` returns: one Work per
+op (gloo) or one Work for the whole coalesced batch (NCCL). `Comm(..., semantics="nccl")` is a
+test mode that makes gloo behave as NCCL does where it matters to the callers: one Work per
+batch, `end` stamped from the Work's `is_completed()` (not when `wait()` returns), and the p2p
+batches of one axis run in issue order as on NCCL's single stream (the host waits for the
+previous batch of the axis before it posts the next one).
+
 Groups of size one need no communication: such calls return at once and are not recorded.
 """
 
@@ -54,32 +67,95 @@ class CollectiveRecord:
     axis_seq: int = 0  # 1-based index of this call among this rank's calls on `axis`
     wait: float | None = None  # when the caller started to block on it (== start for blocking calls)
     peer: int | None = None  # send / recv: the other side's global rank
+    # after wait() returned: a callable telling whether the op has completed (CUDA event), or None
+    probe: object = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out.pop("probe", None)
+        return out
+
+    def poll(self) -> bool:
+        """Whether the op has completed; stamps `end` the first time it is seen complete."""
+        probe = self.probe  # one read: the watchdog thread polls too
+        if self.end is None and probe is not None and probe():
+            self.end = time.monotonic()
+            self.probe = None
+        return self.end is not None
+
+
+def _cuda_probe(work=None):
+    """An event after the op on the current stream (wait() made the stream wait for it)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 class Handle:
-    """A pending asynchronous operation; `wait()` blocks until it is done and stamps its record."""
+    """A pending asynchronous operation; `wait()` blocks until it is done and stamps its record.
 
-    def __init__(self, work, record: CollectiveRecord | None):
-        self._work = work
+    Several handles may share one Work (a coalesced p2p batch): the first `wait()` waits for it.
+    `completion(work)` gives the record's completion probe after the wait (None: complete now).
+    """
+
+    def __init__(self, work, record: CollectiveRecord | None, completion=None):
+        self._work = work if isinstance(work, _Shared) or work is None else _Shared(work)
         self.record = record
+        self._completion = completion
 
     def wait(self) -> None:
-        if self.record is not None and self.record.wait is None:
-            self.record.wait = time.monotonic()
-        if self._work is not None:
-            self._work.wait()
+        record = self.record
+        if record is not None and record.wait is None:
+            record.wait = time.monotonic()
+        work = self._work
+        if work is not None:
+            work.wait()
             self._work = None
-        if self.record is not None and self.record.end is None:
-            self.record.end = time.monotonic()
+        if record is not None and record.end is None and record.probe is None:
+            probe = self._completion(work.work) if self._completion is not None and work is not None else None
+            if probe is None:
+                record.end = time.monotonic()
+            else:
+                record.probe = probe
+                record.poll()
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
 
+class _Shared:
+    """One Work, waited once by whichever of its handles asks first."""
+
+    def __init__(self, work):
+        self.work = work
+        self._waited = False
+
+    def wait(self) -> None:
+        if not self._waited:
+            self.work.wait()
+            self._waited = True
+
+    def is_completed(self) -> bool:
+        return self._waited or self.work.is_completed()
+
+
+class _Coalesced:
+    """The test mode's stand-in for NCCL's one Work per batch: complete when all of its ops are."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 _DONE = Handle(None, None)
+SEMANTICS = ("native", "nccl")
 
 
 @dataclass
@@ -119,8 +195,16 @@ def ring_chunk(numel: int, n: int, index: int) -> int:
 class Comm:
     """Collectives over the axes of one `Mesh`, with byte accounting and a flight record."""
 
-    def __init__(self, mesh: Mesh, history: int = 2048):
+    def __init__(self, mesh: Mesh, history: int = 2048, semantics: str = "native"):
+        if semantics not in SEMANTICS:
+            raise ValueError(f"unknown comm semantics '{semantics}'; choose one of {', '.join(SEMANTICS)}")
         self.mesh = mesh
+        self.semantics = semantics
+        # completion probe of a waited op: NCCL's wait() does not block the host, so on CUDA an
+        # event after it tells completion; the nccl test mode asks the Work itself
+        self._completion = ((lambda work: work.is_completed) if semantics == "nccl"
+                            else _cuda_probe if mesh.device.type == "cuda" else None)
+        self._last_batch: dict[str, object] = {}  # nccl test mode: axis -> Work of its last p2p batch
         self.traffic = Traffic()
         self.records: collections.deque[CollectiveRecord] = collections.deque(maxlen=history)
         self.recording = history > 0
@@ -148,11 +232,17 @@ class Comm:
         return record
 
     def _finish(self, work, record: CollectiveRecord, async_op: bool) -> Handle | None:
-        handle = Handle(work, record)
+        handle = Handle(work, record, self._completion)
         if async_op:
             return handle
         handle.wait()
         return None
+
+    def poll(self) -> None:
+        """Stamp the completion of the records whose ops have finished since the last look."""
+        for record in list(self.records):  # list(): a snapshot, safe from another thread
+            if record.end is None and record.probe is not None:
+                record.poll()
 
     def _trivial(self, axis: str) -> bool:
         return self.mesh.size(axis) == 1
@@ -171,7 +261,7 @@ class Comm:
         n, r = self.mesh.size(axis), self.mesh.rank(axis)
         nbytes = 2 * (tensor.numel() - ring_chunk(tensor.numel(), n, r)) * tensor.element_size()
         record = self._start(f"all_reduce.{tag}" if tag else "all_reduce", axis, tensor, nbytes)
-        work = dist.all_reduce(tensor, op=op, group=self.mesh.group(axis), async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, op=dist.ReduceOp.SUM,
@@ -182,7 +272,7 @@ class Comm:
             return _DONE if async_op else None
         nbytes = (input.numel() - output.numel()) * input.element_size()
         record = self._start("reduce_scatter", axis, input, nbytes)
-        work = _reduce_scatter(output, input, op=op, group=self.mesh.group(axis), async_op=async_op)
+        work = _reduce_scatter(output, input, op=op, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False,
@@ -196,7 +286,7 @@ class Comm:
             return _DONE if async_op else None
         nbytes = (output.numel() - input.numel()) * input.element_size()
         record = self._start(f"all_gather.{tag}" if tag else "all_gather", axis, output, nbytes)
-        work = _all_gather(output, input, group=self.mesh.group(axis), async_op=async_op)
+        work = _all_gather(output, input, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
@@ -208,7 +298,7 @@ class Comm:
         nbytes = 0 if r == last_of_chain else tensor.numel() * tensor.element_size()
         record = self._start("broadcast", axis, tensor, nbytes)
         work = dist.broadcast(tensor, src=self.mesh.global_rank_of(axis, src), group=self.mesh.group(axis),
-                              async_op=async_op)
+                              async_op=True)
         return self._finish(work, record, async_op)
 
     def reduce(self, tensor: torch.Tensor, axis: str, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -221,7 +311,7 @@ class Comm:
         nbytes = 0 if self.mesh.rank(axis) == dst else tensor.numel() * tensor.element_size()
         record = self._start("reduce", axis, tensor, nbytes)
         work = dist.reduce(tensor, dst=self.mesh.global_rank_of(axis, dst), op=op, group=self.mesh.group(axis),
-                           async_op=async_op)
+                           async_op=True)
         return self._finish(work, record, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False):
@@ -231,7 +321,7 @@ class Comm:
             return _DONE if async_op else None
         nbytes = (input.numel() - input.numel() // self.mesh.size(axis)) * input.element_size()
         record = self._start("all_to_all", axis, input, nbytes)
-        work = dist.all_to_all_single(output, input, group=self.mesh.group(axis), async_op=async_op)
+        work = dist.all_to_all_single(output, input, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
 
     def barrier(self, axis: str) -> None:
@@ -274,8 +364,27 @@ class Comm:
                 record.peer = op.peer
         if not ops:
             return []
+        axis = (sends or recvs)[0][1]
+        previous = self._last_batch.pop(axis, None)
+        if previous is not None:  # nccl test mode: one stream per communicator runs batches in order
+            previous.wait()
         works = dist.batch_isend_irecv(ops)
-        return [Handle(w, rec) for w, rec in zip(works, records)]
+        if self.semantics == "nccl" and len(works) > 1:
+            works = [_Coalesced(works)]
+        # a Work is waited once only (gloo's send/receive works block on a second wait)
+        works = [_Shared(w) for w in works]
+        if self.semantics == "nccl":
+            self._last_batch[axis] = works[0]
+        return self._batch_handles(works, records)
+
+    def _batch_handles(self, works: list, records: list) -> list[Handle]:
+        """One handle per op, whether the backend gave one Work per op or one for the batch."""
+        if len(works) == len(records):
+            return [Handle(w, rec, self._completion) for w, rec in zip(works, records)]
+        if len(works) == 1:  # NCCL coalesces the batch: every op completes with the one Work
+            shared = works[0] if isinstance(works[0], _Shared) else _Shared(works[0])
+            return [Handle(shared, rec, self._completion) for rec in records]
+        raise RuntimeError(f"batch_isend_irecv returned {len(works)} works for {len(records)} ops")
 
 
 def _callsite() -> str:

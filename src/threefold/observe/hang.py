@@ -57,7 +57,12 @@ def clear_flight_dir(flight_dir: Path) -> None:
 
 
 def in_flight(comm: Comm) -> list:
-    """This rank's unfinished collectives, oldest first."""
+    """This rank's unfinished collectives, oldest first.
+
+    Unfinished means not *completed*: on NCCL `wait()` returns once the stream waits, so the
+    records' completion probes (CUDA events) are polled here; a hung collective stays in flight.
+    """
+    comm.poll()
     return [r for r in list(comm.records) if r.end is None]  # list(): a snapshot taken under the GIL
 
 
@@ -72,6 +77,7 @@ def main_thread_stack() -> list[str]:
 def snapshot(comm: Comm, step: int, reason: str, tail: int = 32) -> dict:
     """Everything another rank needs to know where this one is."""
     mesh = comm.mesh
+    comm.poll()
     now = time.monotonic()
     records = list(comm.records)
     return {

@@ -154,6 +154,7 @@ class Observer:
     def _gather(self, step: int, step_s: float, loss_sum: torch.Tensor, grad_norm: float, local_tokens: int) -> dict:
         position = self.nonfinite.first_position() if self.nonfinite is not None else None
         first_bad = self.nonfinite.first() if position is not None else None
+        self.comm.poll()  # completions seen since (CUDA: events that passed)
         blocked = blocked_seconds(self.comm.records, self._seq0)
         loss = float(loss_sum) / max(1, local_tokens)
         # a non-finite output is ordered by (pipeline stage, position in this rank's forward):

@@ -58,10 +58,20 @@ class DataParallelReducer:
         self.comm = comm
         self.axis = axis
         self.hook = hook or AllReduceHook()
+        self._update_pre_hooks: list = []
         self.buckets = GradientBuckets(
             params, int(bucket_mb * 2**20),
-            launch=lambda b: self.hook.launch(b, comm, axis),
+            launch=self._launch,
             complete=self.hook.complete)
+
+    def _launch(self, bucket: Bucket):
+        for hook in self._update_pre_hooks:  # e.g. an async checkpoint still copying the hook's state
+            hook()
+        return self.hook.launch(bucket, self.comm, self.axis)
+
+    def register_update_pre_hook(self, hook) -> None:
+        """`hook()` runs before the comm hook's state (`state_dict`) changes: before each launch."""
+        self._update_pre_hooks.append(hook)
 
     def micro_batch(self, last: bool):
         """Run one micro-batch's backward inside; only the last one communicates."""

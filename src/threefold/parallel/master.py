@@ -9,9 +9,11 @@ range of its flattening under ZeRO 1-3. For every piece the optimizer keeps
     exp_avg, exp_avg_sq   AdamW moments, fp32            (train.optimizer=adamw)
     momentum_buffer       SGD momentum, fp32             (train.optimizer=sgd, train.momentum > 0)
 
-and runs the torch optimizer `train.optimizer` names (AdamW or SGD, single-tensor loop) on the
-masters: the update is elementwise, so any partition of the parameters into pieces gives the
-same bits as the unsharded optimizer. The states are allocated up front (torch creates them on
+and runs the torch optimizer `train.optimizer` names (AdamW or SGD) on the masters, multi-tensor:
+AdamW fused on CUDA (one kernel over all pieces, step counts on the device, so no per-tensor
+host read of the step), `foreach` elsewhere (its bits are the single-tensor loop's). Both are
+elementwise, so any partition of the parameters into pieces gives the same bits as the
+unsharded optimizer (tests/unit/test_optimizer.py, tests/distributed/test_zero.py). The states are allocated up front (torch creates them on
 the first step), so they are counted by memory reports and checkpointable from step 0.
 
 Offload (`parallel.offload=optimizer`): masters and states live in a separate host pool
@@ -53,13 +55,20 @@ class Piece:
 STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
-def make_inner(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The torch optimizer `cfg.optimizer` over parameter groups; foreach=False: the per-tensor
-    loop gives the same bits whatever the tensors' grouping (so pieces reproduce whole tensors)."""
+def fused_on(device: torch.device) -> bool:
+    """AdamW runs fused where the masters are on CUDA (foreach would read every step count on the host)."""
+    return device.type == "cuda"
+
+
+def make_inner(groups: list[dict], cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    """The torch optimizer `cfg.optimizer` over parameter groups, multi-tensor (module docstring):
+    elementwise kernels, so the same bits whatever the tensors' grouping (pieces reproduce whole tensors)."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        fused = fused_on(device)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 foreach=None if fused else True, fused=fused or None)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=False)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
@@ -105,12 +114,14 @@ class ShardedOptimizer:
                   {"params": [m for m, p in zip(self.masters, pieces) if not p.decay], "weight_decay": 0.0}]
         # a placeholder keeps a rank that owns no piece (possible under ZeRO) a valid optimizer
         groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
-        self.inner = make_inner(groups, cfg)
+        self.inner = make_inner(groups, cfg, self.host)
         self.steps = 0  # optimizer steps taken (skipped steps excluded)
+        # fused AdamW keeps its per-tensor step counts on the device (no host read per step)
+        step_device = self.host if cfg.optimizer == "adamw" and fused_on(self.host) else torch.device("cpu")
         for master in self.masters:  # allocate the states now: counted and checkpointable from step 0
             state = {kind: torch.zeros_like(master) for kind in state_kinds(self.inner)}
             if cfg.optimizer == "adamw":
-                state = {"step": torch.tensor(0.0), **state}  # torch's AdamW counts steps per tensor
+                state = {"step": torch.tensor(0.0, device=step_device), **state}  # per-tensor step counts
             self.inner.state[master] = state
 
     @staticmethod

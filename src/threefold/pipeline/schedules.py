@@ -30,11 +30,13 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from .actions import COMM, COMPUTE, Action, Schedule, ScheduleError
+from .posting import add_aligned_communication
 from .replay import Replay, replay
+from .stream_replay import replay_stream
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-__all__ = ["Action", "Schedule", "ScheduleError", "Replay", "replay", "COMM", "COMPUTE", "SCHEDULES", "build_schedule",
-           "compute_orders", "add_communication", "validate"]
+__all__ = ["Action", "Schedule", "ScheduleError", "Replay", "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES",
+           "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
 
 
 # ---------------------------------------------------------------- compute orders
@@ -123,9 +125,14 @@ def compute_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The complete schedule (compute and communication) of `name` for p ranks, m micro-batches."""
+    """The complete schedule (compute and communication) of `name` for p ranks, m micro-batches.
+
+    The interleaved schedule's crossing traffic needs aligned posting (posting.py) to be free of
+    deadlock under NCCL's rules; the others keep the latest-receive posting, which passes them.
+    """
     orders = compute_orders(name, p, m, v)
-    return Schedule(name, p, m, v, tuple(tuple(r) for r in add_communication(orders, p, v)))
+    place = add_aligned_communication if name == "interleaved" else add_communication
+    return Schedule(name, p, m, v, tuple(tuple(r) for r in place(orders, p, v)))
 
 
 # ---------------------------------------------------------------- communication
@@ -204,14 +211,19 @@ def add_communication(orders: list[list[Action]], p: int, v: int) -> list[list[A
 # ---------------------------------------------------------------- validation
 
 
-def validate(s: Schedule) -> None:
+RULES = ("host", "nccl")
+
+
+def validate(s: Schedule, rules: tuple[str, ...] = RULES) -> None:
     """Prove `s` complete, well matched and deadlock-free; raise ScheduleError otherwise.
 
     Checks: every action sits on the rank of its stage; every (stage, micro-batch) has exactly
     one F and either one B or one I followed by one W; every message between ranks has exactly
     one send (after its producer) and one receive (before its consumer), and each pair of ranks
-    posts receives in the order the peer sends (FIFO matching); execution under the runtime's
-    rules finishes on every rank.
+    posts receives in the order the peer sends (FIFO matching); execution finishes on every rank
+    under each of `rules`: "host" - sends and receive postings never block (gloo; replay.py) -
+    and "nccl" - each run of communication actions is one batch, a rank's batches run in order
+    on one stream, a send blocks until its receive is posted (stream_replay.py).
     """
     S, m = s.num_stages, s.microbatches
     if len(s.ranks) != s.pp:
@@ -262,7 +274,13 @@ def validate(s: Schedule) -> None:
                          min(len(sent[channel]), len(received[channel])))
             raise ScheduleError(f"rank {channel[1]} posts receives from rank {channel[0]} in another order than "
                                 f"it sends (message #{first}): FIFO matching would swap tensors")
-    replay(s)
+    unknown = set(rules) - set(RULES)
+    if unknown:
+        raise ValueError(f"unknown rules {sorted(unknown)}; choose from {', '.join(RULES)}")
+    if "host" in rules:
+        replay(s)
+    if "nccl" in rules:
+        replay_stream(s)
 
 
 def _is_edge(s: Schedule, a: Action) -> bool:

@@ -53,7 +53,7 @@ class Trainer:
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
-        self.comm = Comm(self.mesh, history=cfg.debug.history)
+        self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
