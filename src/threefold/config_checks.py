@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
 from .errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from .data.tokenizer import TokenizerIdentity
 
 
 def validate(c: Config, world_size: int) -> Config:
@@ -95,9 +99,21 @@ def _validate_data(c: Config) -> ModelConfig:
                           f"`threefold data prepare` (--data DIR), not '{source}'")
     try:
         tokenizer = data_tokenizer(source, d.sources)
+        if tokenizer is not None and c.model.preset.startswith("hf:"):
+            _check_model_tokenizer(tokenizer, Path(c.model.preset[3:]), d.sources or source)
     except UserError as e:
         raise ConfigError("", str(e)) from None
-    return c.model if tokenizer is None else replace(c.model, vocab=tokenizer.vocab_size)
+    if tokenizer is None or c.model.preset.startswith("hf:"):
+        return c.model  # a Hugging Face model's vocabulary is its config.json's
+    return replace(c.model, vocab=tokenizer.vocab_size)
+
+
+def _check_model_tokenizer(data: TokenizerIdentity, model_dir: Path, data_dir: str) -> None:
+    """Prepared data must come from the tokenizer of the `hf:DIR` model, when DIR ships one."""
+    from .data.tokenizer import TOKENIZER_FILE, HFTokenizer, check_tokenizer_match
+
+    if (model_dir / TOKENIZER_FILE).is_file():
+        check_tokenizer_match(data, HFTokenizer(model_dir).identity, data_dir)
 
 
 def compress_warmup(c: CompressConfig, steps: int) -> int:

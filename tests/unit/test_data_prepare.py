@@ -145,3 +145,31 @@ def test_data_directory_checks(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(UserError, match=r"shard '.*train-00000.bin' holds 1000 tokens but .*index.json says 1001"):
         open_split(tmp_path / "d", "train", vocab=257)
+
+
+def test_hf_model_refuses_data_of_another_tokenizer(tmp_path):
+    """`--model hf:DIR` with DIR's own tokenizer.json: data prepared by another tokenizer is refused in
+    one line naming both; data of the model's tokenizer trains with the vocabulary of config.json."""
+    import shutil
+
+    from tests.hf_tasks import save_tiny
+    from threefold.config import load_config
+    from threefold.errors import ConfigError
+
+    ours = train_tokenizer(tmp_path / "ours", vocab=300)
+    other = train_tokenizer(tmp_path / "other", vocab=280)
+    model = save_tiny("llama", tmp_path / "llama", vocab_size=320)
+    shutil.copy(ours / "tokenizer.json", model / "tokenizer.json")
+    shutil.copy(ours / "tokenizer_config.json", model / "tokenizer_config.json")
+    assert prepare(tmp_path / "d_ours", PY_GLOB, tokenizer=str(ours)) == 0
+    assert prepare(tmp_path / "d_other", PY_GLOB, tokenizer=str(other)) == 0
+
+    def config(data):
+        return load_config(None, [f"model.preset=hf:{model}", f"data.source={data}", "train.seq_len=16",
+                                  "train.global_batch=2"]).validate(1)
+
+    with pytest.raises(ConfigError) as refused:
+        config(tmp_path / "d_other")
+    message = str(refused.value)
+    assert "\n" not in message and "'other'" in message and "'llama'" in message and "d_other" in message
+    assert config(tmp_path / "d_ours").model.vocab == 320
