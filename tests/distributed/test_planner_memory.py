@@ -1,58 +1,161 @@
 """The planner's memory prediction against the bytes real CPU runs count (metrics `mem`).
 
-Each case trains one step of the reference model in a gloo world and compares every rank's
-counted bytes (observe/memory.py: parameter, gradient and optimizer storages; bytes autograd
-saves for backward) with `predict_memory(cfg, world_size)`. Add a case per strategy as it lands
-(ZeRO stages, tensor parallelism, activation checkpointing, pipeline schedules): the prediction
-must stay within 10% of the counted peak and of each counted part.
+Each case trains one step of the reference model and compares every rank's counted bytes
+(observe/memory.py: parameter, gradient and optimizer storages; bytes autograd saves for
+backward, per pipeline micro-batch in flight) with `predict_memory(cfg, world_size, rank=r)`.
+The Hugging Face cases build transformers' LlamaForCausalLM from a small config (random weights,
+nothing downloaded), split it with threefold's tensor plan and count what one forward saves.
+All cases of one world size run in one call of that shared world (a step of a tiny model takes
+a fraction of a second; starting processes is what costs).
+
+Requirement: within 5% of every counted part (1% for the Hugging Face cases, where one missed
+tensor per layer is only ~3%). Today every case matches to the byte:
+PLANNER_MEMORY_TOLERANCE=0 checks that.
 """
+
+import os
 
 import pytest
 
 from tests.helpers import make_config, train_and_report
-from threefold.planner.memory import predict_memory
+from threefold.planner.memory import predict_memory, stage_memory
+from threefold.planner.workload import Strategy, Workload, hf_llama_model
 
-TOLERANCE = 0.10
+TOLERANCE = float(os.environ.get("PLANNER_MEMORY_TOLERANCE", "0.05"))  # 0 checks the "to the byte" claim
+HF_TOLERANCE = min(TOLERANCE, 0.01)  # one (b, s, h) tensor per layer is ~3% of these tiny models: catch it
 
-CASES = {
-    # id: (world size, config overrides)
-    "tiny-dp1": (1, ["model.preset=tiny", "train.global_batch=4", "train.seq_len=16"]),
-    "tiny-dp2-m2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "train.microbatches=2"]),
-    "tiny-dp4": (4, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32"]),
-    "tiny-untied-nobias-dp2": (2, ["model.preset=tiny", "train.global_batch=4", "train.seq_len=64",
-                                   "model.bias=false", "model.tie_embeddings=false"]),
-    "llama-gqa-dp1-m2": (1, ["model.preset=tiny-llama", "train.global_batch=4", "train.seq_len=64",
-                             "train.microbatches=2"]),
-    "llama-mha-dp2": (2, ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=16", "model.kv_heads=4"]),
-    "small-dp1": (1, ["model.preset=small", "train.global_batch=2", "train.seq_len=64"]),
-    "small-llama-dp4-m2": (4, ["model.preset=small", "train.global_batch=8", "train.seq_len=32",
-                               "train.microbatches=2", "model.mlp=swiglu", "model.norm=rmsnorm",
-                               "model.position=rope"]),
-    # strategies: ZeRO stages, checkpointing policies, tensor parallelism, mixed precision
-    "zero1-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=1"]),
-    "zero2-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=2"]),
-    "zero3-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=3"]),
-    "remat-full-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "remat.policy=full"]),
-    "remat-selective-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32",
-                                "remat.policy=selective"]),
-    "tp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.tp=2"]),
-    "bf16-zero1-dp2": (2, ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "parallel.zero=1",
-                           "precision.compute=bf16"]),
+TINY = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32"]
+LLAMA = ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=32"]
+PP = ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=32", "parallel.pp=2",
+      "train.microbatches=4"]
+
+CASES = {  # world size -> {id: config overrides}
+    1: {
+        "tiny-dp1": ["model.preset=tiny", "train.global_batch=4", "train.seq_len=16"],
+        "llama-gqa-m2": ["model.preset=tiny-llama", "train.global_batch=4", "train.seq_len=64", "train.microbatches=2"],
+        "small-bf16-every-k": ["model.preset=small", "train.global_batch=2", "train.seq_len=64", "precision.compute=bf16",
+                               "remat.policy=every-k", "remat.every=3"],
+    },
+    2: {
+        "dp2-m2": [*TINY, "train.microbatches=2"],
+        "dp2-untied-nobias": ["model.preset=tiny", "train.global_batch=4", "train.seq_len=64", "model.bias=false",
+                              "model.tie_embeddings=false"],
+        "llama-mha-dp2": ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=16", "model.kv_heads=4"],
+        "zero1": [*TINY, "parallel.zero=1"],
+        "zero2": [*TINY, "parallel.zero=2"],
+        "zero3": [*TINY, "parallel.zero=3"],
+        "bf16-zero1": [*TINY, "parallel.zero=1", "precision.compute=bf16"],
+        "fp16-zero2-selective": [*TINY, "parallel.zero=2", "precision.compute=fp16", "remat.policy=selective"],
+        "remat-full": [*TINY, "remat.policy=full"],
+        "remat-every-2": [*TINY, "model.layers=4", "remat.policy=every-k"],
+        "tp2": [*TINY, "parallel.tp=2"],
+        "tp2-sp": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true"],
+        "llama-tp2-sp-bf16": [*LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true", "precision.compute=bf16"],
+        "llama-tp2-sp-selective": [*LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true",
+                                   "remat.policy=selective"],
+        "pp2-1f1b": PP,
+        "pp2-gpipe": [*PP, "pipeline.schedule=gpipe"],
+        "pp2-zb-h1": [*PP, "pipeline.schedule=zb-h1"],
+        "pp2-interleaved": [*PP, "pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+        "pp2-interleaved-selective-bf16": [*PP, "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
+                                           "remat.policy=selective", "precision.compute=bf16"],
+        "pp2-gpipe-full-untied": [*PP, "pipeline.schedule=gpipe", "remat.policy=full", "model.tie_embeddings=false"],
+        "pp2-1f1b-every-2-m8": ["model.preset=tiny", "model.layers=6", "train.global_batch=16", "train.seq_len=16",
+                                "parallel.pp=2", "train.microbatches=8", "remat.policy=every-k"],
+        "llama-pp2-zb-h1-one-row": ["model.preset=tiny-llama", "model.layers=4", "train.global_batch=4",
+                                    "train.seq_len=32", "parallel.pp=2", "train.microbatches=4",
+                                    "pipeline.schedule=zb-h1"],
+    },
+    4: {
+        "dp4": TINY,
+        "small-llama-dp4-m2": ["model.preset=small", "train.global_batch=8", "train.seq_len=32", "train.microbatches=2",
+                               "model.mlp=swiglu", "model.norm=rmsnorm", "model.position=rope"],
+        "dp2-pp2-zero1": [*PP, "parallel.zero=1", "train.microbatches=2"],
+        "tp2-sp-dp2-zero3": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"],
+        "pp4-zb-h1-m8": ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=16",
+                         "parallel.pp=4", "train.microbatches=8", "pipeline.schedule=zb-h1"],
+    },
+}
+
+HF = dict(vocab_size=250, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64)
+HF_CASES = {  # world size (= tp) -> [(config changes, batch, seq, sequence parallel, dtype)]
+    1: [({}, 2, 16, False, "float32"), ({"num_key_value_heads": 4}, 3, 32, False, "bfloat16")],
+    2: [({}, 2, 16, False, "float32"), ({}, 2, 16, True, "float32"), ({}, 3, 32, True, "bfloat16")],
+    4: [({}, 2, 16, True, "float32")],  # kv heads replicated, vocabulary padded to 252
 }
 
 
-def counted_memory(overrides: list[str], out: str) -> dict:
-    return train_and_report(overrides, out)["records"][-1]["mem"]
+def count_all(cases: dict, out: str) -> dict:
+    return {name: train_and_report([*overrides, "train.steps=1"], f"{out}/{name}")["records"][-1]["mem"]
+            for name, overrides in cases.items()}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_predicted_memory_matches_counted_bytes(worlds, tmp_path, case):
-    size, overrides = CASES[case]
-    overrides = [*overrides, "train.steps=1"]
-    predicted = predict_memory(make_config(overrides, str(tmp_path)), size)
-    for rank, counted in enumerate(worlds(size).run(counted_memory, overrides, str(tmp_path))):
-        for key, value in counted.items():
-            if value:
-                err = abs(predicted[key] / value - 1)
-                assert err <= TOLERANCE, f"rank {rank} {key}: predicted {predicted[key]} vs counted {value}"
-        assert counted["peak"] > 0 and counted["activations"] > 0
+def hf_saved_bytes(cases: list) -> list[int]:
+    """Bytes one forward of a transformers Llama (split over the world as tp) saves for backward."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from threefold.comm import Comm
+    from threefold.mesh import Layout, Mesh
+    from threefold.models.hf_plans import llama_plan
+    from threefold.observe.memory import SavedTensorMeter
+    from threefold.parallel.tensor_plan import parallelize_tensor
+
+    tp = dist.get_world_size()
+    mesh = Mesh(Layout(tp=tp), torch.device("cpu"))
+    comm = Comm(mesh)
+    out = []
+    for changes, batch, seq, sp, dtype in cases:
+        config = transformers.LlamaConfig(**{**HF, **changes})
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+        if tp > 1:
+            parallelize_tensor(model, mesh, comm, llama_plan(config, tp), sp)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+        meter = SavedTensorMeter(exclude=list(model.parameters()) + list(model.buffers()))
+        with meter.measure():
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        out.append(meter.peak)
+    return out
+
+
+def _check(predicted: dict, counted: dict, where: str) -> None:
+    for key, value in counted.items():
+        if value:
+            err = abs(predicted[key] / value - 1)
+            assert err <= TOLERANCE, f"{where} {key}: predicted {predicted[key]} vs counted {value} ({err:.1%})"
+
+
+@pytest.mark.parametrize("size", sorted(CASES))
+def test_predicted_memory_matches_counted_bytes(worlds, tmp_path, size):
+    cases = CASES[size]
+    names = list(cases)
+    results = [{} for _ in range(size)]
+    for i in range(0, len(names), 6):  # a few cases per call: each call has the world's time limit
+        chunk = {n: cases[n] for n in names[i:i + 6]}
+        for rank, counted in enumerate(worlds(size).run(count_all, chunk, str(tmp_path))):
+            results[rank].update(counted)
+    for rank, counted in enumerate(results):
+        for name, overrides in cases.items():
+            cfg = make_config([*overrides, "train.steps=1"], str(tmp_path))
+            _check(predict_memory(cfg, size, rank=rank), counted[name], f"{name} rank {rank}:")
+            assert counted[name]["activations"] > 0
+
+
+@pytest.mark.parametrize("size", sorted(HF_CASES))
+def test_predicted_activations_of_a_hugging_face_llama(worlds, size):
+    pytest.importorskip("transformers")
+    import transformers
+
+    cases = HF_CASES[size]
+    results = worlds(size).run(hf_saved_bytes, cases)
+    for rank, measured in enumerate(results):
+        for (changes, batch, seq, sp, dtype), counted in zip(cases, measured):
+            m = hf_llama_model(transformers.LlamaConfig(**{**HF, **changes}))
+            st = Strategy(tp=size, sequence_parallel=sp and size > 1, precision="fp32" if dtype == "float32" else "bf16")
+            predicted = stage_memory(Workload(m, batch, seq, "hf-llama"), st, 0).activations
+            err = abs(predicted / counted - 1)
+            assert err <= HF_TOLERANCE, f"tp={size} {changes} {dtype} sp={sp} rank {rank}: {predicted} vs {counted}"

@@ -27,7 +27,8 @@ def test_json_follows_the_contract(capsys):
     assert code == 0
     doc = json.loads(out)
     assert doc["model"]["params"] == 6_738_415_616
-    assert doc["workload"] == {"global_batch": 64, "seq_len": 2048, "tokens_per_step": 64 * 2048}
+    assert doc["workload"] == {"global_batch": 64, "seq_len": 2048, "tokens_per_step": 64 * 2048, "assumed": ""}
+    assert doc["checkpoint"]["every_steps"] >= 1 and 0 < doc["checkpoint"]["lost_fraction"] < 1
     cands = doc["candidates"]
     assert cands and cands[0]["fits"]
     for c in cands:
@@ -82,3 +83,41 @@ def test_bad_inputs_exit_2_with_one_line(capsys, argv, fragment):
     code, _, err = plan(capsys, "--model", "tiny", *argv) if "--model" not in argv else plan(capsys, *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and fragment in err
+
+
+def test_an_assumed_global_batch_is_stated(capsys):
+    code, out, _ = plan(capsys, "--model", "llama-405b", "--gpus", "16384", "--gpu", "h100-80gb", "--top", "3")
+    assert code == 0
+    assert "assumed global batch 16384 x 8192 = 134M tokens per step (~4M tokens (512 sequences) raised to one " \
+           "sequence per GPU); give --global-batch" in out
+    code, out, _ = plan(capsys, "--model", "llama-7b", "--gpus", "8", "--global-batch", "64", "--top", "2")
+    assert "assumed" not in out
+
+
+def test_best_plan_breakdown_checkpoint_advice_and_explain(capsys):
+    code, out, _ = plan(capsys, "--model", "llama-7b", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "256",
+                        "--top", "3", "--mtbf-hours", "20000", "--save-seconds", "40",
+                        "--explain", "dp=16 tp=1 pp=1 zero=0 ckpt=full")
+    assert code == 0
+    assert "  step " in out and " = compute " in out and "memory " in out
+    assert "checkpoints (16 GPUs of MTBF 20,000 h each, save given): checkpoint every " in out
+    explain = out[out.index("explain dp=16 tp=1 pp=1 zero=0"):]
+    assert "ckpt=full" in explain and ("slower" in explain or "does not fit" in explain)
+    assert "recomputation" in explain  # full recomputation shows up as its own term
+    # negligible terms stay out of the why column (no "+4.83e-09 s")
+    assert "e-0" not in out
+
+
+def test_an_impossible_explicit_layout_says_why(capsys):
+    code, out, err = plan(capsys, "--model", "llama-7b", "--gpus", "24", "--tp", "3", "--pp", "1", "--dp", "8")
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "tp=3 does not divide the 32 heads" in lines[0]
+
+
+def test_the_efficiency_axis_fits_its_values():
+    from threefold.planner.scaling import efficiency_axis_top
+
+    assert 105 <= efficiency_axis_top([{"gpus": 8, "fits": True, "efficiency": 1.0, "mfu": 0.4}]) <= 110
+    assert efficiency_axis_top([{"gpus": 8, "fits": True, "efficiency": 1.24, "mfu": 0.4},
+                                {"gpus": 4, "fits": False}]) > 124

@@ -14,13 +14,17 @@ import sys
 
 from ..config import load_config
 from ..errors import ConfigError, UserError
+from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import GiB, PRESETS, load_gpu
-from .search import PlanResult, search
+from .search import PlanResult, search, shortfall, slower
 from .workload import Workload, total_parameters
 
 FIXABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
            "activation_checkpointing": "remat", "schedule": "schedule", "virtual_stages": "virtual_stages"}
-DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step when --global-batch is not given
+DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step when --global-batch is not given (at least a sequence per GPU)
+# Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 H100,
+# i.e. one per ~50,700 GPU-hours
+DEFAULT_MTBF_HOURS = 50_000
 SCALING_GPUS = [8 * 2**i for i in range(11)]  # 8 .. 8192
 
 
@@ -38,6 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int, metavar="N", help=f"fix {opt}")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "full", "every-k"], help="fix the policy")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], help="fix the pipeline schedule")
+    p.add_argument("--explain", metavar="LAYOUT",
+                   help="also print this layout's breakdown, e.g. 'dp=8 tp=8 pp=1 zero=2 ckpt=selective'")
+    p.add_argument("--mtbf-hours", type=float, default=DEFAULT_MTBF_HOURS, metavar="H",
+                   help=f"mean time between failures of one GPU, for the checkpoint advice (default {DEFAULT_MTBF_HOURS:,})")
+    p.add_argument("--save-seconds", type=float, metavar="S",
+                   help="stall of one checkpoint save (default: estimated from the bytes per GPU and --write-gbps)")
+    p.add_argument("--write-gbps", type=float, default=1.0, metavar="GB/S",
+                   help="checkpoint write rate per GPU in GB/s, to estimate the save (default 1)")
+    p.add_argument("--restart-seconds", type=float, default=300.0, metavar="S",
+                   help="time to restart after a failure (default 300)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--scaling", nargs="?", const="plan-scaling.png", metavar="PNG",
@@ -46,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"largest GPU count of --scaling (default {SCALING_GPUS[-1]})")
 
 
-def _workload(args) -> Workload:
+def _workload(args) -> tuple[Workload, str]:
+    """The workload and, when the global batch was not given, a sentence saying what was assumed."""
     cfg = load_config(None, [f"model.preset={args.model}", *args.overrides])
     m = cfg.model
     seq = args.seq_len or m.max_seq
@@ -59,7 +74,17 @@ def _workload(args) -> Workload:
         raise ConfigError("--global-batch", f"must be at least 1, got {batch}")
     if m.hidden % m.heads or m.heads % m.kv_heads:
         raise ConfigError("model.hidden", "hidden must divide by heads and heads by kv_heads")
-    return Workload(m, batch, seq)
+    assumed = ""
+    if not args.global_batch:
+        rule = ("~4M tokens" if batch == DEFAULT_BATCH_TOKENS // seq else
+                f"~4M tokens ({DEFAULT_BATCH_TOKENS // seq} sequences) raised to one sequence per GPU")
+        assumed = (f"assumed global batch {batch} x {seq} = {_tokens(batch * seq)} tokens per step ({rule}); "
+                   "give --global-batch for yours")
+    return Workload(m, batch, seq), assumed
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
 
 
 def _fixed(args) -> dict:
@@ -82,13 +107,27 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ConfigError("--gpus", f"must be at least 1, got {args.gpus}")
     gpu = load_gpu(args.gpu)
-    w = _workload(args)
-    result = search(w, args.gpus, gpu, _fixed(args), args.precision)
+    w, assumed = _workload(args)
+    fixed = _fixed(args)
+    explain = parse_layout(args.explain) if args.explain else None
+    for value, flag in ((args.mtbf_hours, "--mtbf-hours"), (args.write_gbps, "--write-gbps")):
+        if value <= 0:
+            raise ConfigError(flag, f"must be positive, got {value}")
+    result = search(w, args.gpus, gpu, fixed, args.precision)
+    if not result.candidates:  # an explicit layout that cannot exist: say why instead of an empty table
+        problems = layout_problems(w, args.gpus, gpu, fixed) or [result.message]
+        raise UserError(f"no layout of {args.gpus} GPUs matches the options: {'; '.join(problems)}")
+    extra = {"assumed": assumed}
+    if result.feasible:
+        extra["checkpoint"] = checkpoint_advice(result.best, args.gpus, args.mtbf_hours, args.save_seconds,
+                                                args.restart_seconds, args.write_gbps)
+    if explain is not None:
+        extra["explain"] = _explain(w, args, gpu, {**fixed, **explain}, result)
     scaling = scaling_points(w, gpu, args.precision, args.scaling_max) if args.scaling else None
     if args.json:
-        print(json.dumps(to_json(result, scaling), indent=1))
+        print(json.dumps(to_json(result, scaling, extra), indent=1))
     else:
-        print(render(result, args.top))
+        print(render(result, args.top, extra))
         if scaling:
             print(render_scaling(scaling))
     if scaling:
@@ -101,6 +140,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(w: Workload, args, gpu, knobs: dict, result: PlanResult) -> dict:
+    """The best member of the layout `knobs` and why it loses to the best plan."""
+    r = search(w, args.gpus, gpu, knobs, args.precision)
+    if not r.candidates:
+        problems = layout_problems(w, args.gpus, gpu, knobs) or [r.message]
+        return {"layout": args.explain, "candidate": None, "lines": [f"--explain {args.explain}: impossible: "
+                                                                      + "; ".join(problems)]}
+    c = r.candidates[0]
+    if not c.fits:
+        why = shortfall(c, gpu)
+    elif result.feasible and result.best.tokens_per_s > c.tokens_per_s:
+        why = slower(c, result.best)
+    else:
+        why = "this is the fastest layout that fits"
+    lines = [f"explain {c.strategy.label()}: {why}", *breakdown(c, gpu)]
+    return {"layout": args.explain, "candidate": c.as_dict(), "lines": lines}
+
+
 # ------------------------------------------------------------------ output
 
 
@@ -111,28 +168,35 @@ def model_summary(w: Workload) -> dict:
             "mlp": m.mlp, "position": m.position}
 
 
-def to_json(r: PlanResult, scaling: list[dict] | None = None) -> dict:
-    g = r.gpu
+def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None = None) -> dict:
+    g, extra = r.gpu, extra or {}
     out = {
         "model": model_summary(r.workload),
         "gpu": {"name": g.name, "peak_flops": g.peak_flops, "memory_bytes": g.memory_bytes, "nvlink": g.nvlink,
                 "infiniband": g.infiniband, "gpus_per_node": g.gpus_per_node},
         "gpus": r.gpus,
         "workload": {"global_batch": r.workload.global_batch, "seq_len": r.workload.seq_len,
-                     "tokens_per_step": r.workload.tokens},
+                     "tokens_per_step": r.workload.tokens, "assumed": extra.get("assumed", "")},
         "feasible": r.feasible, "message": r.message, "evaluated": r.evaluated,
         "candidates": [c.as_dict() for c in r.candidates],
     }
+    if "checkpoint" in extra:
+        out["checkpoint"] = extra["checkpoint"][0].as_dict()
+    if "explain" in extra:
+        out["explain"] = {k: v for k, v in extra["explain"].items() if k != "lines"}
     if scaling is not None:
         out["scaling"] = scaling
     return out
 
 
-def render(r: PlanResult, top: int = 10) -> str:
-    w, g = r.workload, r.gpu
+def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
+    w, g, extra = r.workload, r.gpu, extra or {}
     lines = [f"{w.model.preset}: {total_parameters(w.model) / 1e9:.3g}B parameters, global batch {w.global_batch} x "
              f"{w.seq_len} tokens, {r.gpus} x {g.name} ({g.memory_bytes / GiB:.0f} GiB, {g.nvlink}, "
-             f"{g.infiniband} InfiniBand); {r.evaluated} strategies evaluated", ""]
+             f"{g.infiniband} InfiniBand); {r.evaluated} strategies evaluated"]
+    if extra.get("assumed"):
+        lines.append(extra["assumed"])
+    lines.append("")
     header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>11} " \
              f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'tokens/s':>10} {'MFU':>5}"
     lines += [header, "-" * len(header)]
@@ -148,6 +212,9 @@ def render(r: PlanResult, top: int = 10) -> str:
         best = r.candidates[0]
         lines.append(f"best: {best.strategy.label()} - {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%}, "
                      f"{best.memory.total / GiB:.1f} of {g.memory_bytes / GiB:.0f} GiB")
+        lines += breakdown(best, g)
+        if "checkpoint" in extra:
+            lines.append(extra["checkpoint"][1])
         lines.append("why the others lose:")
         for i, c in enumerate(r.candidates[1:top], 2):
             lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
@@ -159,6 +226,8 @@ def render(r: PlanResult, top: int = 10) -> str:
         lines.append("no layout fits; the closest:")
         for i, c in enumerate(r.candidates[:top], 1):
             lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
+    if "explain" in extra:
+        lines += ["", *extra["explain"]["lines"]]
     return "\n".join(lines)
 
 

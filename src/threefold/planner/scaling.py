@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def efficiency_axis_top(points: list[dict]) -> float:
+    """The top of the efficiency axis in %: 105, or above the largest value (superlinear scaling
+    - the smallest size needing recomputation - gives efficiencies over 100%)."""
+    fit = [p for p in points if p["fits"]]
+    return max([105.0] + [100 * p[k] * 1.08 for p in fit for k in ("efficiency", "mfu")])
+
+
 def plot_scaling(points: list[dict], path: str | Path, title: str) -> Path:
     """Predicted tokens/s (with the linear ideal) and per-GPU efficiency, log2 GPU axis."""
     import matplotlib
@@ -30,7 +37,7 @@ def plot_scaling(points: list[dict], path: str | Path, title: str) -> Path:
         ax.legend()
     ax_tps.set_yscale("log")
     ax_tps.set(ylabel="tokens / s", title="throughput")
-    ax_eff.set(ylabel="%", ylim=(0, 105), title="efficiency (tokens/s per GPU vs the smallest size)")
+    ax_eff.set(ylabel="%", ylim=(0, efficiency_axis_top(points)), title="efficiency (tokens/s per GPU vs the smallest size)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -3,7 +3,8 @@
 The space: tp over divisors of the GPU count that fit in a node and divide the heads (and kv
 heads, and the MLP width); pp over divisors of what is left, at most the layer count; dp the
 rest, dividing the global batch; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
-checkpointing none / selective / full; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
+checkpointing none / selective / every-k (one block in two) / full - the fastest that fits wins,
+so full recomputation is chosen only when nothing cheaper fits; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
 interleaved (2 virtual stages when the layers divide). Sequence parallelism is on whenever
 tp > 1 (same traffic as plain tensor parallelism, less memory). Any knob fixed by the caller
 is not searched.
@@ -25,7 +26,7 @@ from .step_time import StepTime, step_time
 from .workload import Strategy, Workload, total_parameters
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-REMAT_POLICIES = ("none", "selective", "full")
+REMAT_POLICIES = ("none", "selective", "every-k", "full")  # cheapest first; every-k checkpoints one block in 2
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "gpipe")
 
 
@@ -89,7 +90,7 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
     out = []
     tps = [t for t in _divisors(gpus) if t <= gpu.gpus_per_node and m.heads % t == 0 and m.kv_heads % t == 0
            and m.ffn_hidden % t == 0]
-    for tp in tps if "tp" not in fixed else [fixed["tp"]]:
+    for tp in tps if "tp" not in fixed else [t for t in tps if t == fixed["tp"]]:
         if gpus % tp:
             continue
         pps = [p for p in _divisors(gpus // tp) if p <= m.layers]
@@ -112,12 +113,12 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                     v = 1
                     if schedule == "interleaved":
                         v = fixed.get("virtual_stages", 2)
-                        if v < 2 or m.layers % (pp * v) or micro % pp:
+                        if v < 2 or pp * v > m.layers or micro % pp:
                             continue
                     out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
                                         schedule=schedule, virtual_stages=v,
                                         sequence_parallel=fixed.get("sequence_parallel", tp > 1),
-                                        precision=precision))
+                                        precision=precision, remat_every=fixed.get("remat_every", 2)))
     return out
 
 
@@ -131,6 +132,10 @@ def evaluate(w: Workload, st: Strategy, gpu: Gpu) -> Candidate:
 # ------------------------------------------------------------------ explanations
 
 
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 0.1 else f"{s * 1e3:.3g} ms"
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
@@ -142,17 +147,22 @@ def shortfall(c: Candidate, gpu: Gpu) -> str:
             f"{_gib(mem.activations)}, buffers/transients/margin {_gib(mem.transient + mem.buffers + mem.margin)})")
 
 
-def _components(t: StepTime) -> dict[str, float]:
-    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s
-    return {"compute (incl. recomputation)": compute, "pipeline bubble": t.bubble_s,
-            "tensor-parallel communication": t.tp_comm_s, "exposed data-parallel/ZeRO communication": t.dp_exposed_s,
-            "optimizer update": t.optimizer_s}
+def components(t: StepTime) -> dict[str, float]:
+    """The step time split into the terms of the "why" column (they add up to the step time)."""
+    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s - t.recompute_s - t.pp_comm_s
+    return {"compute": compute, "recomputation": t.recompute_s, "pipeline bubble": t.bubble_s,
+            "tensor-parallel communication": t.tp_comm_s, "pipeline communication": t.pp_comm_s,
+            "exposed data-parallel/ZeRO communication": t.dp_exposed_s, "optimizer update": t.optimizer_s}
+
+
+NEGLIGIBLE = 0.005  # terms under 0.5% of the step are left out of the "why" column
 
 
 def slower(c: Candidate, best: Candidate) -> str:
-    a, b = _components(c.time), _components(best.time)
+    a, b = components(c.time), components(best.time)
     deltas = sorted(((a[k] - b[k], k) for k in a), reverse=True)
-    worst = ", ".join(f"{k} +{d:.3g} s" for d, k in deltas[:2] if d > 0)
+    floor = NEGLIGIBLE * best.time.total_s
+    worst = ", ".join(f"{k} +{_seconds(d)}" for d, k in deltas[:2] if d > floor)
     pct = c.time.total_s / best.time.total_s - 1
     return (f"{pct:.1%} slower ({c.time.total_s:.3g} s vs {best.time.total_s:.3g} s per step, "
             f"{c.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s): {worst or 'about equal'}")

@@ -46,6 +46,8 @@ class StepTime:
     pipeline_s: float  # makespan of all micro-batches (includes the bubble)
     bubble_s: float
     tp_comm_s: float  # per step, on the critical path
+    recompute_s: float  # per step on the critical stage: forward work redone by checkpointing
+    pp_comm_s: float  # per step on the critical stage: pipeline sends/receives
     dp_comm_s: float  # total data-parallel / ZeRO traffic time per step
     dp_exposed_s: float  # the part not hidden behind compute
     optimizer_s: float
@@ -69,7 +71,7 @@ def _simulator():
     return build_schedule, Costs, simulate
 
 
-SIMULATE_MAX_ACTIONS = 4096  # above this, the closed form (exact for uniform stages) is used
+SIMULATE_MAX_ACTIONS = 512  # above this, the closed form (exact for uniform stages) is used
 
 
 @lru_cache(maxsize=4096)
@@ -101,10 +103,11 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float,
 # ------------------------------------------------------------------ one step
 
 
-def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float, float]:
-    """(forward, backward, weight-gradient part of backward) compute seconds of one micro-batch."""
+def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float, float, float]:
+    """(forward, backward, weight-gradient part of backward, recomputation part of backward) compute
+    seconds of one micro-batch."""
     m, s = w.model, w.seq_len
-    layers = stage_layers(m, st.pp)[stage]
+    layers = stage_layers(m, st.pp, _chunks(st))[stage]
     tokens = st.micro_batch_size(w) * s
     fwd = layers * block_forward_flops_per_token(m, s)
     if stage == st.pp - 1:
@@ -112,7 +115,7 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every)
     rate = gpu.flops(st.precision) * gpu.compute_efficiency * st.tp
     f = tokens * fwd / rate
-    return f, tokens * (2 * fwd + recompute) / rate, tokens * fwd / rate
+    return f, tokens * (2 * fwd + recompute) / rate, tokens * fwd / rate, tokens * recompute / rate
 
 
 def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, float]:
@@ -143,7 +146,7 @@ def _data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: 
     """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
     if st.dp == 1:
         return 0.0, 0.0
-    count = rank_parameters(w.model, st.tp, st.pp, stage)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st))
     _, grad_bytes, _ = bytes_per_param(st.precision)
     param_bytes = compute_bytes(st.precision)
     link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)
@@ -164,25 +167,32 @@ def _data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: 
     return m * (2 * ag + rs), exposed
 
 
+def _chunks(st: Strategy) -> int:
+    return st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
+
+
 def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     best = None
-    for stage in sorted({0, st.pp - 1}):
-        f, b, wgrad = _stage_compute(w, st, gpu, stage)
-        layers = stage_layers(w.model, st.pp)[stage]
+    per_rank = stage_layers(w.model, st.pp, _chunks(st))
+    heaviest = max(range(st.pp), key=lambda r: per_rank[r])
+    for stage in sorted({0, heaviest, st.pp - 1}):  # the embedding, the most blocks, the head
+        f, b, wgrad, redo = _stage_compute(w, st, gpu, stage)
+        layers = stage_layers(w.model, st.pp, _chunks(st))[stage]
         tp_f, tp_b = _tp_comm(w, st, gpu, layers)
         p2p = _p2p(w, st, gpu)
         fwd, bwd = f + tp_f + p2p, b + tp_b + p2p
-        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b)
+        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, 2 * p2p)
         best = candidate if best is None or candidate[0] > best[0] else best
-    _, stage, f, b, wgrad, fwd, bwd, tp = best
+    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p = best
     v = st.virtual_stages if st.schedule == "interleaved" else 1
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = _data_parallel(w, st, gpu, stage, b, f)
-    local = rank_parameters(w.model, st.tp, st.pp, stage).trainable / (st.dp if st.zero >= 1 else 1)
+    local = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st)).trainable / (st.dp if st.zero >= 1 else 1)
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s
     total = makespan + dp_exposed + optimizer
-    return StepTime(fwd, bwd, makespan, bubble, st.microbatches * tp, dp_total, dp_exposed, optimizer, total,
+    m = st.microbatches
+    return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, optimizer, total,
                     simulated)
 
 

@@ -10,8 +10,11 @@ tensor and pipeline parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..config import Config, ModelConfig
+
+IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class Workload:
     model: ModelConfig
     global_batch: int  # sequences per optimizer step
     seq_len: int
+    implementation: str = "threefold"
 
     @property
     def tokens(self) -> int:
@@ -55,6 +59,15 @@ class Strategy:
         if self.sequence_parallel:
             parts.append("sp")
         return " ".join(parts)
+
+
+def hf_llama_model(config) -> ModelConfig:
+    """The shapes of a transformers LlamaConfig as a ModelConfig (read off its attributes)."""
+    return ModelConfig(preset="hf-llama", layers=config.num_hidden_layers, hidden=config.hidden_size,
+                       heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                       ffn_hidden=config.intermediate_size, vocab=config.vocab_size,
+                       max_seq=config.max_position_embeddings, mlp="swiglu", norm="rmsnorm", position="rope",
+                       tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), bias=False)
 
 
 def from_config(cfg: Config, world_size: int) -> tuple[Workload, Strategy]:
@@ -107,12 +120,12 @@ def layer_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
 
 def embedding_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
     pos = m.max_seq * m.hidden if m.position == "learned" else 0
-    return ParamCount(m.vocab * m.hidden / tp + pos)
+    return ParamCount(-(-m.vocab // tp) * m.hidden + pos)  # rows padded to a multiple of tp
 
 
 def head_parameters(m: ModelConfig, tp: int = 1, with_embedding: bool = True) -> ParamCount:
     """Final norm and output projection; a tied head is shared with the embedding on one stage."""
-    head = 0 if (m.tie_embeddings and with_embedding) else m.vocab * m.hidden / tp
+    head = 0 if (m.tie_embeddings and with_embedding) else -(-m.vocab // tp) * m.hidden
     return ParamCount(_norm_params(m) + head)
 
 
@@ -121,19 +134,73 @@ def total_parameters(m: ModelConfig) -> int:
     return int(m.layers * layer_parameters(m).total + embedding_parameters(m).total + head_parameters(m).total)
 
 
-def stage_layers(m: ModelConfig, pp: int) -> list[int]:
-    """Balanced split of the blocks over pp stages (earlier stages take the remainder)."""
-    base, extra = divmod(m.layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline stage: its blocks (global indices) and whether it holds the embedding / head."""
+
+    layers: range
+    first: bool
+    last: bool
 
 
-def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int) -> ParamCount:
-    """Parameters held by one rank of pipeline stage `stage` (tp shards of every matrix)."""
-    layers = stage_layers(m, pp)[stage]
+@lru_cache(maxsize=1024)
+def stage_ranges(m: ModelConfig, stages: int) -> tuple[range, ...]:
+    """The blocks of each of `stages` pipeline stages, split as the runtime splits them by default
+    (pipeline.stage.balance over parameter counts, the embedding on the first stage, the final norm and
+    the head - counted even when tied - on the last)."""
+    if stages == 1:
+        return (range(m.layers),)
+    layer = float(layer_parameters(m).total)
+    first, last = float(embedding_parameters(m).total), float(_norm_params(m) + m.vocab * m.hidden)
+    bounds = balance_uniform(m.layers, stages, layer, first, last)
+    ends = list(bounds[1:]) + [m.layers]
+    return tuple(range(a, b) for a, b in zip(bounds, ends))
+
+
+def balance_uniform(layers: int, stages: int, cost: float, first: float, last: float) -> list[int]:
+    """pipeline.stage.balance for equal layer costs, the same programme and tie-break (the largest
+    cut among equal values) with each stage's row vectorised: O(S L) array operations."""
+    import numpy as np
+
+    L, S = layers, stages
+    extra = [(first if k == 0 else 0.0) + (last if k == S - 1 else 0.0) for k in range(S)]
+    best = np.full((S, L + 1), np.inf)
+    cut = np.zeros((S, L + 1), dtype=np.int64)
+    best[0, 1:] = np.arange(1, L + 1) * cost + extra[0]
+    for k in range(1, S):
+        for i in range(k + 1, L + 1):
+            j = np.arange(k, i)
+            values = np.maximum(best[k - 1, k:i], (i - j) * cost + extra[k])
+            low = values.min()
+            best[k, i], cut[k, i] = low, j[np.nonzero(values == low)[0][-1]]
+    bounds, i = [], L
+    for k in range(S - 1, 0, -1):
+        i = int(cut[k, i])
+        bounds.append(i)
+    return [0] + bounds[::-1]
+
+
+@lru_cache(maxsize=65536)
+def rank_chunks(m: ModelConfig, pp: int, rank: int, v: int = 1) -> list[Chunk]:
+    """The stages pipeline rank `rank` holds: stage c * pp + rank for each of its v chunks."""
+    ranges = stage_ranges(m, pp * v)
+    last = pp * v - 1
+    return [Chunk(ranges[c * pp + rank], c * pp + rank == 0, c * pp + rank == last) for c in range(v)]
+
+
+def stage_layers(m: ModelConfig, pp: int, v: int = 1) -> list[int]:
+    """Blocks held by each pipeline rank (all its chunks)."""
+    return [sum(len(c.layers) for c in rank_chunks(m, pp, r, v)) for r in range(pp)]
+
+
+def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int, v: int = 1) -> ParamCount:
+    """Parameters held by pipeline rank `stage` (tp shards of every matrix)."""
+    chunks = rank_chunks(m, pp, stage, v)
+    layers = sum(len(c.layers) for c in chunks)
     count = ParamCount(layers * layer_parameters(m, tp).total, layers * layer_parameters(m, tp).frozen)
-    if stage == 0:
+    if any(c.first for c in chunks):
         count = count + embedding_parameters(m, tp)
-    if stage == pp - 1:
+    if any(c.last for c in chunks):
         count = count + head_parameters(m, tp, with_embedding=pp == 1)
     return count
 

@@ -1,0 +1,152 @@
+"""Bytes autograd saves for backward, item by item, for one micro-batch on one rank.
+
+The accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4): list every tensor saved for backward, by size. The lists here
+are the ones the models really save - read off their saved-tensor hooks, which is what
+observe/memory.py `SavedTensorMeter` counts (each storage once per forward) - for b sequences
+of s tokens, c bytes per compute element (2 in bf16/fp16, 4 in fp32), t tensor-parallel ranks.
+
+threefold's reference decoder, per block:
+    norm (x2)   LayerNorm: input c*bsh, mean and rstd 2c*bs (the CPU kernel keeps them in the
+                compute dtype; CUDA in fp32, a difference below 0.1%); RMSNorm (fp32 inside): fp32 input and
+                normalised 8*bsh, rsqrt 4*bs, the weight's fp32 copy 4*h in 16-bit precision.
+                The norm output (c*bsh) is what the next linear layers save.
+    attention   q, k, v as given to SDPA (k, v expanded to all heads) 3c*bsh/t, output c*bsh/t,
+                the flash log-sum-exp 4*b*heads*s/t; with RoPE the output is copied for the o
+                projection (c*bsh/t) and each block keeps its cos/sin tables (4*s*d)
+    mlp         GELU: up output, GELU output 2c*bsf/t; SwiGLU: gate, silu, up, product 4c*bsf/t
+Sequence parallelism (tp > 1): the norms see s/t tokens; each column-parallel linear of a region
+saves its own (b*s, h) copy of the all-gathered input: 3 for q/k/v, 1 (GELU) or 2 (SwiGLU) for
+the MLP, 1 for the head - the runtime does not share one gathered buffer between them.
+Outside the blocks: the token indices (without tp the int64 rows of the rank's whole batch,
+shared by inputs and targets: a view, so the whole storage counts in every forward that
+saves it; with tp the embedding's masked local ids 8*bs and mask bs), learned positions 8*s,
+the final norm, the fp32 log-probabilities of the loss 4*bsV (vocabulary-parallel: the
+softmax of the local slice 4*bsV/t, local ids 8*bs, mask bs) and the flattened targets (8*bs,
+a copy unless one row).
+
+Hugging Face Llama (`implementation="hf-llama"`, transformers' LlamaForCausalLM with SDPA):
+the same items except that SDPA gets k, v unexpanded (enable_gqa), the attention output is
+not copied for o_proj, the rotary tables are computed once per forward (2c*s*d), the
+norm keeps its output and (16-bit) a 16-bit copy of the normalised tensor, the head's logits
+are whole (gathered) before the library's fp32 loss, and the labels are shifted into a new
+int64 tensor (8*bs).
+
+Checkpointing: `full` keeps each block's input (c*bsh, /t under SP); `selective` drops the
+attention core's internals (the log-sum-exp here - and the core's output where RoPE's copy feeds
+the o projection - the s^2 scores in the paper); `every-k`
+applies `full` to the blocks whose global index is a multiple of k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch on one rank: b sequences of s tokens, c bytes per element, tp t."""
+
+    b: int
+    s: int
+    c: int
+    t: int = 1
+    sp: bool = False
+
+    @property
+    def bs(self) -> int:
+        return self.b * self.s
+
+
+def padded(n: int, t: int) -> int:
+    """A dimension split over t ranks, padded to a multiple of t (the vocabulary)."""
+    return -(-n // t)
+
+
+def norm_items(m: ModelConfig, x: Shape, hf: bool = False) -> float:
+    """One norm's saved bytes, without its output (which the consumer saves)."""
+    tokens = x.bs // x.t if x.sp else x.bs
+    if m.norm == "layernorm":
+        return x.c * tokens * m.hidden + 2 * x.c * tokens  # input, mean and rstd (compute dtype on the CPU)
+    if hf:  # fp32 input, rsqrt, the normalised tensor in the compute dtype
+        return (4 + x.c) * tokens * m.hidden + 4 * tokens
+    return 8 * tokens * m.hidden + 4 * tokens + (4 * m.hidden if x.c != 4 else 0)  # fp32 normalised, weight copy
+
+
+def linear_inputs(m: ModelConfig, x: Shape, consumers: int) -> float:
+    """The input a norm hands to `consumers` column-parallel linears: shared, or copied each under SP."""
+    whole = x.c * x.bs * m.hidden
+    return consumers * whole if x.sp and x.t > 1 else whole
+
+
+def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
+    """Bytes one block saves for backward (no checkpointing)."""
+    t, c, bs = x.t, x.c, x.bs
+    heads, kv_heads = m.heads // t, max(1, m.kv_heads // t)
+    d = m.head_dim
+    rope = m.position == "rope"
+    mlp_consumers = 2 if m.mlp == "swiglu" else 1
+    kv = kv_heads if hf else heads
+    return {
+        "norms": 2 * norm_items(m, x, hf) + linear_inputs(m, x, 3) + linear_inputs(m, x, mlp_consumers),
+        "qkv": c * bs * d * (heads + 2 * kv),
+        "attention_out": c * bs * heads * d * (2 if (rope and not hf) else 1),
+        "attention_core": 4 * x.b * heads * x.s,  # log-sum-exp of flash attention
+        "rope_tables": 4 * x.s * d if (rope and not hf) else 0,
+        "mlp": (4 if m.mlp == "swiglu" else 2) * c * bs * padded(m.ffn_hidden, t),
+    }
+
+
+def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False) -> float:
+    """Bytes a block keeps until its backward under a checkpointing policy ('none', 'selective', 'full')."""
+    if policy == "full":
+        return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
+    items = block_items(m, x, hf)
+    if policy == "selective":  # the core's log-sum-exp goes; so does its output when RoPE copies it for o
+        items.pop("attention_core")
+        if m.position == "rope" and not hf:
+            items["attention_out"] /= 2
+    return sum(items.values())
+
+
+def checkpointed_layers(layers: range, policy: str, every: int) -> int:
+    """How many of `layers` (global indices) run as checkpointed regions."""
+    if policy == "full":
+        return len(layers)
+    if policy == "every-k":
+        return sum(1 for i in layers if i % max(1, every) == 0)
+    return 0
+
+
+def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False) -> float:
+    """The saved bytes of a run of blocks under `policy` (none | selective | full | every-k)."""
+    if policy in ("full", "every-k"):
+        k = checkpointed_layers(layers, policy, every)
+        return k * block_bytes(m, x, "full", hf) + (len(layers) - k) * block_bytes(m, x, "none", hf)
+    return len(layers) * block_bytes(m, x, policy, hf)
+
+
+def embedding_bytes(m: ModelConfig, x: Shape, rank_rows: int, hf: bool = False) -> float:
+    """Token indices and positions saved by the embedding of one micro-batch."""
+    if x.t > 1:
+        ids = 9 * x.bs  # masked local ids (int64) and the out-of-slice mask (bool)
+    else:
+        ids = 8 * x.bs if hf else 8 * rank_rows * (x.s + 1)  # reference: a view of the rank's rows
+    positions = 8 * x.s if m.position == "learned" else 0
+    tables = 2 * x.c * x.s * m.head_dim if (hf and m.position == "rope") else 0
+    return ids + positions + tables
+
+
+def head_bytes(m: ModelConfig, x: Shape, rank_rows: int, with_rows: bool, hf: bool = False) -> float:
+    """Final norm, head input, loss of one micro-batch. `with_rows`: the same forward has not already
+    saved the rank's rows (a last stage that is not the first, with one-row micro-batches)."""
+    norm = norm_items(m, x, hf) + linear_inputs(m, x, 1)
+    bs = x.bs
+    if hf:
+        return norm + 4 * bs * m.vocab + 8 * bs + 4  # whole fp32 logits, shifted labels, the weight scalar
+    if x.t > 1:
+        return norm + 4 * bs * padded(m.vocab, x.t) + 9 * bs  # local softmax, local ids, mask
+    targets = 8 * bs if x.b > 1 else (8 * rank_rows * (x.s + 1) if with_rows else 0)
+    return norm + 4 * bs * m.vocab + targets + 4

@@ -1,0 +1,113 @@
+"""What `threefold plan` says beyond the table: one layout's breakdown (`--explain LAYOUT`), why an
+explicit layout is impossible, and the checkpoint-interval advice.
+
+A LAYOUT is the label the table prints, or any part of it: "dp=4 tp=4 pp=4 zero=1 m=256
+ckpt=selective zb-h1" (keys dp, tp, pp, zero, m, ckpt, every, schedule, v; a bare schedule name,
+"interleavedx2" included). Knobs it leaves out are searched as usual.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import ConfigError
+from .checkpoint_interval import Advice, advise
+from .hardware import GiB, Gpu
+from .search import Candidate, components
+from .workload import Workload
+
+KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "m": "microbatches", "microbatches": "microbatches",
+        "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule"}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+POLICIES = ("none", "selective", "full", "every-k")
+
+
+def parse_layout(text: str) -> dict:
+    """'dp=4 tp=2 ckpt=full zb-h1' -> knobs for search(fixed=...); ConfigError naming the bad token."""
+    fixed: dict = {}
+    for token in re.split(r"[\s,]+", text.strip()):
+        if not token or token == "sp":
+            continue
+        match = re.fullmatch(r"interleavedx(\d+)", token)
+        if token in SCHEDULES or match:
+            fixed["schedule"] = "interleaved" if match else token
+            if match:
+                fixed["virtual_stages"] = int(match.group(1))
+            continue
+        key, _, value = token.partition("=")
+        if key not in KEYS or not value:
+            raise ConfigError("--explain", f"'{token}' is not a layout knob; write e.g. 'dp=4 tp=2 pp=2 zero=1 m=8 "
+                              f"ckpt=selective 1f1b' (keys {', '.join(sorted(KEYS))})")
+        name = KEYS[key]
+        if name == "remat" and value not in POLICIES:
+            raise ConfigError("--explain", f"ckpt={value}: choose one of {', '.join(POLICIES)}")
+        if name == "schedule" and value not in SCHEDULES:
+            raise ConfigError("--explain", f"schedule={value}: choose one of {', '.join(SCHEDULES)}")
+        if name not in ("remat", "schedule"):
+            if not value.isdigit():
+                raise ConfigError("--explain", f"{key}={value}: must be a whole number")
+            value = int(value)
+        fixed[name] = value
+    return fixed
+
+
+def breakdown(c: Candidate, gpu: Gpu) -> list[str]:
+    """The step time and memory of one candidate, term by term."""
+    t, mem = c.time, c.memory
+    terms = [f"{name} {_s(v)}" for name, v in components(t).items() if v > 0]
+    lines = [f"  step {_s(t.total_s)} = " + " + ".join(terms),
+             f"  {c.tokens_per_s:,.0f} tokens/s, MFU {c.mfu:.1%}; pipeline makespan "
+             f"{'simulated' if t.simulated else 'closed form'}"]
+    parts = [("params", mem.params), ("grads", mem.grads), ("optimizer", mem.optimizer),
+             ("activations", mem.activations), ("transient", mem.transient), ("buffers", mem.buffers),
+             ("margin", mem.margin)]
+    lines.append(f"  memory {mem.total / GiB:.1f} of {gpu.memory_bytes / GiB:.0f} GiB (pipeline rank {mem.stage}) = "
+                 + " + ".join(f"{k} {v / GiB:.1f}" for k, v in parts if v > 0))
+    return lines
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 0.1 else f"{seconds * 1e3:.3g} ms"
+
+
+def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
+    """Why no strategy matches the fixed knobs: each violated rule, with its numbers."""
+    m, out = w.model, []
+    tp, pp, dp = fixed.get("tp"), fixed.get("pp"), fixed.get("dp")
+    if tp:
+        if m.heads % tp or m.kv_heads % tp:
+            out.append(f"tp={tp} does not divide the {m.heads} heads and {m.kv_heads} kv heads")
+        if m.ffn_hidden % tp:
+            out.append(f"tp={tp} does not divide the MLP width {m.ffn_hidden}")
+        if tp > gpu.gpus_per_node:
+            out.append(f"tp={tp} is more than the {gpu.gpus_per_node} GPUs of a node")
+    if pp and pp > m.layers:
+        out.append(f"pp={pp} is more than the {m.layers} layers")
+    if tp and pp and gpus % (tp * pp):
+        out.append(f"tp x pp = {tp * pp} does not divide {gpus} GPUs")
+    if (dp or (tp and pp and gpus % (tp * pp) == 0)) and w.global_batch % (dp or gpus // (tp * pp)):
+        out.append(f"dp={dp or gpus // (tp * pp)} does not divide the global batch {w.global_batch}")
+    micro = fixed.get("microbatches")
+    if micro and (dp or (tp and pp)) and (w.global_batch // (dp or gpus // (tp * pp))) % micro:
+        out.append(f"microbatches={micro} does not divide the {w.global_batch // (dp or gpus // (tp * pp))} "
+                   "sequences of a data-parallel rank")
+    if fixed.get("schedule") == "interleaved" and pp and micro and micro % pp:
+        out.append(f"interleaved needs microbatches ({micro}) to be a multiple of pp ({pp})")
+    if fixed.get("schedule") == "interleaved" and pp and m.layers % (pp * fixed.get("virtual_stages", 2)):
+        out.append(f"interleaved needs pp x virtual stages ({pp} x {fixed.get('virtual_stages', 2)}) to divide the "
+                   f"{m.layers} layers")
+    return out
+
+
+def checkpoint_advice(best: Candidate, gpus: int, mtbf_hours: float, save_s: float | None, restart_s: float,
+                      write_gbps: float) -> tuple[Advice, str]:
+    """Young/Daly advice for the chosen plan; the save cost is given or estimated from the bytes a rank
+    writes (parameters and optimizer states) at `write_gbps` GB/s per GPU."""
+    written = best.memory.params + best.memory.optimizer
+    how = "given"
+    if save_s is None:
+        save_s = written / (write_gbps * 1e9)
+        how = f"estimated: {written / GiB:.1f} GiB per GPU at {write_gbps:g} GB/s"
+    advice = advise(save_s, mtbf_hours, gpus, restart_s, best.time.total_s)
+    return advice, (f"checkpoints ({gpus} GPUs of MTBF {mtbf_hours:,.0f} h each, save {how}): "
+                    f"{advice.describe()}")
