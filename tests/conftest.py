@@ -12,7 +12,7 @@ class Worlds:
 
     def __call__(self, size: int) -> World:
         if size not in self._worlds:
-            self._worlds[size] = World(size, timeout_s=300)
+            self._worlds[size] = World(size, timeout_s=900)
         return self._worlds[size]
 
     def close(self):
