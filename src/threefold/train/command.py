@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     nodes = node_options(args)
     if nodes is not None:
-        return launch_nodes(cfg, args, nodes)
+        return launch_nodes(cfg, args, nodes, overrides_from(args))
     cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
     check_data(cfg)
     cfg = rundir.claim(cfg, args.overwrite)

@@ -20,14 +20,12 @@ def node_options(args: argparse.Namespace) -> Nodes | None:
     return nodes_from_options(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
+def worker_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     """The workers' `train` arguments: the same config file and overrides as this command."""
-    from .command import overrides_from
-
     argv = ["train"]
     if args.config:
         argv += ["--config", str(Path(args.config).resolve())]
-    for item in overrides_from(args):
+    for item in overrides:
         argv += ["--set", item]
     return argv + (["--overwrite"] if args.overwrite else [])
 
@@ -38,7 +36,7 @@ def print_node_warnings(cfg, per_node: int) -> None:
         print(f"threefold: warning: {text}", file=sys.stderr, flush=True)
 
 
-def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes) -> int:
+def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[str]) -> int:
     from ..launch import launch_local
     from .inputs import check_data
 
@@ -48,5 +46,5 @@ def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes) -> int:
     if not cfg.run.out:
         raise ConfigError("run.out", "a multi-node job needs --out, the same run directory on every node "
                           "(a shared file system keeps checkpoints in one place)")
-    return launch_local(nproc, worker_argv(args), None, args.max_restarts, out=Path(cfg.run.out),
+    return launch_local(nproc, worker_argv(args, overrides), None, args.max_restarts, out=Path(cfg.run.out),
                         verbose=args.verbose, resume=cfg.checkpoint.resume, nodes=nodes)
