@@ -249,6 +249,21 @@ def _validate_pipeline(c: Config) -> None:
         raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
                           f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
     if pipe.split and pp > 1:
-        from .pipeline.stage import parse_split
-
         parse_split(pipe.split, layers, stages)
+
+
+def parse_split(text: str, num_layers: int, num_stages: int) -> list[int]:
+    """`pipeline.split` ("4,8,12") -> stage bounds [0, 4, 8, 12]; ConfigError on a bad list."""
+    try:
+        cuts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError("pipeline.split", f"'{text}' is not a comma-separated list of layer indices, "
+                          "e.g. '4,8,12'") from None
+    if len(cuts) != num_stages - 1:
+        raise ConfigError("pipeline.split", f"{len(cuts)} boundaries for {num_stages} stages (pp x virtual_stages); "
+                          f"give {num_stages - 1}: the first layer of every stage after the first")
+    bounds = [0] + cuts
+    if any(b >= a for b, a in zip(bounds, bounds[1:])) or cuts and cuts[-1] >= num_layers:
+        raise ConfigError("pipeline.split", f"boundaries {cuts} must increase strictly within 1..{num_layers - 1} "
+                          "so that every stage holds at least one layer")
+    return bounds

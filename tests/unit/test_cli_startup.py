@@ -30,8 +30,9 @@ def modules_after(*argvs: list[str]) -> str:
 
 def test_help_plan_and_schedule_start_without_torch(tmp_path):
     picture = str(tmp_path / "s.svg")
-    assert modules_after(["--help"], ["train", "--help"], ["plan", "--help"], ["schedule", "--help"],
-                         ["plan", "--model", "llama-7b", "--gpus", "8"]) == "[]"
+    assert modules_after(["--help"], ["train", "--help"], ["plan", "--help"], ["schedule", "--help"]) == "[]"
+    # planning may use numpy for its stage balancing, never torch
+    assert "torch" not in modules_after(["plan", "--model", "llama-7b", "--gpus", "8"])
     # drawing the picture needs matplotlib (and so numpy), never torch
     assert modules_after(["schedule", "--pp", "2", "--microbatches", "4", "--out", picture]) == "['numpy']"
     assert Path(picture).stat().st_size > 0

@@ -19,8 +19,9 @@ from ..observe.memory import SavedTensorMeter
 from .adapter import DecoderAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
 from .schedules import Schedule, build_schedule
+from ..config_checks import parse_split
 from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
-                    parse_split, stages_from_bounds)
+                    stages_from_bounds)
 
 __all__ = ["PipelineSplit", "split_pipeline", "plan_stages", "build_schedule", "PipelineRuntime"]
 
