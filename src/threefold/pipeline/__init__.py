@@ -15,10 +15,6 @@ _HOMES = {"build_schedule": ".schedules", "PipelineRuntime": ".runtime"}
 
 
 def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    module = importlib.import_module(_HOMES.get(name, ".split"), __name__)
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    if name not in __all__:  # e.g. a submodule not imported yet: `from threefold.pipeline import schedules`
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES.get(name, ".split"), __name__), name)
