@@ -22,6 +22,7 @@ class StubMesh:
 
     def __init__(self, tp: int, rank: int):
         self.tp, self.tp_rank = tp, rank
+        self.device = torch.device("cpu")
 
     def size(self, axis):
         return self.tp if axis == "tp" else 1
