@@ -159,11 +159,7 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_bs, targets_bs=None):
         """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given."""
-        x = self.embed(tokens_bs)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return logits if targets_bs is None else self.loss(logits, targets_bs)
+        return causal_forward(self, tokens_bs, targets_bs)
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -214,3 +210,13 @@ def count_parameters(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = Decoder(cfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def causal_forward(model: nn.Module, tokens_bs, targets_bs=None):
+    """The forward every causal family shares: embed, blocks, final norm, head; logits (b, s, vocab),
+    or the summed token loss when `targets_bs` is given."""
+    x = model.embed(tokens_bs)
+    for block in model.blocks:
+        x = block(x)
+    logits = model.head(model.norm(x))
+    return logits if targets_bs is None else model.loss(logits, targets_bs)

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
-from .decoder import TokenCrossEntropy
+from .decoder import TokenCrossEntropy, causal_forward
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
@@ -108,11 +108,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens_bs, targets_bs=None):
         """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given."""
-        x = self.embed(tokens_bs)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return logits if targets_bs is None else self.loss(logits, targets_bs)
+        return causal_forward(self, tokens_bs, targets_bs)
 
 
 def hf_plan(config, tp: int) -> TensorPlan:

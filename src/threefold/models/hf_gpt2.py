@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..plans import ColumnParallel, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
-from .decoder import TokenCrossEntropy
+from .decoder import TokenCrossEntropy, causal_forward
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
 HF_RENAMES = ((r"^embed\.wte\.", "transformer.wte."), (r"^embed\.wpe\.", "transformer.wpe."),
@@ -54,11 +54,7 @@ class GPT2CausalLM(nn.Module):
         self.head.weight = self.embed.wte.weight
 
     def forward(self, tokens_bs, targets_bs=None):
-        x = self.embed(tokens_bs)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return logits if targets_bs is None else self.loss(logits, targets_bs)
+        return causal_forward(self, tokens_bs, targets_bs)
 
 
 def gpt2_plan(config, tp: int) -> TensorPlan:
