@@ -70,6 +70,24 @@ class Layout:
         return f"dp={self.dp} tp={self.tp} pp={self.pp}"
 
 
+_GROUPS: dict[tuple, tuple] = {}  # (device type, shape, node_size) -> (DeviceMesh, groups, node ranks)
+_GROUPS_WORLD: list = []  # the default group the cached groups belong to
+
+
+def _cached(key: tuple, build):
+    """One set of process groups per layout per process: a job builds its Mesh once, but a
+    long-lived process (a notebook, a test world) may build many Meshes of the same layout, and
+    every new group costs each rank connections and threads that are never returned. Groups are
+    reused only within the world they were created in."""
+    world = dist.group.WORLD
+    if not _GROUPS_WORLD or _GROUPS_WORLD[0] is not world:
+        _GROUPS.clear()
+        _GROUPS_WORLD[:] = [world]
+    if key not in _GROUPS:
+        _GROUPS[key] = build()
+    return _GROUPS[key]
+
+
 class Mesh:
     """Process groups and coordinates for the axes pp, dp, tp of the current world.
 
@@ -85,12 +103,15 @@ class Mesh:
             raise ValueError(f"layout {layout} needs {layout.world_size} processes, the world has {world}")
         self.layout = layout
         self.device = device
-        self.device_mesh: DeviceMesh = init_device_mesh(
-            device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
-        self._groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
+        shape = (layout.pp, layout.dp, layout.tp)
+        self.device_mesh, groups = _cached((device.type, shape), lambda: self._build_axes(device, shape))
+        self._groups = dict(groups)
         self._node_ranks: dict[str, list[int]] = {}
         if node_size:
-            self._build_node_axes(node_size)
+            node_groups, node_ranks = _cached((device.type, shape, node_size),
+                                              lambda: self._build_node_axes(node_size))
+            self._groups.update(node_groups)
+            self._node_ranks.update(node_ranks)
         if device.type == "cuda":
             self._connect()
 
@@ -105,7 +126,12 @@ class Mesh:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
 
-    def _build_node_axes(self, node_size: int) -> None:
+    @staticmethod
+    def _build_axes(device: torch.device, shape: tuple[int, int, int]) -> tuple[DeviceMesh, dict]:
+        device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+        return device_mesh, {axis: device_mesh.get_group(axis) for axis in AXES}
+
+    def _build_node_axes(self, node_size: int) -> tuple[dict, dict]:
         """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""
         grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
         dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
@@ -121,10 +147,11 @@ class Mesh:
         intra_lists = [ranks[i: i + intra] for ranks in dp_groups for i in range(0, len(ranks), intra)]
         inter_lists = [ranks[i::intra] for ranks in dp_groups for i in range(intra)]
         me = dist.get_rank()
+        groups, node_ranks = {}, {}
         for axis, lists in (("dp_intra", intra_lists), ("dp_inter", inter_lists)):
-            group, _ = dist.new_subgroups_by_enumeration(lists)
-            self._groups[axis] = group
-            self._node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+            groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
+            node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+        return groups, node_ranks
 
     @property
     def global_rank(self) -> int:
