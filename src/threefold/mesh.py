@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .launch import free_port
 
 AXES = ("pp", "dp", "tp")
 NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
@@ -37,7 +36,8 @@ def local_world_size() -> int:
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the world described by the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR...).
 
-    A lone process with no launcher becomes a world of one. NCCL drives CUDA, gloo the CPU.
+    A lone process with no launcher becomes a world of one over an in-process store. NCCL
+    drives CUDA, gloo the CPU.
     On CUDA the process group is bound to this rank's device (`device_id`): NCCL then creates
     its communicators eagerly - the world's here, every subgroup's when the Mesh creates it, in
     the same order on every rank - instead of at a group's first operation, where a first
@@ -45,15 +45,16 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    alone = {}
+    if "RANK" not in os.environ:  # an in-process store: no port to find, nothing to connect to
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        alone = dict(store=dist.HashStore(), rank=0, world_size=1)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **alone)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **alone)
 
 
 @dataclass(frozen=True)
