@@ -20,6 +20,9 @@ from .launch import free_port
 
 AXES = ("pp", "dp", "tp")
 NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
+# dp split for expert parallelism: `ep` (consecutive dp coordinates sharing the experts, the
+# all-to-all group) x `edp` (the dp ranks holding the same experts, which sum their gradients)
+EXPERT_AXES = ("ep", "edp")
 
 
 def pick_device(kind: str = "auto") -> torch.device:
@@ -61,13 +64,14 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: a factor of dp
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
 
 
 class Mesh:
@@ -89,6 +93,9 @@ class Mesh:
             device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
         self._groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
         self._node_ranks: dict[str, list[int]] = {}
+        self._expert_ranks: dict[str, list[int]] = {}
+        if layout.ep > 1:
+            self._build_expert_axes(layout.ep)
         if node_size:
             self._build_node_axes(node_size)
         if device.type == "cuda":
@@ -100,10 +107,25 @@ class Mesh:
         before any point-to-point batch uses it (a first batched p2p must include every member).
         Bookkeeping of the groups, not model traffic: it does not go through Comm."""
         probe = torch.zeros(1, device=self.device)
-        for axis in AXES + tuple(a for a in NODE_AXES if a in self._node_ranks):
+        for axis in AXES + tuple(self._expert_ranks) + tuple(a for a in NODE_AXES if a in self._node_ranks):
             if self.size(axis) > 1:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
+
+    def _build_expert_axes(self, ep: int) -> None:
+        """Create the ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep),
+        and the members with the same place in their run (edp); every rank creates every group."""
+        if self.layout.dp % ep:
+            raise ValueError(f"ep={ep} does not divide dp={self.layout.dp}")
+        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
+        dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+        me = dist.get_rank()
+        for axis, lists in (("ep", [g[i: i + ep] for g in dp_groups for i in range(0, len(g), ep)]),
+                            ("edp", [g[i::ep] for g in dp_groups for i in range(ep)])):
+            if len(lists[0]) > 1:
+                group, _ = dist.new_subgroups_by_enumeration(lists)
+                self._groups[axis] = group
+            self._expert_ranks[axis] = next(ranks for ranks in lists if me in ranks)
 
     def _build_node_axes(self, node_size: int) -> None:
         """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""
@@ -137,12 +159,17 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis in NODE_AXES:
             return len(self._node_axis(axis))
+        if axis in EXPERT_AXES:
+            return self.layout.ep if axis == "ep" else self.layout.dp // self.layout.ep
         return getattr(self.layout, axis)
 
     def rank(self, axis: str) -> int:
         """This process's coordinate along `axis` (0 .. size-1)."""
         if axis in NODE_AXES:
             return self._node_axis(axis).index(dist.get_rank())
+        if axis in EXPERT_AXES:
+            dp = self.device_mesh.get_local_rank("dp")
+            return dp % self.layout.ep if axis == "ep" else dp // self.layout.ep
         return self.device_mesh.get_local_rank(axis)
 
     def inter_node_axes(self, node_size: int) -> tuple[str, ...]:
@@ -150,7 +177,7 @@ class Mesh:
         `node_size` processes in launcher order); their bytes cross the network."""
         if node_size < 1 or node_size >= self.world_size:
             return ()
-        axes = AXES + tuple(self._node_ranks)
+        axes = AXES + tuple(self._expert_ranks) + tuple(self._node_ranks)
         return tuple(a for a in axes if len({r // node_size for r in self.ranks(a)}) > 1)
 
     def has_node_axes(self) -> bool:
@@ -164,12 +191,20 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         if axis in NODE_AXES:
             self._node_axis(axis)  # a clear error when the node axes were not built
+        if axis in EXPERT_AXES and axis not in self._groups:
+            if axis == "edp" and self.layout.ep == 1:  # without expert parallelism edp is dp
+                return self._groups["dp"]
+            raise ValueError(f"axis '{axis}' has one member in layout {self.layout}: it has no group")
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this process's group along `axis`, ordered by coordinate."""
         if axis in NODE_AXES:
             return list(self._node_axis(axis))
+        if axis in EXPERT_AXES:
+            if axis in self._expert_ranks:
+                return list(self._expert_ranks[axis])
+            return self.ranks("dp") if axis == "edp" else [dist.get_rank()]
         return dist.get_process_group_ranks(self._groups[axis])
 
     def global_rank_of(self, axis: str, index: int) -> int:
