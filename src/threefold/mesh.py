@@ -4,6 +4,11 @@ The Mesh is the only owner of process groups. It is built once per job and passe
 strategy, which asks it for `group("tp")`, `rank("pp")`, `size("dp")`. The axis order puts tp
 innermost, so tensor-parallel ranks are consecutive global ranks (the same node under the
 usual launchers, where its frequent collectives belong), then dp, then pp outermost.
+
+Expert parallelism (`Layout.ep`) splits dp in two more axes: `ep`, runs of ep consecutive dp
+coordinates that share one copy of the experts and exchange tokens by all-to-all, and `edp`,
+the dp ranks at the same place of their runs, which hold the same experts and sum their
+gradients. With ep = 1, edp is dp.
 """
 
 from __future__ import annotations

@@ -124,8 +124,10 @@ class Trainer:
 
     def _checkpoint_meta(self) -> dict:
         cfg, p = self.cfg, self.cfg.parallel
-        return {"layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero,
-                           "world_size": self.mesh.world_size},
+        layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size}
+        if p.ep > 1:
+            layout["ep"] = p.ep
+        return {"layout": layout,
                 # the sampler is a pure function of the step: the step is the whole data position
                 "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
                          "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed,
