@@ -11,6 +11,7 @@ the meta device, so no rank ever holds the whole model:
     3. activation checkpointing                                                  (parallel/remat.py)
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
+                             (or periodic: local SGD, DiLoCo, EASGD                (parallel/local_sgd.py))
 
 Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
 model; the pipeline keeps its stages of that model; checkpointing wraps the blocks a rank
@@ -39,6 +40,7 @@ from ..config import Config
 from ..mesh import Mesh
 from ..models.spec import ModelSpec
 from .data import parallelize_data
+from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
 from .materialise import materialise
 from .model import GradSync, ParallelModel, accumulate
@@ -84,6 +86,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
                              after_step, regions, spec=spec, materialised_bytes=allocated)
+    if cfg.train.periodic:  # local SGD / DiLoCo / EASGD: the replicas meet every train.sync_every steps
+        parallel.periodic = periodic_sync(comm, cfg.train, grad_sync.hook, grad_sync.buckets.buckets, parallel.params)
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel
@@ -98,6 +102,8 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     if stage == 0:
         hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
+        if cfg.train.periodic:  # between syncs, gradients are summed inside a replica only
+            hook = periodic_hook(hook, comm, wire if wire != precision.compute_dtype else None)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
