@@ -120,7 +120,8 @@ def train_runs(runs: list[tuple[list[str], str]], local_world_size: int = 0) -> 
                 records = trainer.run()
             out.append({"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
                         "comm": [r["comm"] for r in records], "rank": trainer.mesh.global_rank,
-                        "dp": trainer.mesh.rank("dp"),
+                        "replica": trainer.mesh.rank("dp_inter" if trainer.mesh.has_node_axes() else "dp"),
+                        "leader": not trainer.mesh.has_node_axes() or trainer.mesh.rank("dp_intra") == 0,
                         "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}})
     finally:
         if saved is not None:

@@ -24,7 +24,7 @@ def model_bytes(comm_rows: list[dict], axis: str) -> list[int]:
 def check_against_reference(name: str, results: list[dict], ref: dict) -> str:
     loss = max(abs(a - b) / abs(b) for r in results for a, b in zip(r["losses"], ref["losses"], strict=True))
     norm = max(abs(a - b) / abs(b) for a, b in zip(results[0]["norms"], ref["norms"], strict=True))
-    param, worst = max((rel_err(r["params"][k], v), k) for r in results for k, v in ref["params"][r["dp"]].items())
+    param, worst = max((rel_err(r["params"][k], v), k) for r in results for k, v in ref["params"][r["replica"]].items())
     line = f"{name}: loss {loss:.1e} grad norm {norm:.1e} params {param:.1e} ({worst})"
     assert loss <= TOL and norm <= TOL and param <= TOL, line
     return line
@@ -48,3 +48,32 @@ def test_periodic_runs_match_a_plain_pytorch_loop_and_send_H_times_less(worlds, 
     with capsys.disabled():
         print(f"\nagainst the plain PyTorch loop, dp=2:\n  " + "\n  ".join(lines) +
               f"\n  dp bytes per 6 steps: dense {sum(dense)}, H=3 {sum(diloco)}")
+
+
+def test_node_replicas_meet_over_dp_inter_only_at_syncs(worlds, tmp_path):
+    """Two nodes of two processes: gradients summed in the node every step, DiLoCo across nodes every 2 steps."""
+    nodes = BASE + ["compress.hierarchical=true"]
+    diloco = ["train.sync_every=2", "train.outer_optimizer=nesterov"]
+    per_rank = worlds(4).run(train_runs, [(nodes, str(tmp_path / "dense")), (nodes + diloco, str(tmp_path / "dl"))],
+                             local_world_size=2)
+    check_against_reference("DiLoCo over 2 nodes", [r[1] for r in per_rank], reference_run(BASE + diloco, 2))
+    leader_dense = model_bytes(per_rank[0][0]["comm"], "dp_inter")
+    assert len(set(leader_dense)) == 1 and leader_dense[0] > 0
+    for r in per_rank:
+        inter = model_bytes(r[1]["comm"], "dp_inter")
+        assert inter[0::2] == [0, 0, 0], f"rank {r['rank']} crossed dp_inter between syncs: {inter}"
+        assert inter[1::2] == [leader_dense[0] if r[1]["leader"] else 0] * 3, inter  # the node's leader averages
+        assert model_bytes(r[1]["comm"], "dp") == [0] * 6
+    assert sum(leader_dense) == 2 * sum(model_bytes(per_rank[0][1]["comm"], "dp_inter"))
+
+
+def test_resume_between_syncs_is_bitwise(worlds, tmp_path):
+    diloco = BASE + ["train.steps=5", "train.sync_every=2", "train.outer_optimizer=nesterov",
+                     "checkpoint.save_every=3"]
+    first = worlds(2).run(train_runs, [(diloco, str(tmp_path / "a"))])
+    resumed = worlds(2).run(train_runs, [(diloco + [f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step-00000003'}"],
+                                          str(tmp_path / "b"))])
+    for a, b in zip(first, resumed):
+        assert a[0]["losses"][3:] == b[0]["losses"], (a[0]["losses"], b[0]["losses"])
+        for k, v in a[0]["params"].items():
+            assert (b[0]["params"][k] == v).all(), f"rank {a[0]['rank']}: {k} differs after resuming at step 3"
