@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .launch import free_port
 
 AXES = ("pp", "dp", "tp")
 NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
@@ -37,7 +36,8 @@ def local_world_size() -> int:
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the world described by the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR...).
 
-    A lone process with no launcher becomes a world of one. NCCL drives CUDA, gloo the CPU.
+    A lone process with no launcher becomes a world of one over an in-process store. NCCL
+    drives CUDA, gloo the CPU.
     On CUDA the process group is bound to this rank's device (`device_id`): NCCL then creates
     its communicators eagerly - the world's here, every subgroup's when the Mesh creates it, in
     the same order on every rank - instead of at a group's first operation, where a first
@@ -45,15 +45,16 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    alone = {}
+    if "RANK" not in os.environ:  # an in-process store: no port to find, nothing to connect to
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        alone = dict(store=dist.HashStore(), rank=0, world_size=1)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **alone)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **alone)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,24 @@ class Layout:
 
     def __str__(self) -> str:
         return f"dp={self.dp} tp={self.tp} pp={self.pp}"
+
+
+_GROUPS: dict[tuple, tuple] = {}  # (device type, shape, node_size) -> (DeviceMesh, groups, node ranks)
+_GROUPS_WORLD: list = []  # the default group the cached groups belong to
+
+
+def _cached(key: tuple, build):
+    """One set of process groups per layout per process: a job builds its Mesh once, but a
+    long-lived process (a notebook, a test world) may build many Meshes of the same layout, and
+    every new group costs each rank connections and threads that are never returned. Groups are
+    reused only within the world they were created in."""
+    world = dist.group.WORLD
+    if not _GROUPS_WORLD or _GROUPS_WORLD[0] is not world:
+        _GROUPS.clear()
+        _GROUPS_WORLD[:] = [world]
+    if key not in _GROUPS:
+        _GROUPS[key] = build()
+    return _GROUPS[key]
 
 
 class Mesh:
@@ -85,12 +104,15 @@ class Mesh:
             raise ValueError(f"layout {layout} needs {layout.world_size} processes, the world has {world}")
         self.layout = layout
         self.device = device
-        self.device_mesh: DeviceMesh = init_device_mesh(
-            device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
-        self._groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
+        shape = (layout.pp, layout.dp, layout.tp)
+        self.device_mesh, groups = _cached((device.type, shape), lambda: self._build_axes(device, shape))
+        self._groups = dict(groups)
         self._node_ranks: dict[str, list[int]] = {}
         if node_size:
-            self._build_node_axes(node_size)
+            node_groups, node_ranks = _cached((device.type, shape, node_size),
+                                              lambda: self._build_node_axes(node_size))
+            self._groups.update(node_groups)
+            self._node_ranks.update(node_ranks)
         if device.type == "cuda":
             self._connect()
 
@@ -105,7 +127,12 @@ class Mesh:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
 
-    def _build_node_axes(self, node_size: int) -> None:
+    @staticmethod
+    def _build_axes(device: torch.device, shape: tuple[int, int, int]) -> tuple[DeviceMesh, dict]:
+        device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+        return device_mesh, {axis: device_mesh.get_group(axis) for axis in AXES}
+
+    def _build_node_axes(self, node_size: int) -> tuple[dict, dict]:
         """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""
         grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
         dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
@@ -121,10 +148,11 @@ class Mesh:
         intra_lists = [ranks[i: i + intra] for ranks in dp_groups for i in range(0, len(ranks), intra)]
         inter_lists = [ranks[i::intra] for ranks in dp_groups for i in range(intra)]
         me = dist.get_rank()
+        groups, node_ranks = {}, {}
         for axis, lists in (("dp_intra", intra_lists), ("dp_inter", inter_lists)):
-            group, _ = dist.new_subgroups_by_enumeration(lists)
-            self._groups[axis] = group
-            self._node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+            groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
+            node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+        return groups, node_ranks
 
     @property
     def global_rank(self) -> int:

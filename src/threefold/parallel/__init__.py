@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..comm.compression import make_comm_hook
 from ..config import Config
 from ..mesh import Mesh
 from ..models.spec import ModelSpec
+from .comm_hook import make_comm_hook
 from .data import parallelize_data
 from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
