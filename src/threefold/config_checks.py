@@ -256,8 +256,9 @@ def _validate_periodic(c: Config, dp: int) -> None:
     if not t.periodic:
         return
     if c.parallel.zero >= 1:
-        raise ConfigError("train.sync_every", f"ZeRO-{c.parallel.zero} shards {'weights and ' if c.parallel.zero == 3 else ''}"
-                          "optimizer states across dp, the axis local SGD / DiLoCo / EASGD average over, so a "
+        sharded = "weights and optimizer states" if c.parallel.zero == 3 else "optimizer states"
+        raise ConfigError("train.sync_every", f"ZeRO-{c.parallel.zero} shards {sharded}"
+                          " across dp, the axis local SGD / DiLoCo / EASGD average over, so a "
                           "replica cannot step alone; use parallel.zero=0 (or train.sync_every=1)")
     if c.compress.method != "none":
         raise ConfigError("compress.method", f"{c.compress.method} compresses the every-step gradient all-reduce, "

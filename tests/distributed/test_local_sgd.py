@@ -71,8 +71,8 @@ def test_resume_between_syncs_is_bitwise(worlds, tmp_path):
     diloco = BASE + ["train.steps=5", "train.sync_every=2", "train.outer_optimizer=nesterov",
                      "checkpoint.save_every=3"]
     first = worlds(2).run(train_runs, [(diloco, str(tmp_path / "a"))])
-    resumed = worlds(2).run(train_runs, [(diloco + [f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step-00000003'}"],
-                                          str(tmp_path / "b"))])
+    middle = tmp_path / "a" / "checkpoints" / "step-00000003"  # between the syncs of steps 2 and 4
+    resumed = worlds(2).run(train_runs, [(diloco + [f"checkpoint.resume={middle}"], str(tmp_path / "b"))])
     for a, b in zip(first, resumed):
         assert a[0]["losses"][3:] == b[0]["losses"], (a[0]["losses"], b[0]["losses"])
         for k, v in a[0]["params"].items():

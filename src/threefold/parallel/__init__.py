@@ -81,20 +81,19 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 4. mixed precision
     precision = apply_precision(model, cfg.precision)
     # 5. gradient sync over dp
-    grad_sync, placements, pieces, after_step = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
-                                                              split is not None)
+    grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
+                                                                        split is not None)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
-                             after_step, regions, spec=spec, materialised_bytes=allocated)
-    if cfg.train.periodic:  # local SGD / DiLoCo / EASGD: the replicas meet every train.sync_every steps
-        parallel.periodic = periodic_sync(comm, cfg.train, grad_sync.hook, grad_sync.buckets.buckets, parallel.params)
+                             after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic)
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel
 
 
 def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool):
-    """Step 5: plain data parallelism or ZeRO 1-3 -> (grad sync, placements, optimizer pieces, after_step)."""
+    """Step 5: plain data parallelism (or its periodic form) or ZeRO 1-3
+    -> (grad sync, placements, optimizer pieces, after_step, periodic sync)."""
     stage, p = cfg.parallel.zero, cfg.parallel
     wire = precision.reduce_dtype
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
@@ -105,17 +104,20 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         if cfg.train.periodic:  # between syncs, gradients are summed inside a replica only
             hook = periodic_hook(hook, comm, wire if wire != precision.compute_dtype else None)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
+        # local SGD / DiLoCo / EASGD: the replicas meet every train.sync_every steps, bucket by bucket
+        periodic = (periodic_sync(comm, cfg.train, hook, grad_sync.buckets.buckets, [q for _, q in named])
+                    if cfg.train.periodic else None)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
                   for name, q in named]
-        return grad_sync, placements, pieces, None
+        return grad_sync, placements, pieces, None, periodic
     if stage in (1, 2):
         # with a pipeline, stage 2 reduce-scatters after the last micro-batch (see zero.py)
         grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=pipelined)
         pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
         placements = {name: place.replicated("dp") for name, place in placements.items()}
-        return grad_sync, placements, pieces, grad_sync.gather_params
+        return grad_sync, placements, pieces, grad_sync.gather_params, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined)
     pieces = grad_sync.pieces(placements)
-    return grad_sync, grad_sync.placements(placements), pieces, None
+    return grad_sync, grad_sync.placements(placements), pieces, None, None

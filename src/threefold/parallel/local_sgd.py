@@ -41,6 +41,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..comm.compression import DenseHook
+from ..comm.compression.hook import StatelessHook
 from ..config import TrainConfig
 from ..sharding import Placement
 from .buckets import Bucket
@@ -49,7 +50,7 @@ from .master import Piece, ShardedOptimizer, state_kinds
 OUTER_KINDS = {"nesterov": ("outer_params", "outer_momentum"), "easgd": ("easgd_centre",), "none": ()}
 
 
-class LocalHook:
+class LocalHook(StatelessHook):
     """The gradient hook of a periodic run: the usual dense sum during the warm-up, afterwards
     only inside the replica (`inner` axis, or none), scaled to the replica's mean gradient."""
 

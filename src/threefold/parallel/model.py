@@ -136,7 +136,8 @@ class ParallelModel:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
         if self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
-            optimizer = PeriodicOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step, sync=self.periodic)
+            optimizer = PeriodicOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step,
+                                          sync=self.periodic)
         else:
             optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
