@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
 from .errors import ConfigError, UserError
+from .moe_checks import validate_experts
 
 if TYPE_CHECKING:
     from .data.tokenizer import TokenizerIdentity
@@ -47,13 +48,14 @@ def validate(c: Config, world_size: int) -> Config:
                           f"{pr.growth_factor}, {pr.backoff_factor}, {pr.growth_interval}")
     if c.remat.every < 1:
         raise ConfigError("remat.every", f"must be at least 1, got {c.remat.every}")
-    if m.hidden % m.heads:
+    if m.hidden % m.heads and not m.head_size:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
     _validate_tensor_parallel(p, m, t)
+    validate_experts(c, dp)
     if t.seq_len > m.max_seq:
         raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
     if t.global_batch % (dp * t.microbatches):
@@ -260,6 +262,9 @@ def _validate_periodic(c: Config, dp: int) -> None:
         raise ConfigError("train.sync_every", f"ZeRO-{c.parallel.zero} shards {sharded}"
                           " across dp, the axis local SGD / DiLoCo / EASGD average over, so a "
                           "replica cannot step alone; use parallel.zero=0 (or train.sync_every=1)")
+    if c.parallel.ep > 1:
+        raise ConfigError("train.sync_every", "expert parallelism spreads the experts over dp, the axis local SGD / "
+                          "DiLoCo / EASGD average over; use parallel.ep=1 (or train.sync_every=1)")
     if c.compress.method != "none":
         raise ConfigError("compress.method", f"{c.compress.method} compresses the every-step gradient all-reduce, "
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")

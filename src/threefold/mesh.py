@@ -4,6 +4,11 @@ The Mesh is the only owner of process groups. It is built once per job and passe
 strategy, which asks it for `group("tp")`, `rank("pp")`, `size("dp")`. The axis order puts tp
 innermost, so tensor-parallel ranks are consecutive global ranks (the same node under the
 usual launchers, where its frequent collectives belong), then dp, then pp outermost.
+
+Expert parallelism (`Layout.ep`) splits dp in two more axes: `ep`, runs of ep consecutive dp
+coordinates that share one copy of the experts and exchange tokens by all-to-all, and `edp`,
+the dp ranks at the same place of their runs, which hold the same experts and sum their
+gradients. With ep = 1, edp is dp.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "tp")
 NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
+# dp split for expert parallelism: `ep` (consecutive dp coordinates sharing the experts, the
+# all-to-all group) x `edp` (the dp ranks holding the same experts, which sum their gradients)
+EXPERT_AXES = ("ep", "edp")
 
 
 def pick_device(kind: str = "auto") -> torch.device:
@@ -62,13 +70,14 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: a factor of dp
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
 
 
 _GROUPS: dict[tuple, tuple] = {}  # (device type, shape, node_size) -> (DeviceMesh, groups, node ranks)
@@ -108,6 +117,12 @@ class Mesh:
         self.device_mesh, groups = _cached((device.type, shape), lambda: self._build_axes(device, shape))
         self._groups = dict(groups)
         self._node_ranks: dict[str, list[int]] = {}
+        self._expert_ranks: dict[str, list[int]] = {}
+        if layout.ep > 1:
+            expert_groups, expert_ranks = _cached((device.type, shape, "ep", layout.ep),
+                                                  lambda: self._build_expert_axes(layout.ep))
+            self._groups.update(expert_groups)
+            self._expert_ranks.update(expert_ranks)
         if node_size:
             node_groups, node_ranks = _cached((device.type, shape, node_size),
                                               lambda: self._build_node_axes(node_size))
@@ -122,10 +137,26 @@ class Mesh:
         before any point-to-point batch uses it (a first batched p2p must include every member).
         Bookkeeping of the groups, not model traffic: it does not go through Comm."""
         probe = torch.zeros(1, device=self.device)
-        for axis in AXES + tuple(a for a in NODE_AXES if a in self._node_ranks):
+        for axis in AXES + tuple(self._expert_ranks) + tuple(a for a in NODE_AXES if a in self._node_ranks):
             if self.size(axis) > 1:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
+
+    def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
+        """Create the ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep),
+        and the members with the same place in their run (edp); every rank creates every group."""
+        if self.layout.dp % ep:
+            raise ValueError(f"ep={ep} does not divide dp={self.layout.dp}")
+        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
+        dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+        me = dist.get_rank()
+        groups, expert_ranks = {}, {}
+        for axis, lists in (("ep", [g[i: i + ep] for g in dp_groups for i in range(0, len(g), ep)]),
+                            ("edp", [g[i::ep] for g in dp_groups for i in range(ep)])):
+            if len(lists[0]) > 1:
+                groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
+            expert_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+        return groups, expert_ranks
 
     @staticmethod
     def _build_axes(device: torch.device, shape: tuple[int, int, int]) -> tuple[DeviceMesh, dict]:
@@ -165,12 +196,17 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis in NODE_AXES:
             return len(self._node_axis(axis))
+        if axis in EXPERT_AXES:
+            return self.layout.ep if axis == "ep" else self.layout.dp // self.layout.ep
         return getattr(self.layout, axis)
 
     def rank(self, axis: str) -> int:
         """This process's coordinate along `axis` (0 .. size-1)."""
         if axis in NODE_AXES:
             return self._node_axis(axis).index(dist.get_rank())
+        if axis in EXPERT_AXES:
+            dp = self.device_mesh.get_local_rank("dp")
+            return dp % self.layout.ep if axis == "ep" else dp // self.layout.ep
         return self.device_mesh.get_local_rank(axis)
 
     def inter_node_axes(self, node_size: int) -> tuple[str, ...]:
@@ -178,7 +214,7 @@ class Mesh:
         `node_size` processes in launcher order); their bytes cross the network."""
         if node_size < 1 or node_size >= self.world_size:
             return ()
-        axes = AXES + tuple(self._node_ranks)
+        axes = AXES + tuple(self._expert_ranks) + tuple(self._node_ranks)
         return tuple(a for a in axes if len({r // node_size for r in self.ranks(a)}) > 1)
 
     def has_node_axes(self) -> bool:
@@ -192,12 +228,20 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         if axis in NODE_AXES:
             self._node_axis(axis)  # a clear error when the node axes were not built
+        if axis in EXPERT_AXES and axis not in self._groups:
+            if axis == "edp" and self.layout.ep == 1:  # without expert parallelism edp is dp
+                return self._groups["dp"]
+            raise ValueError(f"axis '{axis}' has one member in layout {self.layout}: it has no group")
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this process's group along `axis`, ordered by coordinate."""
         if axis in NODE_AXES:
             return list(self._node_axis(axis))
+        if axis in EXPERT_AXES:
+            if axis in self._expert_ranks:
+                return list(self._expert_ranks[axis])
+            return self.ranks("dp") if axis == "edp" else [dist.get_rank()]
         return dist.get_process_group_ranks(self._groups[axis])
 
     def global_rank_of(self, axis: str, index: int) -> int:

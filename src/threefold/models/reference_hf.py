@@ -38,6 +38,10 @@ GPT2_RENAMES = ((r"^embed\.tok\.", "transformer.wte."), (r"^embed\.pos\.", "tran
 
 def why_not(cfg: ModelConfig) -> str | None:
     """None when `cfg` has a Hugging Face equivalent, else which field prevents it."""
+    if cfg.experts:
+        return f"model.experts={cfg.experts}: a mixture of experts has no Hugging Face export yet"
+    if cfg.head_size and cfg.head_size * cfg.heads != cfg.hidden:
+        return f"model.head_size={cfg.head_size} x heads != hidden has no Llama / GPT-2 equivalent here"
     if (cfg.norm, cfg.mlp, cfg.position) == ("rmsnorm", "swiglu", "rope"):
         return None
     if (cfg.norm, cfg.mlp, cfg.position) == ("layernorm", "gelu", "learned"):
