@@ -151,6 +151,7 @@ def test_elastic_shrink_and_grow(tmp_path, one_process):
     port, out, hold = free_port(), tmp_path / "run", tmp_path / "hold"
     hold.touch()  # the attempts after the loss wait at step 6 until the test has seen what it needs
     lose = ["fault.kind=lose_node", "fault.rank=1", f"fault.step={LOSE_AT}", f"fault.hold_file={hold}"]
+    started = []
 
     def start(rank: int, sets: list[str], name: str):
         cmd, env = node_command("threefold", rank, port, [*ELASTIC, "--out", str(out),
@@ -158,23 +159,30 @@ def test_elastic_shrink_and_grow(tmp_path, one_process):
         with open(tmp_path / f"{name}.log", "w") as log:
             node = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         node.name = name
+        started.append(node)
         return node
 
     def output(node) -> str:
         return (tmp_path / f"{node.name}.log").read_text()[-3000:]
 
-    node0, node1 = start(0, lose, "node0"), start(1, lose, "node1")
-    assert node1.wait(timeout=WAIT_S) == -9, output(node1)
-    # no worker of the lost node outlives its launcher
-    wait_for(lambda: all(parent == node0.pid for parent in node_workers(out).values()), "orphans gone", node0)
-    shrunk = wait_for(lambda: step_rows(out, 2), "steps 4-5 on the node left", node0)
-    checkpoint = tmp_path / "step-3"
-    shutil.copytree(out / "checkpoints" / "step-00000003", checkpoint)
-    rejoined = start(1, [], "rejoined")
-    grown = wait_for(lambda: step_rows(out, 4), "steps 4-5 on both nodes again", node0, rejoined)
-    hold.unlink()
-    for p in (node0, rejoined):
-        assert p.wait(timeout=WAIT_S) == 0, output(p)
+    try:
+        node0, node1 = start(0, lose, "node0"), start(1, lose, "node1")
+        assert node1.wait(timeout=WAIT_S) == -9, output(node1)
+        # no worker of the lost node outlives its launcher
+        wait_for(lambda: all(parent == node0.pid for parent in node_workers(out).values()), "orphans gone", node0)
+        assert all(r["step"] < LOSE_AT for r in rows(out)), "node 1's workers outlived their launcher and went on"
+        shrunk = wait_for(lambda: step_rows(out, 2), "steps 4-5 on the node left", node0)
+        checkpoint = tmp_path / "step-3"
+        shutil.copytree(out / "checkpoints" / "step-00000003", checkpoint)
+        rejoined = start(1, [], "rejoined")
+        grown = wait_for(lambda: step_rows(out, 4), "steps 4-5 on both nodes again", node0, rejoined)
+        hold.unlink()
+        for p in (node0, rejoined):
+            assert p.wait(timeout=WAIT_S) == 0, output(p)
+    finally:  # a failed check leaves no launcher behind
+        for node in started:
+            if node.poll() is None:
+                node.kill()
 
     assert [r["microbatches"] for r in shrunk] == [2, 2] and [r["microbatches"] for r in grown] == [1, 1]
     assert {r["tokens"] for r in shrunk + grown} == {8 * 16}  # the global batch never changed

@@ -64,8 +64,10 @@ class FaultInjector:
         if self._now(step) and kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self._now(step) and kind == "lose_node":
-            os.kill(os.getppid(), signal.SIGKILL)  # the launcher; this node's processes die with it
-            time.sleep(60)  # until then
+            launcher = os.getppid()
+            os.kill(launcher, signal.SIGKILL)  # this node's processes die with it (launch.die_with_agent)
+            while os.getppid() == launcher:  # until the kernel has taken the launcher; then on, if alive
+                time.sleep(0.01)
         if self.holds and step == self.fault.step:
             while os.path.exists(self.fault.hold_file):
                 time.sleep(0.05)
