@@ -315,7 +315,7 @@ def build_config(raw: dict[str, dict]) -> Config:
 def _hf_model_fields(preset: str, given: dict) -> dict:
     """The model fields of `hf:DIR` from DIR/config.json; fields given as well must agree with it."""
     from .errors import UserError
-    from .models.hf_causal import model_fields
+    from .hf_config import model_fields
 
     try:
         fields_ = model_fields(Path(preset[3:]))

@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
 from .errors import ConfigError, UserError
 from .moe_checks import validate_experts
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
     from .data.tokenizer import TokenizerIdentity
 
 
