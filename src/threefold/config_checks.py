@@ -19,6 +19,16 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module
 
 
 def validate(c: Config, world_size: int) -> Config:
+    if c.parallel.elastic_world < 0:
+        raise ConfigError("parallel.elastic_world", f"must be at least 0, got {c.parallel.elastic_world}")
+    if c.parallel.elastic_world and c.parallel.elastic_world != world_size:  # an elastic job on fewer nodes
+        from .elastic import rederive
+
+        return rederive(c, world_size, _validate)
+    return _validate(c, world_size)
+
+
+def _validate(c: Config, world_size: int) -> Config:
     p, m, t = c.parallel, c.model, c.train
     for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
                        ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
