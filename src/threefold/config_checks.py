@@ -10,15 +10,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
 from .errors import ConfigError, UserError
 from .moe_checks import validate_experts
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
     from .data.tokenizer import TokenizerIdentity
 
 
 def validate(c: Config, world_size: int) -> Config:
+    if c.parallel.elastic_world < 0:
+        raise ConfigError("parallel.elastic_world", f"must be at least 0, got {c.parallel.elastic_world}")
+    if c.parallel.elastic_world and c.parallel.elastic_world != world_size:  # an elastic job on fewer nodes
+        from .elastic import rederive
+
+        return rederive(c, world_size, _validate)
+    return _validate(c, world_size)
+
+
+def _validate(c: Config, world_size: int) -> Config:
     p, m, t = c.parallel, c.model, c.train
     for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
                        ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
