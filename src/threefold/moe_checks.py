@@ -51,6 +51,9 @@ def validate_experts(c: "Config", dp: int) -> None:
     if p.zero == 3:
         raise ConfigError("parallel.zero", f"ZeRO-3 does not run with ep={p.ep} yet; use --zero 0, 1 or 2, "
                           "or --ep 1")
+    if c.train.periodic:
+        raise ConfigError("train.sync_every", f"periodic synchronisation (local SGD) does not run with ep={p.ep} "
+                          "yet; synchronise every step or use --ep 1")
     if c.compress.method != "none":
         raise ConfigError("compress.method", f"gradient compression does not run with ep={p.ep} yet; "
                           "use compress.method=none or --ep 1")
