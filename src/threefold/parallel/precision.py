@@ -29,38 +29,57 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class DynamicLossScaler:
-    """Loss scale for fp16: grow after `growth_interval` clean steps, back off on overflow."""
+    """Loss scale for fp16: grow after `growth_interval` clean steps, back off on overflow.
+
+    The scale, the count of clean steps and the count of skipped steps are 0-dim tensors on the
+    compute device (`to(device)`), updated by torch's `_amp_update_scale_` from the device-side
+    overflow flag, as CUDA loss scalers do: a step never reads them back. `scale`, `clean_steps`
+    and `skipped_steps` read them (metrics, checkpoints, tests).
+    """
 
     def __init__(self, initial_scale: float = 2.0**16, growth_interval: int = 1000, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, min_scale: float = 1.0):
-        self.scale = float(initial_scale)
+        self.scale_tensor = torch.tensor(float(initial_scale))
+        self._clean = torch.zeros((), dtype=torch.int32)  # consecutive steps without overflow since the last change
+        self._skipped = torch.zeros((), dtype=torch.int64)  # total, for metrics
         self.growth_interval = growth_interval
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.min_scale = min_scale
-        self.clean_steps = 0  # consecutive steps without overflow since the last change
-        self.skipped_steps = 0  # total, for metrics
 
-    def update(self, found_inf: bool) -> None:
+    def to(self, device: torch.device) -> "DynamicLossScaler":
+        self.scale_tensor, self._clean, self._skipped = (t.to(device) for t in (self.scale_tensor, self._clean,
+                                                                               self._skipped))
+        return self
+
+    @property
+    def scale(self) -> float:
+        return float(self.scale_tensor)
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
+
+    def update(self, found_inf: torch.Tensor | bool) -> None:
         """After a step: `found_inf` must be the same on every rank (it is: a global norm)."""
-        if found_inf:
-            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
-            self.clean_steps = 0
-            self.skipped_steps += 1
-            return
-        self.clean_steps += 1
-        if self.clean_steps >= self.growth_interval:
-            self.scale *= self.growth_factor
-            self.clean_steps = 0
+        flag = torch.as_tensor(found_inf, device=self.scale_tensor.device).to(torch.float32)
+        torch._amp_update_scale_(self.scale_tensor, self._clean, flag, self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        self.scale_tensor.clamp_(min=self.min_scale)
+        self._skipped += flag.to(self._skipped.dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain JSON values for the checkpoint manifest (identical on every rank)."""
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self.scale_tensor.fill_(float(state["scale"]))
+        self._clean.fill_(int(state["clean_steps"]))
+        self._skipped.fill_(int(state["skipped_steps"]))
 
 
 @dataclass

@@ -175,16 +175,17 @@ class Trainer:
             self.faults.stall()
         for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
             self.comm.all_reduce(loss_sum, axis, tag="metrics")
-        loss = float(loss_sum) / self.global_tokens
+        # the step's one read back to the host, after everything of the step was issued
+        grad_norm, skipped, loss_scale, loss_total = result.read(loss_sum)
         elapsed = time.perf_counter() - start
         self.faults.step_end(step)
         self.step = step
-        record = {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
+        record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
+                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": bool(skipped), "loss_scale": loss_scale,
                   "mem": self.memory()}
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
-        record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
+        record.update(self.observer.step_end(step, result.loss_sum, grad_norm, local_tokens))
         record["comm"] = self.comm.traffic.take_window()
         if self.mesh.world_size > local_world_size():  # several nodes: the bytes of axes that cross them
             record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()
