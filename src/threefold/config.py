@@ -66,12 +66,21 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    compute: Literal["fp32", "bf16", "fp16"] = "fp32"
-    reduce_dtype: Literal["fp32", "bf16", "fp16", "compute"] = "fp32"
+    compute: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 elsewhere
+    # the dtype gradients travel in over dp; auto: the compute dtype on CUDA, fp32 elsewhere
+    reduce_dtype: Literal["auto", "fp32", "bf16", "fp16", "compute"] = "auto"
+    tf32: bool = True  # on CUDA, fp32 matmuls and convolutions use TF32 tensor cores
     initial_scale: float = 65536.0
     growth_interval: int = 1000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
+
+    def for_device(self, device_type: str) -> "PrecisionConfig":
+        """`auto` settled for a device: bf16 compute reduced in bf16 on CUDA, fp32 elsewhere."""
+        cuda = device_type == "cuda"
+        compute = ("bf16" if cuda else "fp32") if self.compute == "auto" else self.compute
+        reduce = ("compute" if cuda else "fp32") if self.reduce_dtype == "auto" else self.reduce_dtype
+        return replace(self, compute=compute, reduce_dtype=reduce)
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,10 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def for_device(self, device_type: str) -> "Config":
+        """The `auto` settings (precision) settled for the device the run uses."""
+        return replace(self, precision=self.precision.for_device(device_type))
 
     def validate(self, world_size: int) -> "Config":
         """Check everything against `world_size`; return the config with derived values set."""

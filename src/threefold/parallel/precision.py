@@ -1,12 +1,15 @@
 """Mixed precision: the compute dtype of the model, fp32 master weights, the dynamic loss scaler.
 
-Step 4 of `parallelize`. With `precision.compute` = bf16 or fp16 the model's floating-point
+Step 4 of `parallelize`. `auto` (the default) settles by device: bf16 compute with gradients
+reduced in bf16 on CUDA, fp32 elsewhere (`PrecisionConfig.for_device`); on CUDA fp32 matmuls
+use TF32 (`precision.tf32`). With `precision.compute` = bf16 or fp16 the model's floating-point
 parameters are cast to that dtype, so forward and backward run in it and gradients are produced
 in it. The fp32 values they had before the cast are handed on (`MixedPrecision.fp32_init`) to
 the optimizer, which keeps them as *master weights*: AdamW updates fp32 masters with fp32
 moments, and the result is cast back into the model after every step. The dtype gradients
-travel in over dp (`precision.reduce_dtype`) is independent of both (fp32 by default: summing
-over many ranks in bf16 loses bits the optimizer would keep).
+travel in over dp (`precision.reduce_dtype`) is independent of both (`fp32` keeps the bits a
+sum over many ranks in bf16 loses; `compute`, the CUDA default, halves the bytes and skips the
+upcast and the rounding back).
 
 fp16 has a narrow exponent range, so small gradients underflow to zero. The dynamic loss scaler
 multiplies the loss by S before backward (gradients are S times larger), the optimizer divides
@@ -95,12 +98,22 @@ class MixedPrecision:
         return self.scaler.scale if self.scaler is not None else 1.0
 
 
-def resolve_reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
+def resolve_reduce_dtype(cfg: PrecisionConfig, device_type: str = "cpu") -> torch.dtype:
+    cfg = cfg.for_device(device_type)
     return DTYPES[cfg.compute if cfg.reduce_dtype == "compute" else cfg.reduce_dtype]
 
 
-def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> MixedPrecision:
-    """Cast `model`'s floating-point parameters and buffers to the compute dtype, in place."""
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (`precision.tf32`)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def apply_precision(model: nn.Module, cfg: PrecisionConfig, device_type: str = "cpu") -> MixedPrecision:
+    """Cast `model`'s floating-point parameters and buffers to the compute dtype, in place
+    (`auto` settled for `device_type`: bf16 on CUDA, fp32 elsewhere)."""
+    cfg = cfg.for_device(device_type)
     dtype = DTYPES[cfg.compute]
     fp32_init: dict[str, torch.Tensor] = {}
     if dtype != torch.float32:
@@ -115,4 +128,4 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> MixedPrecision:
     scaler = None
     if cfg.compute == "fp16":
         scaler = DynamicLossScaler(cfg.initial_scale, cfg.growth_interval, cfg.growth_factor, cfg.backoff_factor)
-    return MixedPrecision(dtype, resolve_reduce_dtype(cfg), scaler, fp32_init)
+    return MixedPrecision(dtype, resolve_reduce_dtype(cfg, device_type), scaler, fp32_init)

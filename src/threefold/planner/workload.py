@@ -72,7 +72,7 @@ def hf_llama_model(config) -> ModelConfig:
 
 def from_config(cfg: Config, world_size: int) -> tuple[Workload, Strategy]:
     """The workload and strategy of a threefold run with this config on `world_size` processes."""
-    cfg = cfg.validate(world_size)
+    cfg = cfg.for_device("cuda").validate(world_size)  # plans are for accelerators: `auto` is bf16
     p = cfg.parallel
     strategy = Strategy(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, microbatches=cfg.train.microbatches,
                         remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,

@@ -25,6 +25,7 @@ from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
+from ..parallel.precision import set_tf32
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
 from .rundir import run_directory
@@ -48,7 +49,8 @@ class Trainer:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
         init_distributed(device, process_group_timeout_s(cfg))
         share_cpu_threads(device)
-        self.cfg = cfg = cfg.validate(dist.get_world_size())
+        self.cfg = cfg = cfg.for_device(device.type).validate(dist.get_world_size())
+        set_tf32(device, cfg.precision.tf32)
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
