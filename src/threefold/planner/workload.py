@@ -70,9 +70,10 @@ def hf_llama_model(config) -> ModelConfig:
                        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), bias=False)
 
 
-def from_config(cfg: Config, world_size: int) -> tuple[Workload, Strategy]:
-    """The workload and strategy of a threefold run with this config on `world_size` processes."""
-    cfg = cfg.for_device("cuda").validate(world_size)  # plans are for accelerators: `auto` is bf16
+def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tuple[Workload, Strategy]:
+    """The workload and strategy of a threefold run with this config on `world_size` processes of
+    `device_type` (which settles `precision.compute=auto`: bf16 on CUDA, fp32 on the CPU)."""
+    cfg = cfg.for_device(device_type).validate(world_size)
     p = cfg.parallel
     strategy = Strategy(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, microbatches=cfg.train.microbatches,
                         remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,
