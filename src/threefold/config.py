@@ -39,10 +39,34 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    head_size: int = 0  # attention head size; 0 = hidden / heads (DeepSeek-V3-sized: 96 for 128 heads of 7168)
+    # mixture of experts (models/moe.py, docs/moe.md): experts = 0 is a dense model
+    experts: int = 0  # routed experts of each sparse block
+    experts_top_k: int = 2  # experts per token: 1 = Switch, 2 = Mixtral
+    shared_experts: int = 0  # experts every token goes through (DeepSeek)
+    expert_ffn_hidden: int = 0  # hidden size of one expert; 0 = ffn_hidden
+    moe_every: int = 1  # a sparse block every N blocks ...
+    moe_start: int = 0  # ... from this block on (earlier blocks dense, as DeepSeek-V3's first 3)
+    expert_capacity: float = 0.0  # capacity factor per sequence (tokens dropped past it); 0 = dropless
+    router_aux_weight: float = 0.01  # load-balancing loss weight (per sequence, Switch's E * sum f_e P_e)
+    router_z_weight: float = 0.001  # router z-loss weight (mean logsumexp(logits)^2)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def attn_width(self) -> int:
+        """Width of the attention's q (and o's input): heads x head size."""
+        return self.heads * self.head_dim
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block `index` is sparse (a mixture of experts) rather than a dense MLP."""
+        return self.experts > 0 and index >= self.moe_start and (index - self.moe_start) % self.moe_every == 0
 
 
 @dataclass(frozen=True)
@@ -51,9 +75,13 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    ep: int = 1  # expert parallelism: carved out of dp, each ep rank holds experts / ep experts
     sequence_parallel: bool = False
     bucket_mb: float = 25.0  # gradient bucket size for the data-parallel reduction
     offload: Literal["none", "optimizer"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
+    # the world size dp and train.microbatches are written for; 0 = the actual world. In a smaller
+    # world dp shrinks and accumulation grows to keep the global batch (set by --nnodes MIN:MAX)
+    elastic_world: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +157,20 @@ class TrainConfig:
     deterministic: bool = False
     eval_every: int = 0  # validation loss every N steps (and at the last); 0: never. Needs prepared data
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
+    # periodic synchronisation over dp (parallel/local_sgd.py, docs/local_sgd.md): replicas step alone and meet
+    # every sync_every steps; 1 with outer_optimizer=none and easgd_alpha=0 is plain synchronous data parallelism
+    sync_every: int = 1  # H: steps between parameter averages (local SGD / DiLoCo) or elastic pulls (EASGD tau)
+    sync_warmup_steps: int = 0  # post-local SGD: synchronous steps (gradients summed every step) before switching
+    sync_optimizer_state: bool = False  # also average the optimizer's moments (or momentum) at every sync
+    outer_optimizer: Literal["none", "nesterov"] = "none"  # nesterov: DiLoCo's outer step on the averaged delta
+    outer_lr: float = 0.7  # DiLoCo outer learning rate
+    outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
+    easgd_alpha: float = 0.0  # > 0: elastic averaging SGD, each replica pulled towards a centre variable
+
+    @property
+    def periodic(self) -> bool:
+        """Replicas step alone between syncs (local SGD, DiLoCo or EASGD) instead of summing gradients every step."""
+        return self.sync_every > 1 or self.outer_optimizer != "none" or self.easgd_alpha > 0
 
 
 @dataclass(frozen=True)
@@ -189,16 +231,22 @@ class FaultConfig:
     all-reduce and stall outside communication. nan: the output of `module` becomes NaN in that
     step. slow: sleep `delay_s` before the computation of every step from `step` on. perturb: that
     step's targets are shifted by one token id (the loss and the whole run change, as a broken
-    layout would). `layout` ("dp,tp,pp") limits the fault to runs of that layout; "" = any.
-    Only the first attempt of a job fails: a process restarted by the launcher does not.
+    layout would). lose_node: the node whose launcher has `--node-rank` = `rank` loses its
+    launcher (SIGKILL; its processes die with it) at the start of `step`; with `hold_file`, the
+    processes of later attempts wait at the start of `step` while that file exists (a test's way
+    to let a node join again before the run ends). `layout` ("dp,tp,pp") limits the fault to runs
+    of that layout; "" = any. Only the first attempt of a job fails: a process restarted by the
+    launcher does not; `slow` stays slow in every attempt (a straggler stays one).
     """
 
     rank: int = -1
     step: int = 0
-    kind: Literal["raise", "kill", "kill_in_save", "skip_collective", "nan", "slow", "perturb"] = "raise"
+    kind: Literal["raise", "kill", "kill_in_save", "skip_collective", "nan", "slow", "perturb",
+                  "lose_node"] = "raise"
     module: str = "blocks.0.mlp"
     delay_s: float = 0.2
     layout: str = ""
+    hold_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -294,7 +342,7 @@ def build_config(raw: dict[str, dict]) -> Config:
 def _hf_model_fields(preset: str, given: dict) -> dict:
     """The model fields of `hf:DIR` from DIR/config.json; fields given as well must agree with it."""
     from .errors import UserError
-    from .models.hf_causal import model_fields
+    from .hf_config import model_fields
 
     try:
         fields_ = model_fields(Path(preset[3:]))

@@ -32,30 +32,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UserError
-from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
+from ..hf_config import read_config_json
+from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
+from .hf_plans import llama_layers
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
 HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
               (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."))
-
-
-def read_config_json(directory: Path) -> dict:
-    """config.json of a Hugging Face model directory, checked for a supported architecture."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: no config.json; --model hf:DIR needs a Hugging Face model directory "
-                        "(config.json and model.safetensors or model-*-of-*.safetensors)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e}); give the config.json that save_pretrained wrote") from None
-    arch = (raw.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED:
-        raise UserError(f"{path}: architectures={arch} is not supported; supported: {', '.join(SUPPORTED)}")
-    return raw
 
 
 def load_hf_config(directory: Path):
@@ -112,29 +96,12 @@ class HFCausalLM(nn.Module):
 
 
 def hf_plan(config, tp: int) -> TensorPlan:
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    what_heads = f"attention heads (num_attention_heads={heads} in config.json)"
-    what_ffn = f"MLP features (intermediate_size={config.intermediate_size} in config.json)"
     layer = "blocks.*.layer"
-    attributes = {}
-    if kv_heads % tp and heads % tp == 0 and tp % kv_heads == 0:
-        # each rank keeps one replicated kv head for its heads/tp query heads
-        attributes[f"{layer}.self_attn"] = {"num_key_value_groups": heads // tp}
+    layers, attributes = llama_layers(config, tp, layer, " in config.json")
     qk_norms = (f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm")
     return TensorPlan(
-        layers={
-            "embed": VocabEmbedding(config.vocab_size),
-            f"{layer}.self_attn.q_proj": ColumnParallel(unit=head_dim, what=what_heads),
-            f"{layer}.self_attn.k_proj": GroupedKV(heads, kv_heads, head_dim),
-            f"{layer}.self_attn.v_proj": GroupedKV(heads, kv_heads, head_dim),
-            f"{layer}.self_attn.o_proj": RowParallel(unit=head_dim, what=what_heads),
-            f"{layer}.mlp.gate_proj": ColumnParallel(what=what_ffn),
-            f"{layer}.mlp.up_proj": ColumnParallel(what=what_ffn),
-            f"{layer}.mlp.down_proj": RowParallel(what=what_ffn),
-            "head": VocabHead(config.vocab_size),
-            "loss": VocabLoss(config.vocab_size),
-        },
+        layers={"embed": VocabEmbedding(config.vocab_size), **layers,
+                "head": VocabHead(config.vocab_size), "loss": VocabLoss(config.vocab_size)},
         regions=(f"{layer}.self_attn", f"{layer}.mlp", "head"),
         sequence=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "norm"),
         partial=qk_norms if config.model_type == "qwen3" else (),
@@ -170,20 +137,3 @@ def hf_spec(directory: Path, seed: int) -> ModelSpec:
         tied=tied,
         hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
     )
-
-
-def model_fields(directory: Path) -> dict:
-    """The `model.*` config fields (sizes for validation, data and the planner) of a model directory."""
-    raw = read_config_json(directory)
-    if raw["architectures"][0] == "GPT2LMHeadModel":
-        from .hf_gpt2 import model_fields as gpt2_fields
-
-        return gpt2_fields(raw)
-    heads = raw["num_attention_heads"]
-    return dict(layers=raw["num_hidden_layers"], hidden=raw["hidden_size"], heads=heads,
-                kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
-                vocab=raw["vocab_size"], max_seq=raw.get("max_position_embeddings", 2048), mlp="swiglu",
-                norm="rmsnorm", position="rope", tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                bias=bool(raw.get("attention_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 1e4)),
-                init_std=float(raw.get("initializer_range", 0.02)))

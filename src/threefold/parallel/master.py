@@ -183,7 +183,7 @@ class ShardedOptimizer:
             hook(self, (), {})
         if found_inf is not None and not self.inner.defaults.get("fused"):
             if bool(found_inf):  # a host read: only without a fused kernel (CPU, 1-bit Adam)
-                self.skip()
+                self._drop_grads()
                 return
             found_inf = None
         if found_inf is not None:
@@ -200,6 +200,9 @@ class ShardedOptimizer:
 
     def skip(self) -> None:
         """A step skipped after an overflow: nothing changes but the gradients are dropped."""
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
         for master in self.masters:
             master.grad = None
 

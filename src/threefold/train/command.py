@@ -15,7 +15,7 @@ from ..models.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
 OPTION_KEYS = {
-    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "zero": "parallel.zero",
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "ep": "parallel.ep", "zero": "parallel.zero",
     "model": "model.preset", "schedule": "pipeline.schedule", "microbatches": "train.microbatches",
     "virtual_stages": "pipeline.virtual_stages", "precision": "precision.compute",
     "activation_checkpointing": "remat.policy", "compress": "compress.method", "steps": "train.steps",
@@ -24,7 +24,8 @@ OPTION_KEYS = {
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic"}
 _NOTES = {  # what a default or a value means, where the type alone does not say
-    "parallel.dp": "0 = world / (tp x pp)", "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
+    "parallel.dp": "0 = world / (tp x pp)", "parallel.ep": "expert parallelism: ep ranks of dp share the experts",
+    "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
     "a directory or a .npy token array", "run.out": "a fresh runs/<date>-<time>, linked from runs/latest",
     "checkpoint.resume": "none, auto (the newest checkpoint of this run) or a checkpoint directory",
     "checkpoint.save_every": "0 = never",
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "free port, the same on every node")
     p.add_argument("--rdzv-timeout", type=float, help="seconds to wait for the endpoint and the other nodes "
                    "(default 300)")
+    p.add_argument("--rdzv-last-call", type=float, help="--nnodes MIN:MAX: once MIN nodes are there, seconds to "
+                   "wait for more before starting (default 30)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the local world after a failure "
                    "(default 0)")
     for option, key in OPTION_KEYS.items():
@@ -98,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     check_nproc(args.nproc)
     launching = bool(args.nproc or args.nnodes or args.rdzv_endpoint or args.node_rank is not None)
     if in_launched_world(launching):
+        if args.worker or args.node_worker:  # started by our launcher: end with it
+            from ..launch import die_with_agent
+
+            die_with_agent()
         if args.log_dir:  # started by our launcher: log to the run directory
             from ..launch import redirect_worker_output
 
