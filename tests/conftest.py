@@ -18,10 +18,21 @@ class Worlds:
     def close(self):
         for world in self._worlds.values():
             world.close(force=False)
+        self._worlds.clear()
+
+
+_POOL = Worlds()
 
 
 @pytest.fixture(scope="session")
 def worlds():
-    pool = Worlds()
-    yield pool
-    pool.close()
+    yield _POOL
+    _POOL.close()
+
+
+def pytest_runtest_setup(item):
+    """Idle worlds are not free (their processes and gloo threads share the machine's cores), so
+    they are closed before any test outside tests/distributed (those launch their own processes or
+    need none)."""
+    if item.path.parent.name != "distributed":
+        _POOL.close()

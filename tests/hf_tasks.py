@@ -162,3 +162,8 @@ def start_memory(overrides: list[str], out: str) -> dict:
     parallel = parallelize(spec, mesh, Comm(mesh), cfg)
     return {"held": storage_bytes(parallel.param_tensors()), "read": spec.weights.bytes_read,
             "allocated": parallel.materialised_bytes}
+
+
+def train_with_logits(runs: list[tuple[list[str], str]], tokens: torch.Tensor) -> list[dict]:
+    """`train_hf` of each run, with the whole-vocabulary logits of `tokens` after training."""
+    return [train_hf(overrides, out, tokens) for overrides, out in runs]

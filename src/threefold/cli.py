@@ -18,7 +18,7 @@ COMMANDS = {
     "train": ("threefold.train.command", "train a model (locally with --nproc, or under torchrun)"),
     "plan": ("threefold.planner.command", "predict memory and speed of layouts and find the fastest that fits"),
     "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
-    "parity": ("threefold.observe.parity", "run one job under several layouts and compare losses and weights"),
+    "parity": ("threefold.train.parity", "run one job under several layouts and compare losses and weights"),
     "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
     "data": ("threefold.data.command", "train a tokenizer and prepare token shards for training"),
 }

@@ -40,10 +40,34 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    head_size: int = 0  # attention head size; 0 = hidden / heads (DeepSeek-V3-sized: 96 for 128 heads of 7168)
+    # mixture of experts (models/moe.py, docs/moe.md): experts = 0 is a dense model
+    experts: int = 0  # routed experts of each sparse block
+    experts_top_k: int = 2  # experts per token: 1 = Switch, 2 = Mixtral
+    shared_experts: int = 0  # experts every token goes through (DeepSeek)
+    expert_ffn_hidden: int = 0  # hidden size of one expert; 0 = ffn_hidden
+    moe_every: int = 1  # a sparse block every N blocks ...
+    moe_start: int = 0  # ... from this block on (earlier blocks dense, as DeepSeek-V3's first 3)
+    expert_capacity: float = 0.0  # capacity factor per sequence (tokens dropped past it); 0 = dropless
+    router_aux_weight: float = 0.01  # load-balancing loss weight (per sequence, Switch's E * sum f_e P_e)
+    router_z_weight: float = 0.001  # router z-loss weight (mean logsumexp(logits)^2)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def attn_width(self) -> int:
+        """Width of the attention's q (and o's input): heads x head size."""
+        return self.heads * self.head_dim
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block `index` is sparse (a mixture of experts) rather than a dense MLP."""
+        return self.experts > 0 and index >= self.moe_start and (index - self.moe_start) % self.moe_every == 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    ep: int = 1  # expert parallelism: carved out of dp, each ep rank holds experts / ep experts
     sequence_parallel: bool = False
     bucket_mb: float = 25.0  # gradient bucket size for the data-parallel reduction
     offload: Literal["none", "optimizer"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
@@ -286,7 +311,7 @@ def build_config(raw: dict[str, dict]) -> Config:
 def _hf_model_fields(preset: str, given: dict) -> dict:
     """The model fields of `hf:DIR` from DIR/config.json; fields given as well must agree with it."""
     from .errors import UserError
-    from .models.hf_causal import model_fields
+    from .hf_config import model_fields
 
     try:
         fields_ = model_fields(Path(preset[3:]))

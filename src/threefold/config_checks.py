@@ -10,10 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
 from .errors import ConfigError, UserError
+from .moe_checks import validate_experts
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
     from .data.tokenizer import TokenizerIdentity
 
 
@@ -47,13 +48,14 @@ def validate(c: Config, world_size: int) -> Config:
                           f"{pr.growth_factor}, {pr.backoff_factor}, {pr.growth_interval}")
     if c.remat.every < 1:
         raise ConfigError("remat.every", f"must be at least 1, got {c.remat.every}")
-    if m.hidden % m.heads:
+    if m.hidden % m.heads and not m.head_size:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
     _validate_tensor_parallel(p, m, t)
+    validate_experts(c, dp)
     if t.seq_len > m.max_seq:
         raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
     if t.global_batch % (dp * t.microbatches):

@@ -4,6 +4,11 @@ The Mesh is the only owner of process groups. It is built once per job and passe
 strategy, which asks it for `group("tp")`, `rank("pp")`, `size("dp")`. The axis order puts tp
 innermost, so tensor-parallel ranks are consecutive global ranks (the same node under the
 usual launchers, where its frequent collectives belong), then dp, then pp outermost.
+
+Expert parallelism (`Layout.ep`) splits dp in two more axes: `ep`, runs of ep consecutive dp
+coordinates that share one copy of the experts and exchange tokens by all-to-all, and `edp`,
+the dp ranks at the same place of their runs, which hold the same experts and sum their
+gradients. With ep = 1, edp is dp.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .launch import free_port
 
 AXES = ("pp", "dp", "tp")
 NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
+# dp split for expert parallelism: `ep` (consecutive dp coordinates sharing the experts, the
+# all-to-all group) x `edp` (the dp ranks holding the same experts, which sum their gradients)
+EXPERT_AXES = ("ep", "edp")
 
 
 def pick_device(kind: str = "auto") -> torch.device:
@@ -37,7 +44,8 @@ def local_world_size() -> int:
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the world described by the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR...).
 
-    A lone process with no launcher becomes a world of one. NCCL drives CUDA, gloo the CPU.
+    A lone process with no launcher becomes a world of one over an in-process store. NCCL
+    drives CUDA, gloo the CPU.
     On CUDA the process group is bound to this rank's device (`device_id`): NCCL then creates
     its communicators eagerly - the world's here, every subgroup's when the Mesh creates it, in
     the same order on every rank - instead of at a group's first operation, where a first
@@ -45,15 +53,16 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    alone = {}
+    if "RANK" not in os.environ:  # an in-process store: no port to find, nothing to connect to
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        alone = dict(store=dist.HashStore(), rank=0, world_size=1)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **alone)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **alone)
 
 
 @dataclass(frozen=True)
@@ -61,13 +70,32 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: a factor of dp
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+
+
+_GROUPS: dict[tuple, tuple] = {}  # (device type, shape, node_size) -> (DeviceMesh, groups, node ranks)
+_GROUPS_WORLD: list = []  # the default group the cached groups belong to
+
+
+def _cached(key: tuple, build):
+    """One set of process groups per layout per process: a job builds its Mesh once, but a
+    long-lived process (a notebook, a test world) may build many Meshes of the same layout, and
+    every new group costs each rank connections and threads that are never returned. Groups are
+    reused only within the world they were created in."""
+    world = dist.group.WORLD
+    if not _GROUPS_WORLD or _GROUPS_WORLD[0] is not world:
+        _GROUPS.clear()
+        _GROUPS_WORLD[:] = [world]
+    if key not in _GROUPS:
+        _GROUPS[key] = build()
+    return _GROUPS[key]
 
 
 class Mesh:
@@ -85,12 +113,21 @@ class Mesh:
             raise ValueError(f"layout {layout} needs {layout.world_size} processes, the world has {world}")
         self.layout = layout
         self.device = device
-        self.device_mesh: DeviceMesh = init_device_mesh(
-            device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
-        self._groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
+        shape = (layout.pp, layout.dp, layout.tp)
+        self.device_mesh, groups = _cached((device.type, shape), lambda: self._build_axes(device, shape))
+        self._groups = dict(groups)
         self._node_ranks: dict[str, list[int]] = {}
+        self._expert_ranks: dict[str, list[int]] = {}
+        if layout.ep > 1:
+            expert_groups, expert_ranks = _cached((device.type, shape, "ep", layout.ep),
+                                                  lambda: self._build_expert_axes(layout.ep))
+            self._groups.update(expert_groups)
+            self._expert_ranks.update(expert_ranks)
         if node_size:
-            self._build_node_axes(node_size)
+            node_groups, node_ranks = _cached((device.type, shape, node_size),
+                                              lambda: self._build_node_axes(node_size))
+            self._groups.update(node_groups)
+            self._node_ranks.update(node_ranks)
         if device.type == "cuda":
             self._connect()
 
@@ -100,12 +137,33 @@ class Mesh:
         before any point-to-point batch uses it (a first batched p2p must include every member).
         Bookkeeping of the groups, not model traffic: it does not go through Comm."""
         probe = torch.zeros(1, device=self.device)
-        for axis in AXES + tuple(a for a in NODE_AXES if a in self._node_ranks):
+        for axis in AXES + tuple(self._expert_ranks) + tuple(a for a in NODE_AXES if a in self._node_ranks):
             if self.size(axis) > 1:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
 
-    def _build_node_axes(self, node_size: int) -> None:
+    def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
+        """Create the ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep),
+        and the members with the same place in their run (edp); every rank creates every group."""
+        if self.layout.dp % ep:
+            raise ValueError(f"ep={ep} does not divide dp={self.layout.dp}")
+        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
+        dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+        me = dist.get_rank()
+        groups, expert_ranks = {}, {}
+        for axis, lists in (("ep", [g[i: i + ep] for g in dp_groups for i in range(0, len(g), ep)]),
+                            ("edp", [g[i::ep] for g in dp_groups for i in range(ep)])):
+            if len(lists[0]) > 1:
+                groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
+            expert_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+        return groups, expert_ranks
+
+    @staticmethod
+    def _build_axes(device: torch.device, shape: tuple[int, int, int]) -> tuple[DeviceMesh, dict]:
+        device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
+        return device_mesh, {axis: device_mesh.get_group(axis) for axis in AXES}
+
+    def _build_node_axes(self, node_size: int) -> tuple[dict, dict]:
         """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""
         grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
         dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
@@ -121,10 +179,11 @@ class Mesh:
         intra_lists = [ranks[i: i + intra] for ranks in dp_groups for i in range(0, len(ranks), intra)]
         inter_lists = [ranks[i::intra] for ranks in dp_groups for i in range(intra)]
         me = dist.get_rank()
+        groups, node_ranks = {}, {}
         for axis, lists in (("dp_intra", intra_lists), ("dp_inter", inter_lists)):
-            group, _ = dist.new_subgroups_by_enumeration(lists)
-            self._groups[axis] = group
-            self._node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+            groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
+            node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
+        return groups, node_ranks
 
     @property
     def global_rank(self) -> int:
@@ -137,12 +196,17 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis in NODE_AXES:
             return len(self._node_axis(axis))
+        if axis in EXPERT_AXES:
+            return self.layout.ep if axis == "ep" else self.layout.dp // self.layout.ep
         return getattr(self.layout, axis)
 
     def rank(self, axis: str) -> int:
         """This process's coordinate along `axis` (0 .. size-1)."""
         if axis in NODE_AXES:
             return self._node_axis(axis).index(dist.get_rank())
+        if axis in EXPERT_AXES:
+            dp = self.device_mesh.get_local_rank("dp")
+            return dp % self.layout.ep if axis == "ep" else dp // self.layout.ep
         return self.device_mesh.get_local_rank(axis)
 
     def inter_node_axes(self, node_size: int) -> tuple[str, ...]:
@@ -150,7 +214,7 @@ class Mesh:
         `node_size` processes in launcher order); their bytes cross the network."""
         if node_size < 1 or node_size >= self.world_size:
             return ()
-        axes = AXES + tuple(self._node_ranks)
+        axes = AXES + tuple(self._expert_ranks) + tuple(self._node_ranks)
         return tuple(a for a in axes if len({r // node_size for r in self.ranks(a)}) > 1)
 
     def has_node_axes(self) -> bool:
@@ -164,12 +228,20 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         if axis in NODE_AXES:
             self._node_axis(axis)  # a clear error when the node axes were not built
+        if axis in EXPERT_AXES and axis not in self._groups:
+            if axis == "edp" and self.layout.ep == 1:  # without expert parallelism edp is dp
+                return self._groups["dp"]
+            raise ValueError(f"axis '{axis}' has one member in layout {self.layout}: it has no group")
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this process's group along `axis`, ordered by coordinate."""
         if axis in NODE_AXES:
             return list(self._node_axis(axis))
+        if axis in EXPERT_AXES:
+            if axis in self._expert_ranks:
+                return list(self._expert_ranks[axis])
+            return self.ranks("dp") if axis == "edp" else [dist.get_rank()]
         return dist.get_process_group_ranks(self._groups[axis])
 
     def global_rank_of(self, axis: str, index: int) -> int:

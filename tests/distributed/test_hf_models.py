@@ -10,7 +10,8 @@ from tests.helpers import rel_err
 
 pytest.importorskip("transformers")
 
-from tests.hf_tasks import TRAIN, reference_training, save_tiny, start_memory, train_hf, train_hf_many  # noqa: E402
+from tests.hf_tasks import (  # noqa: E402
+    TRAIN, reference_training, save_tiny, start_memory, train_hf, train_hf_many, train_with_logits)
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gpt2")
 
@@ -135,3 +136,41 @@ def test_each_rank_reads_and_holds_only_its_share(worlds, hf_dirs, tmp_path):
         assert r["allocated"] <= total / 4 + largest, r  # everything materialise ever allocated
         assert r["held"] <= total / 4 + largest, r
         assert 0 < r["read"] <= total / 4 + largest, r
+
+
+def test_reference_decoder_exports_as_llama_and_gpt2(worlds, tmp_path):
+    """threefold's own decoder, trained under tp=2 (Llama variant: GQA, biases, rotary pairs permuted to the
+    library's halves) and pp=2 (GPT variant: q/k/v fused into c_attn), exported with --hf: transformers'
+    from_pretrained gives threefold's logits."""
+    import transformers
+
+    from threefold.checkpoint.hf import export_hf
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(7))
+    quick = ["train.global_batch=4", "train.seq_len=16", "train.steps=3", "checkpoint.save_every=3"]
+    runs = {"llama": ["model.preset=tiny-llama", "model.bias=true", "parallel.tp=2"],
+            "gpt2": ["model.preset=tiny", "parallel.pp=2", "train.microbatches=2"]}
+    results = worlds(2).run(train_with_logits, [(o + quick, str(tmp_path / f)) for f, o in runs.items()], tokens)
+    archs = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+    for i, family in enumerate(runs):
+        export_hf(tmp_path / family, tmp_path / f"{family}-hf")
+        library = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{family}-hf"))
+        assert type(library).__name__ == archs[family]
+        with torch.no_grad():
+            logits = library(input_ids=tokens).logits
+        ours = [r[i]["after"] for r in results if r[i]["after"] is not None]
+        errors = [rel_err(logits, t) for t in ours]
+        assert ours and max(errors) <= 1e-5, f"{family}: logits differ by {errors}"
+
+
+def test_reference_decoder_without_a_library_equivalent_refuses_hf_export():
+    from types import SimpleNamespace
+
+    from threefold.checkpoint.format import CheckpointError
+    from threefold.checkpoint.hf import _hf_format_of
+
+    mixed = {"preset": "tiny", "position": "rope"}  # GPT-2's layer norm and GELU with rotary positions
+    with pytest.raises(CheckpointError, match="neither Llama's .* nor GPT-2's"):
+        _hf_format_of(SimpleNamespace(config={"model": mixed}))
+    with pytest.raises(CheckpointError, match="model.kv_heads=2 < heads has no GPT-2 equivalent"):
+        _hf_format_of(SimpleNamespace(config={"model": {"preset": "tiny", "kv_heads": 2}}))

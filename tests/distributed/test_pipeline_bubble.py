@@ -28,6 +28,8 @@ SHAPE = (2, 4, 8)  # what crosses stages
 class SleepCompute:
     """A stage whose every action takes a known time."""
 
+    meter = None
+
     def __init__(self, unit_s: float):
         self.unit = unit_s
 

@@ -8,7 +8,7 @@ from pathlib import Path
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
-def threefold(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def threefold(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from threefold.comm.compression import DenseHook, DGCHook, OneBitAdamHook, PowerSGDHook, adapt_optimizer, \
-    make_comm_hook
+from threefold.comm.compression import DenseHook, DGCHook, OneBitAdamHook, PowerSGDHook, adapt_optimizer
+from threefold.parallel.comm_hook import make_comm_hook
 from threefold.comm.compression.onebit import OneBitAllReduce, compress, decompress, pack_signs, unpack_signs
 from threefold.comm.compression.powersgd import _Layout
 from threefold.config import load_config

@@ -17,7 +17,7 @@ from threefold.observe.hang import Watchdog
 from threefold.observe.hang_report import build_report, format_report
 from threefold.observe.nonfinite import NonFiniteMonitor, decode_name, encode_name
 from threefold.observe.params import load_global, owned_boxes
-from threefold.observe.parity import compare, parse_layouts
+from threefold.train.parity import compare, parse_layouts
 from threefold.observe.plots import plot_run
 from threefold.observe.replicas import tensor_hash
 from threefold.observe.stats import RunStats, blocked_seconds, split_step, straggler

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
-from ..mesh import AXES, Mesh
+from ..mesh import AXES, EXPERT_AXES, Mesh
 from .format import CheckpointError, Manifest, partial_dir_name, read_manifest
 from .reader import load_entries
 from .state import TrainingState, capture_rng, restore_rng
@@ -36,7 +36,7 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.rank = mesh.global_rank
         self.world_size = mesh.world_size
-        self.coords = {axis: mesh.rank(axis) for axis in AXES}
+        self.coords = {axis: mesh.rank(axis) for axis in AXES + EXPERT_AXES}
         self.writer = BackgroundWriter()
         self._staging: dict = {}  # async saves: host buffers reused from save to save
         self._staged = threading.Event()  # set while no snapshot is in flight

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     export.add_argument("out", nargs="?", help="output .safetensors file (start a run from it with "
                                                "checkpoint.init_from)")
     export.add_argument("--hf", metavar="OUT", help="write a Hugging Face model directory (config.json, sharded "
-                                                    "safetensors + index, tokenizer files) of a --model hf:DIR run")
+                                                    "safetensors + index, tokenizer files) of a --model hf:DIR run, or "
+                                                    "of the reference decoder as a Llama / GPT-2")
     export.add_argument("--shard-mb", type=float, default=2048.0, help="largest safetensors shard of --hf (MB)")
 
 

@@ -5,9 +5,10 @@ sharded `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. 
 its local tensors from the boxes its placements hold, read with safetensors' `get_slice`
 straight from the memory-mapped files (reader.py): no rank reads or holds the whole model.
 
-Out (`export_hf`): a checkpoint's model tensors under the Hugging Face names, in shards of at
-most `shard_bytes` with their index, the source model's config.json (with the written dtype)
-and its tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it.
+Out (`export_hf`): a checkpoint's model tensors as the family's `spec.hf` describes them (Hugging
+Face names; for the reference decoder also reordered / fused / transposed: models/reference_hf.py),
+in shards of at most `shard_bytes` with their index, the config.json (with the written dtype)
+and the source's tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it.
 """
 
 from __future__ import annotations
@@ -106,12 +107,26 @@ def _hf_format_of(manifest) -> HFFormat:
     from ..config import ModelConfig
     from ..models.registry import model_spec
 
-    model = manifest.config.get("model", {})
-    spec = model_spec(ModelConfig(**model), 0)
+    from ..models.reference_hf import why_not
+
+    cfg = ModelConfig(**manifest.config.get("model", {}))
+    spec = model_spec(cfg, 0)
     if spec.hf is None:
-        raise CheckpointError(f"checkpoint of model.preset={model.get('preset')}: only Hugging Face families "
-                              "(trained with --model hf:DIR) export with --hf; use `ckpt export CKPT FILE`")
+        raise CheckpointError(f"checkpoint of model.preset={cfg.preset}: {why_not(cfg)}; export it with "
+                              "`ckpt export CKPT FILE` (threefold's own names) instead of --hf")
     return spec.hf
+
+
+def _nbytes(info: TensorInfo) -> int:
+    return math.prod(info.shape) * torch.empty((), dtype=DTYPES[info.dtype]).element_size()
+
+
+def _whole(ckpt: Path, manifest, name: str) -> torch.Tensor:
+    """Checkpoint tensor `name` assembled whole from its slices."""
+    info = manifest.tensors[name]
+    full = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+    load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
+    return full
 
 
 def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path, int]:
@@ -125,27 +140,25 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; give a new directory for the export")
     out.mkdir(parents=True, exist_ok=True)
-    names = sorted(n for n in manifest.tensors if n.startswith("model/"))
-    shards, current, size = [], {}, 0
-    for name in names:
-        info = manifest.tensors[name]
-        nbytes = math.prod(info.shape) * torch.empty((), dtype=DTYPES[info.dtype]).element_size()
+    names = sorted(n[len("model/"):] for n in manifest.tensors if n.startswith("model/"))
+    shards, current, size = [], [], 0
+    for hf_tensor in fmt.tensors(names):
+        nbytes = sum(_nbytes(manifest.tensors[f"model/{n}"]) for n in hf_tensor.sources)
         if current and size + nbytes > shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[name] = info
+            current, size = [], 0
+        current.append(hf_tensor)
         size += nbytes
     shards.append(current)
     weight_map, dtypes, total = {}, set(), 0
     for i, shard in enumerate(shards):
         file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
-        for name, info in shard.items():  # one shard's tensors in memory at a time
-            full = torch.empty(info.shape, dtype=DTYPES[info.dtype])
-            load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
-            key = fmt.key_of(name[len("model/"):])
-            tensors[key] = full
-            weight_map[key] = file
+        for hf_tensor in shard:  # one shard's tensors in memory at a time
+            parts = [_whole(ckpt, manifest, f"model/{n}") for n in hf_tensor.sources]
+            full = parts[0] if hf_tensor.combine is None else hf_tensor.combine(parts)
+            tensors[hf_tensor.key] = full
+            weight_map[hf_tensor.key] = file
             dtypes.add(full.dtype)
             total += full.numel() * full.element_size()
         save_file(tensors, str(out / file), metadata={"format": "pt"})
@@ -159,4 +172,4 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path
         for file in TOKENIZER_FILES:
             if (fmt.source / file).is_file():
                 shutil.copy2(fmt.source / file, out / file)
-    return ckpt, len(names)
+    return ckpt, len(weight_map)

@@ -6,9 +6,9 @@ its `Placement` - from nothing but `ParallelModel.placements`:
 * `model/<name>`: every local parameter, with its own placement;
 * `optim/<name>/<key>`: optimizer state. A state tensor shaped like its parameter has the
   parameter's placement; a scalar (Adam's `step`) is global and written by the rank that
-  writes the parameter's first element. An optimizer wrapper that keeps its states in another
-  shape (a flat ZeRO buffer, fp32 masters of bf16 weights) provides its own entries through
-  a `checkpoint_entries()` method returning `Entry`s.
+  writes the parameter's first element. That is a `torch.optim.Optimizer`'s state; an
+  optimizer that keeps its states in another shape (ZeRO's flat pieces, fp32 masters of bf16
+  weights) is a `NamedStateOptimizer`: it names each state tensor with its own placement.
 
 RNG states are raw generator bytes in base64 (JSON, never pickle); stateful helpers such as
 the loss scaler contribute `state_dict()`s of plain JSON values.
@@ -28,6 +28,16 @@ from .format import DTYPES, CheckpointError, Manifest
 from .pieces import holds_origin
 
 
+class NamedStateOptimizer(Protocol):
+    """An optimizer that is not a torch.optim.Optimizer and owns its state's storage and names."""
+
+    def named_state(self) -> list[tuple[Placement, torch.Tensor]]:
+        """(placement named optimizer.<kind>.<param>, local tensor) for every state tensor."""
+
+
+Optimizer = torch.optim.Optimizer | NamedStateOptimizer
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str  # checkpoint tensor name: model/<global name> or optim/<global name>/<key>
@@ -45,14 +55,10 @@ def model_entries(named_params, placements: dict[str, Placement]) -> list[Entry]
     return out
 
 
-def optimizer_entries(optimizer: torch.optim.Optimizer, named_params, placements: dict[str, Placement]) -> list[Entry]:
+def optimizer_entries(optimizer: Optimizer, named_params, placements: dict[str, Placement]) -> list[Entry]:
     """The optimizer's state tensors as entries (what exists now: Adam states appear after step 1)."""
-    provided = getattr(optimizer, "checkpoint_entries", None)
-    if provided is not None:
-        return list(provided())
-    named_state = getattr(optimizer, "named_state", None)
-    if named_state is not None:  # ShardedOptimizer: (placement, tensor) pairs named optimizer.<kind>.<param>
-        return [_named_state_entry(place, tensor) for place, tensor in named_state()]
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return [_named_state_entry(place, tensor) for place, tensor in optimizer.named_state()]
     out = []
     for local_name, param in named_params:
         place = placements[local_name]
@@ -72,18 +78,18 @@ def _state_entry(place: Placement, param: nn.Parameter, key: str, value) -> Entr
     name = f"optim/{place.name}/{key}"
     if not isinstance(value, torch.Tensor):
         raise CheckpointError(f"optimizer state '{key}' of {place.name} is a {type(value).__name__}, not a tensor; "
-                              "give the optimizer a checkpoint_entries() method to save it")
+                              "give the optimizer a named_state() (checkpoint/state.py NamedStateOptimizer)")
     if value.shape == param.shape:
         return Entry(name, value, replace(place, name=name))
     if value.dim() == 0:
         scalar = Placement(name, (), (), (), None, place.replicated_over)
         return Entry(name, value, scalar, writer=holds_origin(place))
     raise CheckpointError(f"optimizer state '{key}' of {place.name} has shape {tuple(value.shape)}, neither the "
-                          f"parameter's {tuple(param.shape)} nor a scalar; give the optimizer a checkpoint_entries() "
-                          "method with its placements")
+                          f"parameter's {tuple(param.shape)} nor a scalar; give the optimizer a named_state() with "
+                          "its placements (checkpoint/state.py NamedStateOptimizer)")
 
 
-def create_optimizer_state(optimizer: torch.optim.Optimizer, named_params, placements: dict[str, Placement],
+def create_optimizer_state(optimizer: Optimizer, named_params, placements: dict[str, Placement],
                            manifest: Manifest) -> None:
     """Allocate the state tensors the checkpoint has for each local parameter, so loading can fill them.
 
@@ -91,8 +97,8 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer, named_params, place
     is kept. Parameter-shaped states take the parameter's device, scalars stay on the CPU
     (where torch's Adam keeps `step` unless capturable).
     """
-    if getattr(optimizer, "checkpoint_entries", None) is not None or hasattr(optimizer, "named_state"):
-        return  # the wrapper owns its storage
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return  # a NamedStateOptimizer owns its storage
     by_param: dict[str, list[str]] = {}
     for name in manifest.tensors:
         if name.startswith("optim/"):
@@ -152,7 +158,7 @@ class TrainingState:
 
     named_params: list[tuple[str, nn.Parameter]]  # local name -> local parameter (all of them, frozen too)
     placements: dict[str, Placement]
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: Optimizer | None = None
     stateful: dict[str, object] = field(default_factory=dict)  # name -> object with state_dict()/load_state_dict()
     # Tensors that belong to this rank alone (gradient-compression residuals and momenta): saved
     # as rank/<global rank>/<key>, restored only under the same layout, dropped under another one

@@ -10,6 +10,7 @@ counted on the mesh axis it crosses:
     scatter_to_group     forward take own chunk      backward all-gather (dim)
     reduce_scatter_to_group  forward reduce-scatter (dim)  backward all-gather (dim)   (SP "g")
     all_gather_from_group    forward all-gather (dim)      backward reduce-scatter (dim) (SP "f")
+    all_to_all_rows      forward all-to-all of rows    backward the reverse all-to-all (expert dispatch)
 """
 
 from __future__ import annotations
@@ -99,3 +100,26 @@ def reduce_scatter_to_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1
 
 def all_gather_from_group(x: torch.Tensor, comm: Comm, axis: str, dim: int = 1) -> torch.Tensor:
     return _Conjugate.apply(x, _gather, _reduce_scatter, comm, axis, dim % x.dim())
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, output_splits, input_splits):
+        ctx.comm, ctx.axis, ctx.splits = comm, axis, (list(output_splits), list(input_splits))
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all_v(out, x.contiguous(), output_splits, input_splits, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        out = grad.new_empty((sum(input_splits),) + tuple(grad.shape[1:]))
+        ctx.comm.all_to_all_v(out, grad.contiguous(), input_splits, output_splits, ctx.axis)
+        return out, None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, comm: Comm, axis: str, output_splits: list[int],
+                    input_splits: list[int]) -> torch.Tensor:
+    """Rows of `x` to the members of `axis` (`input_splits[j]` to member j), `output_splits[i]` rows
+    received from member i; backward sends the gradients back the same way."""
+    return _AllToAllRows.apply(x, comm, axis, output_splits, input_splits)

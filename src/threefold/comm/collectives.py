@@ -10,7 +10,7 @@
     all_gather      S_out - S_in     ((n-1)/n of the output)
     broadcast       S, except the last rank of the chain from the source
     reduce          S, except the destination (the chain ends there)
-    all_to_all      S_in - own block ((n-1)/n of the input)
+    all_to_all      S_in - own block ((n-1)/n of the input; all_to_all_v: the rows sent to others)
     send            S                (recv: 0)
   These are the figures the scaling formulas of the papers use, so tests compare them exactly.
 * **a flight record** - each call's sequence number, op, axis, the group's global ranks, the
@@ -323,6 +323,23 @@ class Comm:
         record = self._start("all_to_all", axis, input, nbytes)
         work = dist.all_to_all_single(output, input, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                     input_splits: list[int], axis: str, tag: str = "") -> None:
+        """Rows (dim 0) of variable counts: `input_splits[j]` rows of `input` go to member j, in member
+        order; `output` receives `output_splits[i]` rows from member i. Bytes sent: every row but
+        those this rank keeps. `tag` files them under "all_to_all.<tag>" (e.g. the split sizes)."""
+        if self._trivial(axis):
+            output.copy_(input)
+            return
+        row = input[0].numel() if input.dim() > 1 else 1
+        kept = input_splits[self.mesh.rank(axis)]
+        nbytes = (sum(input_splits) - kept) * row * input.element_size()
+        record = self._start(f"all_to_all.{tag}" if tag else "all_to_all", axis, input, nbytes)
+        work = dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                                      input_split_sizes=list(input_splits), group=self.mesh.group(axis),
+                                      async_op=True)
+        self._finish(work, record, False)
 
     def barrier(self, axis: str) -> None:
         if self._trivial(axis):

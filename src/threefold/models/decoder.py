@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -64,10 +66,10 @@ class Attention(nn.Module):
         self.rope = cfg.position == "rope"
         self.rope_theta = cfg.rope_theta
         kv = cfg.kv_heads * cfg.head_dim
-        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.q = nn.Linear(cfg.hidden, cfg.attn_width, bias=cfg.bias)
         self.k = nn.Linear(cfg.hidden, kv, bias=cfg.bias)
         self.v = nn.Linear(cfg.hidden, kv, bias=cfg.bias)
-        self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.o = nn.Linear(cfg.attn_width, cfg.hidden, bias=cfg.bias)
         if self.k.bias is not None:
             # softmax(q.(k + b)) = softmax(q.k): the key bias gets an identically zero gradient.
             # It is kept (GPT-2 has it, so weights import and parameter counts match) but frozen:
@@ -109,12 +111,19 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm attention and MLP; the MLP is a mixture of experts (models/moe.py) in sparse blocks."""
+
+    def __init__(self, cfg: ModelConfig, sparse: bool = False):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if sparse:
+            shared = (MLP(replace(cfg, ffn_hidden=cfg.shared_experts * cfg.expert_width))
+                      if cfg.shared_experts else None)
+            self.mlp = MoE(cfg, shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x_bsh):
         x_bsh = x_bsh + self.attn(self.attn_norm(x_bsh))
@@ -146,7 +155,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.layers))
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.loss = TokenCrossEntropy()
@@ -171,14 +180,15 @@ def initial_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig
     """The initial value of parameter `name` (whole, fp32): a function of (seed, name) only.
 
     Biases start at zero, norm gains at one, every other weight ~ N(0, init_std), residual
-    output projections (attn.o, mlp.down) with std / sqrt(2 * layers) as in GPT-2.
+    output projections (attn.o, mlp.down and the experts' down projections) with
+    std / sqrt(2 * layers) as in GPT-2.
     """
     if name.endswith("bias"):
         return torch.zeros(shape)
     if "norm" in name:
         return torch.ones(shape)
     std = cfg.init_std
-    if name.endswith(("attn.o.weight", "mlp.down.weight")):
+    if name.endswith(("attn.o.weight", "mlp.down.weight", "mlp.shared.down.weight", "mlp.experts.w_down")):
         std /= math.sqrt(2 * cfg.layers)
     gen = torch.Generator().manual_seed(parameter_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
@@ -219,4 +229,10 @@ def causal_forward(model: nn.Module, tokens_bs, targets_bs=None):
     for block in model.blocks:
         x = block(x)
     logits = model.head(model.norm(x))
-    return logits if targets_bs is None else model.loss(logits, targets_bs)
+    if targets_bs is None:
+        return logits
+    loss = model.loss(logits, targets_bs)
+    for block in model.blocks:  # the routers' auxiliary losses (models/moe.py), summed as token losses are
+        if isinstance(block, Block) and isinstance(block.mlp, MoE):
+            loss = loss + block.mlp.aux_sum
+    return loss

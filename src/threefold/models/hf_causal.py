@@ -32,30 +32,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..hf_config import read_config_json
 from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
 HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
               (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."))
-
-
-def read_config_json(directory: Path) -> dict:
-    """config.json of a Hugging Face model directory, checked for a supported architecture."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: no config.json; --model hf:DIR needs a Hugging Face model directory "
-                        "(config.json and model.safetensors or model-*-of-*.safetensors)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e}); give the config.json that save_pretrained wrote") from None
-    arch = (raw.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED:
-        raise UserError(f"{path}: architectures={arch} is not supported; supported: {', '.join(SUPPORTED)}")
-    return raw
 
 
 def load_hf_config(directory: Path):
@@ -170,20 +153,3 @@ def hf_spec(directory: Path, seed: int) -> ModelSpec:
         tied=tied,
         hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
     )
-
-
-def model_fields(directory: Path) -> dict:
-    """The `model.*` config fields (sizes for validation, data and the planner) of a model directory."""
-    raw = read_config_json(directory)
-    if raw["architectures"][0] == "GPT2LMHeadModel":
-        from .hf_gpt2 import model_fields as gpt2_fields
-
-        return gpt2_fields(raw)
-    heads = raw["num_attention_heads"]
-    return dict(layers=raw["num_hidden_layers"], hidden=raw["hidden_size"], heads=heads,
-                kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
-                vocab=raw["vocab_size"], max_seq=raw.get("max_position_embeddings", 2048), mlp="swiglu",
-                norm="rmsnorm", position="rope", tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                bias=bool(raw.get("attention_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 1e4)),
-                init_std=float(raw.get("initializer_range", 0.02)))

@@ -122,13 +122,3 @@ def gpt2_spec(directory: Path, config, seed: int) -> ModelSpec:
         local_hooks=freeze_key_bias,
         hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
     )
-
-
-def model_fields(raw: dict) -> dict:
-    hidden = raw.get("n_embd", raw.get("hidden_size"))
-    heads = raw.get("n_head", raw.get("num_attention_heads"))
-    return dict(layers=raw.get("n_layer", raw.get("num_hidden_layers")), hidden=hidden, heads=heads, kv_heads=heads,
-                ffn_hidden=raw.get("n_inner") or 4 * hidden, vocab=raw["vocab_size"],
-                max_seq=raw.get("n_positions", raw.get("max_position_embeddings", 1024)), mlp="gelu",
-                norm="layernorm", position="learned", tie_embeddings=True, bias=True,
-                norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), init_std=float(raw.get("initializer_range", 0.02)))

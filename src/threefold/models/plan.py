@@ -25,16 +25,20 @@ def decoder_plan(cfg: ModelConfig) -> TensorPlan:
         "blocks.*.attn.k": GroupedKV(cfg.heads, cfg.kv_heads, cfg.head_dim),
         "blocks.*.attn.v": GroupedKV(cfg.heads, cfg.kv_heads, cfg.head_dim),
         "blocks.*.attn.o": RowParallel(unit=cfg.head_dim, what=heads),
-        "blocks.*.mlp.up": ColumnParallel(what=ffn),
-        "blocks.*.mlp.down": RowParallel(what=ffn),
         "head": VocabHead(cfg.vocab),
         "loss": VocabLoss(cfg.vocab),
     }
-    if cfg.mlp == "swiglu":
-        layers["blocks.*.mlp.gate"] = ColumnParallel(what=ffn)
+    # dense MLPs split; a mixture of experts (models/moe.py) stays whole on every tp rank: its
+    # router, experts and shared experts are replicated over tp and compute the same rows
+    dense = ["*"] if cfg.experts == 0 else [str(i) for i in range(cfg.layers) if not cfg.is_moe_block(i)]
+    for block in dense:
+        layers[f"blocks.{block}.mlp.up"] = ColumnParallel(what=ffn)
+        layers[f"blocks.{block}.mlp.down"] = RowParallel(what=ffn)
+        if cfg.mlp == "swiglu":
+            layers[f"blocks.{block}.mlp.gate"] = ColumnParallel(what=ffn)
     return TensorPlan(
         layers=layers,
-        regions=("blocks.*.attn", "blocks.*.mlp", "head"),
+        regions=("blocks.*.attn", *(f"blocks.{block}.mlp" for block in dense), "head"),
         sequence=("blocks.*.attn_norm", "blocks.*.mlp_norm", "norm"),
         scatter_sequence={"embed.pos": 0} if cfg.position == "learned" else {},
     )

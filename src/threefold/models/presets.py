@@ -5,6 +5,13 @@ architectures' real vocabularies and shapes so that their parameter counts match
 GPT-2 124M (Radford et al. 2019), GPT-3 175B (Brown et al. 2020, table 2.1),
 Llama 2 7B / 70B (Touvron et al. 2023) and Llama 3 405B (Dubey et al. 2024, table 3).
 `tiny` and `small` use the byte-level vocabulary (256) of threefold's own tokenizer.
+
+Mixtures of experts (models/moe.py): `tiny-moe` for tests, `small-moe` (8 experts, top-2, whose
+active MLP width equals `small`'s), Mixtral 8x7B (Jiang et al. 2024) and a DeepSeek-V3-sized
+model (DeepSeek-AI 2024: 61 blocks, the first 3 dense, 256 routed experts of width 2048, top-8,
+one shared expert). DeepSeek-V3's multi-head latent attention is replaced by grouped-query
+attention of the same size (128 heads of 96, 8 key/value heads: 187.2M parameters per block
+against MLA's 187.1M), so the counts match while the attention is the decoder's own.
 """
 
 _GPT = dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True, bias=True)
@@ -22,6 +29,15 @@ PRESETS: dict[str, dict] = {
     "llama-70b": dict(_LLAMA, layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=32000, max_seq=4096),
     "llama-405b": dict(_LLAMA, layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256,
                        max_seq=8192, rope_theta=500000.0),
+    "tiny-moe": dict(_LLAMA, layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=96, vocab=256, max_seq=64,
+                     experts=4, experts_top_k=2, expert_ffn_hidden=48),
+    "small-moe": dict(_GPT, layers=4, hidden=256, heads=4, kv_heads=4, ffn_hidden=1024, vocab=256, max_seq=256,
+                      experts=8, experts_top_k=2, expert_ffn_hidden=512),
+    "mixtral-8x7b": dict(_LLAMA, layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000,
+                         max_seq=32768, rope_theta=1e6, experts=8, experts_top_k=2),
+    "deepseek-v3": dict(_LLAMA, layers=61, hidden=7168, heads=128, kv_heads=8, head_size=96, ffn_hidden=18432,
+                        vocab=129280, max_seq=4096, experts=256, experts_top_k=8, shared_experts=1,
+                        expert_ffn_hidden=2048, moe_start=3),
 }
 
 # Published parameter counts, for the tests that check the presets against the papers.
@@ -31,4 +47,12 @@ PUBLISHED_PARAMS: dict[str, int] = {
     "llama-7b": 6_738_415_616,
     "llama-70b": 68_976_648_192,
     "llama-405b": 405_000_000_000,
+    "mixtral-8x7b": 46_702_792_704,  # "46.7B total parameters" (the exact count of the released weights)
+    "deepseek-v3": 671_000_000_000,  # "671B total parameters" (without the 14B multi-token prediction module)
+}
+
+# Published parameters used per token (mixtures of experts): "12.9B" and "37B activated".
+PUBLISHED_ACTIVE: dict[str, int] = {
+    "mixtral-8x7b": 12_900_000_000,
+    "deepseek-v3": 37_000_000_000,
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .decoder import Decoder, initial_value
 from .plan import decoder_plan
+from .reference_hf import reference_hf
 from .spec import CausalAdapter, ModelSpec
 
 
@@ -17,4 +18,5 @@ def decoder_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
         adapter=CausalAdapter(tied),
         init=lambda name, shape: initial_value(name, shape, seed, cfg),
         tied=tied,
+        hf=reference_hf(cfg),
     )

@@ -11,8 +11,9 @@ A family (models/<family>.py) describes itself completely here; strategies read 
     tied           {parameter name: name of the parameter it shares storage with}
     local_hooks    called with this rank's module once it has storage: the family's own gradient
                    hooks (GPT-2's frozen key bias inside the fused q/k/v bias), or None
-    hf             its Hugging Face form: checkpoint key of every parameter, config.json to
-                   write, the directory it came from (tokenizer files)
+    hf             its Hugging Face form: checkpoint key of every parameter (or how each exported
+                   tensor is made from ours), config.json to write, the directory it came from
+                   (tokenizer files); None when the family has none
     weights        pretrained values to start from (None: initialised from the seed)
 
 Every family has the same top-level shape, so one pipeline adapter serves all of them:
@@ -80,12 +81,24 @@ class WeightSource(Protocol):
 
 
 @dataclass(frozen=True)
+class HFTensor:
+    """One tensor of a Hugging Face checkpoint made from parameters of ours (whole, by global name)."""
+
+    key: str
+    sources: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # None: the one source as it is
+
+
+@dataclass(frozen=True)
 class HFFormat:
-    """How a family's parameters are named in a Hugging Face checkpoint (renames of name prefixes)."""
+    """How a family's parameters are named in a Hugging Face checkpoint (renames of name prefixes),
+    and, for a family whose tensors differ from the library's (the reference decoder), how each
+    exported tensor is made from ours (`exports`)."""
 
     renames: tuple[tuple[str, str], ...]  # (regex on our name, replacement giving the HF key)
     config: dict = field(default_factory=dict)  # the config.json of the model
     source: Path | None = None  # the directory the model came from (tokenizer files), if any
+    exports: Callable[[list[str]], list[HFTensor]] | None = None  # our names -> the tensors to write
 
     def key_of(self, name: str) -> str:
         for pattern, replacement in self.renames:
@@ -93,6 +106,12 @@ class HFFormat:
             if n:
                 return key
         return name
+
+    def tensors(self, names: list[str]) -> list[HFTensor]:
+        """The Hugging Face tensors to write for the parameters `names` (global, without model/)."""
+        if self.exports is not None:
+            return self.exports(names)
+        return [HFTensor(self.key_of(n), (n,)) for n in names]
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,14 @@ the meta device, so no rank ever holds the whole model:
 
     0. build                 the single-device module, on the meta device (no storage)
     1. tensor parallelism    shard weights over tp by the model's plan          (parallel/tensor.py)
+       expert parallelism    keep this rank's experts of each MoE block, all-to-all dispatch  (parallel/expert.py)
     2. pipeline split        keep this rank's stage(s) of the model              (pipeline/)
        materialise           allocate this rank's shards only; fill them from the pretrained
                              weights (reading only those boxes) or the seeded init  (parallel/materialise.py)
     3. activation checkpointing                                                  (parallel/remat.py)
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
+                             (with ep > 1: dense over dp, experts over edp        parallel/expert.py)
 
 Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
 model; the pipeline keeps its stages of that model; checkpointing wraps the blocks a rank
@@ -34,11 +36,12 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..comm.compression import make_comm_hook
 from ..config import Config
 from ..mesh import Mesh
 from ..models.spec import ModelSpec
+from .comm_hook import make_comm_hook
 from .data import parallelize_data
+from .expert import ExpertParallelSync, shard_experts
 from .master import Piece
 from .materialise import materialise
 from .model import GradSync, ParallelModel, accumulate
@@ -59,6 +62,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # once the parameters have storage)
     shards = shard_tensor(model, mesh, comm, spec.plan(mesh.size("tp")), cfg.parallel.sequence_parallel)
     placements = shards.placements
+    # 1b. expert parallelism: this rank's experts (a split of the stacked expert weights over ep)
+    expert_names = shard_experts(model, mesh, comm, placements)
     # 2. pipeline: keep this rank's stages. Names stay global; a weight tied between the first and
     # last stage is held by both, replicated over pp (counted once, at pp coordinate 0).
     split = None
@@ -80,7 +85,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     precision = apply_precision(model, cfg.precision)
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
-                                                              split is not None)
+                                                              split is not None, expert_names)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
                              after_step, regions, spec=spec, materialised_bytes=allocated)
@@ -89,17 +94,24 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     return parallel
 
 
-def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool):
-    """Step 5: plain data parallelism or ZeRO 1-3 -> (grad sync, placements, optimizer pieces, after_step)."""
+def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool,
+                  expert_names: set[str] = frozenset()):
+    """Step 5: plain data parallelism or ZeRO 1-3 -> (grad sync, placements, optimizer pieces, after_step).
+    Expert parameters spread over ep (`expert_names`) are summed over edp only."""
     stage, p = cfg.parallel.zero, cfg.parallel
     wire = precision.reduce_dtype
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
         wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    if stage == 0:
+    if stage == 0 and expert_names:
+        grad_sync = ExpertParallelSync(model, expert_names, comm, p.bucket_mb)
+        placements = {name: place.replicated("edp" if name in expert_names else "dp")
+                      for name, place in placements.items()}
+    elif stage == 0:
         hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
+    if stage == 0:
         pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
                   for name, q in named]
         return grad_sync, placements, pieces, None

@@ -13,41 +13,13 @@ bucket is full, while autograd goes on computing earlier layers' gradients.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm.compression.dense import DenseHook
+from ..comm.compression.hook import CommHook
 from .buckets import Bucket, GradientBuckets
-
-
-class CommHook(Protocol):
-    """How one bucket's gradients cross the dp axis (plain all-reduce, a cast, a compressor)."""
-
-    def launch(self, bucket: Bucket, comm: Comm, axis: str):
-        """Start communicating `bucket.buffer`; return an object with wait()."""
-
-    def complete(self, bucket: Bucket) -> None:
-        """After wait(): leave the summed gradient in `bucket.buffer`."""
-
-
-class AllReduceHook:
-    """The baseline: all-reduce the bucket, optionally on the wire in another dtype."""
-
-    def __init__(self, wire_dtype: torch.dtype | None = None):
-        self.wire_dtype = wire_dtype
-
-    def launch(self, bucket: Bucket, comm: Comm, axis: str):
-        tensor = bucket.buffer
-        if self.wire_dtype is not None and self.wire_dtype != tensor.dtype:
-            tensor = bucket.state["wire"] = tensor.to(self.wire_dtype)
-        return comm.all_reduce(tensor, axis, async_op=True)
-
-    def complete(self, bucket: Bucket) -> None:
-        wire = bucket.state.pop("wire", None)
-        if wire is not None:
-            bucket.buffer.copy_(wire)
 
 
 class DataParallelReducer:
@@ -57,7 +29,7 @@ class DataParallelReducer:
                  hook: CommHook | None = None, axis: str = "dp"):
         self.comm = comm
         self.axis = axis
-        self.hook = hook or AllReduceHook()
+        self.hook = hook or DenseHook()
         self._update_pre_hooks: list = []
         self.buckets = GradientBuckets(
             params, int(bucket_mb * 2**20),
@@ -96,8 +68,7 @@ class DataParallelReducer:
         """
         out = {f"bucket.{b.index}.{name}": t for b in self.buckets.buckets for name, t in b.state.items()
                if not name.startswith("_") and isinstance(t, torch.Tensor)}
-        if hasattr(self.hook, "state_dict"):
-            out.update({f"hook.{name}": t for name, t in self.hook.state_dict().items()})
+        out.update({f"hook.{name}": t for name, t in self.hook.state_dict().items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -133,7 +104,7 @@ class DataParallelReducer:
     @property
     def applies_momentum(self) -> bool:
         """Whether the hook applies the optimizer's momentum before the exchange (DGC's correction)."""
-        return bool(getattr(self.hook, "applies_momentum", False))
+        return self.hook.applies_momentum
 
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)

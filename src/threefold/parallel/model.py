@@ -137,6 +137,12 @@ class ParallelModel:
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
         return adapt_optimizer(optimizer, self.grad_sync) if compression else optimizer
 
+    def router_metrics(self, comm) -> dict | None:
+        """The `moe` metrics of the step (parallel/expert.py), None without experts."""
+        from .expert import router_metrics
+
+        return router_metrics(self.module, comm)
+
     # ------------------------------------------------------------ checkpoint state
 
     @property

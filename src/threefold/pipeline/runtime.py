@@ -44,6 +44,8 @@ class MicroState:
 
 
 class StageCompute(Protocol):
+    meter: SavedTensorMeter | None  # activation bytes of the stages in flight (None: not measured)
+
     def begin(self, global_tokens: int) -> None: ...
     def forward(self, stage: Stage, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, object]:
         """(output to pass on - the detached summed loss on the last stage -, state for backward)."""
@@ -175,7 +177,7 @@ class PipelineRuntime:
         self.dtype = dtype
         self.tied_grads = tied_grads  # callable run after the schedule (sums tied weights' gradients)
         self.timeline: list[Event] = []  # the last step's actions, perf_counter seconds
-        self.meter = getattr(compute, "meter", None)  # activation bytes of the stages in flight
+        self.meter = compute.meter
         self.actions = schedule.ranks[self.rank]
         assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
 

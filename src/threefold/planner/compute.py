@@ -25,7 +25,7 @@ from .workload import Strategy, Workload
 def block_matmul_params(m: ModelConfig) -> int:
     """Weights of one block's matrix multiplications (biases and norms do no matmul)."""
     kv = m.kv_heads * m.head_dim
-    attn = 2 * m.hidden * m.hidden + 2 * m.hidden * kv
+    attn = 2 * m.hidden * m.attn_width + 2 * m.hidden * kv
     return attn + (3 if m.mlp == "swiglu" else 2) * m.hidden * m.ffn_hidden
 
 

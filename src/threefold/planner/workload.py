@@ -111,10 +111,10 @@ def _norm_params(m: ModelConfig) -> int:
 def layer_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
     """One transformer block: column-parallel q/k/v/gate/up and row-parallel o/down split over tp;
     norms and row-parallel biases replicated. The GPT key bias is frozen (decoder.py)."""
-    h, kv = m.hidden, m.kv_heads * m.head_dim
+    h, kv, aw = m.hidden, m.kv_heads * m.head_dim, m.attn_width
     b = 1 if m.bias else 0
-    column = h * (h + 2 * kv) + b * (h + 2 * kv)  # q, k, v
-    row = h * h  # o
+    column = h * (aw + 2 * kv) + b * (aw + 2 * kv)  # q, k, v
+    row = aw * h  # o
     replicated = b * h + 2 * _norm_params(m)
     mats = 3 if m.mlp == "swiglu" else 2
     column += (mats - 1) * h * m.ffn_hidden + b * (mats - 1) * m.ffn_hidden  # gate, up
@@ -135,8 +135,12 @@ def head_parameters(m: ModelConfig, tp: int = 1, with_embedding: bool = True) ->
 
 
 def total_parameters(m: ModelConfig) -> int:
-    """The whole model's parameter count (tied weights once), equal to count_parameters(m)."""
-    return int(m.layers * layer_parameters(m).total + embedding_parameters(m).total + head_parameters(m).total)
+    """The whole model's parameter count (tied weights once), equal to count_parameters(m); a
+    mixture of experts' sparse blocks hold their router and experts in place of the dense MLP."""
+    from .moe import sparse_block_extra
+
+    dense = m.layers * layer_parameters(m).total + embedding_parameters(m).total + head_parameters(m).total
+    return int(dense + sum(m.is_moe_block(i) for i in range(m.layers)) * sparse_block_extra(m))
 
 
 @dataclass(frozen=True)

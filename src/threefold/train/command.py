@@ -15,7 +15,7 @@ from ..models.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
 OPTION_KEYS = {
-    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "zero": "parallel.zero",
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "ep": "parallel.ep", "zero": "parallel.zero",
     "model": "model.preset", "schedule": "pipeline.schedule", "microbatches": "train.microbatches",
     "virtual_stages": "pipeline.virtual_stages", "precision": "precision.compute",
     "activation_checkpointing": "remat.policy", "compress": "compress.method", "steps": "train.steps",
@@ -25,7 +25,8 @@ OPTION_KEYS = {
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic"}
 _NOTES = {  # what a default or a value means, where the type alone does not say
-    "parallel.dp": "0 = world / (tp x pp)", "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
+    "parallel.dp": "0 = world / (tp x pp)", "parallel.ep": "expert parallelism: ep ranks of dp share the experts",
+    "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
     "a directory or a .npy token array", "run.out": "a fresh runs/<date>-<time>, linked from runs/latest",
     "checkpoint.resume": "none, auto (the newest checkpoint of this run) or a checkpoint directory",
     "checkpoint.save_every": "0 = never; auto = the Young/Daly interval from the measured save stall and step "

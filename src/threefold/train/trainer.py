@@ -53,7 +53,7 @@ class Trainer:
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
-        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp), device, node_size)
+        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
@@ -127,7 +127,10 @@ class Trainer:
 
     def _checkpoint_meta(self) -> dict:
         cfg, p = self.cfg, self.cfg.parallel
-        return {"layout": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size},
+        layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size}
+        if p.ep > 1:
+            layout["ep"] = p.ep
+        return {"layout": layout,
                 # the sampler is a pure function of the step: the step is the whole data position
                 "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
                          "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed,
@@ -212,6 +215,9 @@ class Trainer:
                   "mem": self.memory()}
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
         record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
+        moe = self.parallel.router_metrics(self.comm)
+        if moe is not None:
+            record["moe"] = moe
         record["comm"] = self.comm.traffic.take_window()
         if self.mesh.world_size > local_world_size():  # several nodes: the bytes of axes that cross them
             record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()

@@ -10,9 +10,10 @@ import torch
 
 from ..collectives import Comm
 from ..hierarchical import dense_all_reduce
+from .hook import StatelessHook
 
 
-class DenseHook:
+class DenseHook(StatelessHook):
     def __init__(self, wire_dtype: torch.dtype | None = None, hierarchical: bool = False):
         self.wire_dtype = wire_dtype
         self.hierarchical = hierarchical

@@ -31,13 +31,14 @@ import math
 import torch
 
 from ..collectives import Comm
+from .hook import StatelessHook
 
 _START_DENSITY = 0.25
 _VALUE_DTYPE = torch.bfloat16
 _ENTRY_BYTES = 2 + 4  # bf16 value + int32 index
 
 
-class DGCHook:
+class DGCHook(StatelessHook):
     def __init__(self, sparsity: float = 0.999, warmup_steps: int = 0, momentum: float = 0.9,
                  momentum_correction: bool = True, clip: float = 0.0, error_feedback: bool = True):
         self.sparsity = sparsity

@@ -27,6 +27,7 @@ import torch
 
 from ..collectives import Comm
 from ..hierarchical import dense_all_reduce
+from .hook import StatelessHook
 
 _BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _SCALE_BYTES = 4
@@ -117,7 +118,7 @@ class OneBitAllReduce:
         self.finish(x, state, comm, axis)
 
 
-class OneBitHook:
+class OneBitHook(StatelessHook):
     """Gradient buckets summed by `OneBitAllReduce` after `warmup_steps` uncompressed steps."""
 
     def __init__(self, warmup_steps: int = 0, error_feedback: bool = True):

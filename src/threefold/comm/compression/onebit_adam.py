@@ -41,6 +41,8 @@ class _Nothing:
 
 
 class OneBitAdamHook:
+    applies_momentum = False
+
     """Dense gradient sums during warm-up, no gradient traffic afterwards."""
 
     def __init__(self, warmup_steps: int, error_feedback: bool = True):

@@ -24,6 +24,7 @@ import torch
 
 from ..collectives import Comm
 from ..hierarchical import dense_all_reduce
+from .hook import StatelessHook
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class _Layout:
         self.dense_numel = sum(n for _, n in self.dense)
 
 
-class PowerSGDHook:
+class PowerSGDHook(StatelessHook):
     def __init__(self, rank: int = 4, warmup_steps: int = 0, error_feedback: bool = True, seed: int = 0,
                  hierarchical: bool = False):
         self.rank = rank

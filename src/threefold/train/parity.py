@@ -34,15 +34,15 @@ from ..config import load_config
 from ..config_checks import parse_layout
 from ..errors import UserError
 from ..launch import launch_local
-from .params import load_global
-from .plots import read_metrics
+from ..observe.params import load_global
+from ..observe.plots import read_metrics
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2), "fp16": (2e-2, 5e-2)}
 _TRAIN_OWNED = {"dp", "tp", "pp", "out"}  # set by the harness, not by the user
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..train.command import FLAG_KEYS, OPTION_KEYS
+    from .command import FLAG_KEYS, OPTION_KEYS
 
     p.add_argument("--layouts", required=True, metavar='"D,T,P ..."',
                    help='layouts to compare, the first is the reference, e.g. "1,1,1 2,1,1 1,2,1"')
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    from ..train.command import FLAG_KEYS, OPTION_KEYS
+    from .command import FLAG_KEYS, OPTION_KEYS
 
     out = [f"{key}={getattr(args, o)}" for o, key in OPTION_KEYS.items()
            if o not in _TRAIN_OWNED and getattr(args, o, None) is not None]
@@ -106,7 +106,7 @@ def _run_here(cfg) -> int:
 
     import torch.distributed as dist
 
-    from ..train.trainer import train
+    from .trainer import train
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     try:

@@ -1,0 +1,42 @@
+"""What every gradient hook is: the contract between the data-parallel reducer and a compressor.
+
+The reducer (parallel/data.py) calls `launch` when a bucket is full, `complete` after the wait,
+reads `applies_momentum` when it builds the optimizer, and saves / restores `state_dict` with
+the checkpoint. `StatelessHook` gives the defaults of a hook that keeps nothing of its own
+outside `bucket.state`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..collectives import Comm
+
+
+class CommHook(Protocol):
+    applies_momentum: bool  # the exchange applies the optimizer's momentum (DGC's correction)
+
+    def launch(self, bucket, comm: Comm, axis: str):
+        """Start communicating `bucket.buffer`; return an object with wait()."""
+
+    def complete(self, bucket) -> None:
+        """After wait(): leave the summed gradient in `bucket.buffer`."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The hook's own memory beyond `bucket.state` (checkpointed per rank)."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class StatelessHook:
+    applies_momentum = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state of its own; got {sorted(state)}")

@@ -1,0 +1,180 @@
+"""A sparse mixture-of-experts MLP for the reference decoder (Switch, Mixtral, DeepSeek shapes).
+
+    blocks.<i>.mlp.router            Linear(hidden -> experts), no bias: the router's logits
+    blocks.<i>.mlp.experts.w_gate    (experts, expert_ffn_hidden, hidden)  SwiGLU only
+    blocks.<i>.mlp.experts.w_up      (experts, expert_ffn_hidden, hidden)
+    blocks.<i>.mlp.experts.w_down    (experts, hidden, expert_ffn_hidden)
+    blocks.<i>.mlp.shared            a dense MLP of shared_experts x expert_ffn_hidden every token uses
+
+The experts' weights are stacked along a leading expert dimension, so expert parallelism is a
+split of that dimension (a box of the placement contract) and checkpoints reshard across ep
+like any other split.
+
+Routing, per token: softmax over the router's logits (fp32), the top `experts_top_k`
+experts, their probabilities renormalised to sum to one when k > 1 (Mixtral; with k = 1 the
+probability itself scales the output, as in Switch, so the router learns from the loss).
+Capacity (`expert_capacity` = factor c > 0) is per *sequence*: an expert takes at most
+ceil(c * seq * k / experts) of a sequence's assignments, first choices before second ones,
+earlier positions first; the rest are dropped (the residual carries those tokens). c = 0 is
+dropless: every expert takes every token routed to it (variable-size expert batches).
+Because both the capacity and the load-balancing loss are per sequence, neither depends on
+how a batch is split over ranks and micro-batches: every layout routes and drops alike.
+
+Auxiliary losses, added to the summed token loss (so the trainer's division by the global
+token count makes them means): the load-balancing loss E * sum_e f_e P_e of each sequence
+(f_e the fraction of its assignments routed to e, P_e its mean router probability; Switch
+Transformer, computed per sequence as DeepSeek-V3's sequence-wise balance loss) weighted by
+`router_aux_weight`, and the router z-loss logsumexp(logits)^2 per token (ST-MoE) weighted by
+`router_z_weight`.
+
+How the routed rows reach the experts is the `dispatch` (an `ExpertDispatch`): here all
+experts are local; expert parallelism (parallel/expert.py) replaces it with all-to-all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class ExpertDispatch(Protocol):
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: "Experts") -> torch.Tensor:
+        """Expert outputs of `rows` (A, h), sorted by global expert id with `counts` (experts,) rows
+        each; the result has the rows' order."""
+
+
+class LocalDispatch:
+    """Every expert on this device."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: "Experts") -> torch.Tensor:
+        return experts(rows, counts.tolist())
+
+
+class Experts(nn.Module):
+    """The stacked expert MLPs (this device's experts: all of them, or a contiguous run under ep)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, f, h = cfg.experts, cfg.expert_width, cfg.hidden
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.w_gate = nn.Parameter(torch.empty(e, f, h))
+        self.w_up = nn.Parameter(torch.empty(e, f, h))
+        self.w_down = nn.Parameter(torch.empty(e, h, f))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`rows` grouped by local expert, `counts[j]` rows for expert j (variable sizes)."""
+        outs, start = [], 0
+        for j, n in enumerate(counts):
+            if n == 0:
+                continue
+            x = rows[start: start + n]
+            start += n
+            up = x @ self.w_up[j].t()
+            act = F.silu(x @ self.w_gate[j].t()) * up if self.swiglu else F.gelu(up, approximate="tanh")
+            outs.append(act @ self.w_down[j].t())
+        # no rows: still an output that depends on the rows, so the backward reaches every collective
+        return torch.cat(outs) if outs else rows * 0.0
+
+
+@dataclass
+class RouterTally:
+    """What the router did since the last `take()`: kept assignments per expert, dropped ones, and
+    the summed per-sequence balance loss and per-token z-loss (unweighted)."""
+
+    kept: torch.Tensor | None = None  # (experts,) int64
+    dropped: int = 0
+    balance_sum: float = 0.0
+    sequences: int = 0
+    z_sum: float = 0.0
+    tokens: int = 0
+
+    def add(self, kept: torch.Tensor, dropped: int, balance_sum: float, sequences: int, z_sum: float,
+            tokens: int) -> None:
+        self.kept = kept if self.kept is None else self.kept + kept
+        self.dropped += dropped
+        self.balance_sum += balance_sum
+        self.sequences += sequences
+        self.z_sum += z_sum
+        self.tokens += tokens
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts) in place of a block's MLP."""
+
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.experts, cfg.experts_top_k
+        self.capacity_factor = cfg.expert_capacity
+        self.aux_weight, self.z_weight = cfg.router_aux_weight, cfg.router_z_weight
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+        self.shared = shared
+        self.dispatch: ExpertDispatch = LocalDispatch()
+        self.tally = RouterTally()
+        self.aux_sum: torch.Tensor | None = None  # this forward's weighted auxiliary losses (summed)
+
+    def capacity(self, seq: int) -> int:
+        """Assignments one expert takes from one sequence (0: unlimited)."""
+        if self.capacity_factor <= 0:
+            return 0
+        return math.ceil(self.capacity_factor * seq * self.top_k / self.num_experts)
+
+    def _keep(self, idx_bsk: torch.Tensor) -> torch.Tensor:
+        """Which assignments fit their expert's capacity in their sequence: first choices first,
+        then by position."""
+        b, s, k = idx_bsk.shape
+        cap = self.capacity(s)
+        if cap == 0:
+            return torch.ones_like(idx_bsk, dtype=torch.bool)
+        onehot = F.one_hot(idx_bsk.transpose(1, 2).reshape(b, k * s), self.num_experts)  # (b, k*s, E)
+        position = onehot.cumsum(1) * onehot  # 1-based place in the expert's queue
+        keep = (position > 0) & (position <= cap)
+        return keep.any(-1).reshape(b, k, s).transpose(1, 2)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        b, s, h = x_bsh.shape
+        logits = self.router(x_bsh)  # (b, s, E), in fp32 at least
+        logits = logits.float() if logits.element_size() < 4 else logits
+        probs = logits.softmax(-1)
+        weight, idx = probs.topk(self.top_k, dim=-1)  # (b, s, k)
+        if self.top_k > 1:
+            weight = weight / weight.sum(-1, keepdim=True)
+        keep = self._keep(idx)
+        # auxiliary losses, summed as token losses are (per sequence balance x its tokens)
+        routed = F.one_hot(idx, self.num_experts).float().sum((1, 2)) / (s * self.top_k)  # (b, E): f_e
+        balance = self.num_experts * (routed * probs.mean(1)).sum(-1)  # (b,)
+        z = torch.logsumexp(logits, -1).square()  # (b, s)
+        self.aux_sum = s * self.aux_weight * balance.sum() + self.z_weight * z.sum()
+        # dispatch: kept assignments sorted by expert (stable: token order within an expert)
+        flat_idx, flat_keep = idx.reshape(-1), keep.reshape(-1)
+        token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(self.top_k)
+        chosen = flat_keep.nonzero().squeeze(1)
+        experts_of = flat_idx[chosen]
+        assign = chosen[torch.argsort(experts_of, stable=True)]
+        counts = torch.bincount(experts_of, minlength=self.num_experts)
+        x_th = x_bsh.reshape(b * s, h)
+        out_rows = self.dispatch(x_th[token[assign]], counts, self.experts)
+        scaled = out_rows * weight.reshape(-1)[assign].unsqueeze(1).to(out_rows.dtype)
+        y = torch.zeros_like(x_th).index_add(0, token[assign], scaled).reshape(b, s, h)
+        if torch.is_grad_enabled():  # training forwards only (not evaluation)
+            self.tally.add(counts.detach(), int(flat_keep.numel() - chosen.numel()), float(balance.detach().sum()),
+                           b, float(z.detach().sum()), b * s)
+        if self.shared is not None:
+            y = y + self.shared(x_bsh)
+        return y
+
+    def take_tally(self) -> RouterTally:
+        tally, self.tally = self.tally, RouterTally()
+        return tally
+
+
+def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]

@@ -1,0 +1,161 @@
+"""Expert parallelism: the experts of each mixture-of-experts block spread over the mesh's `ep` axis.
+
+`ep` is carved out of dp (mesh.py): the dp ranks are cut into runs of `ep` consecutive
+coordinates; each run shares one copy of every expert, rank i of the run holding experts
+[i E/ep, (i+1) E/ep) - a split of the stacked expert weights along their first dimension,
+recorded in the placement, so checkpoints reshard across any ep like any other split.
+Routing is unchanged (every rank routes its own tokens over all E experts with its copy of the
+router); the routed rows travel to the rank of their expert and back with all-to-all over `ep`
+through `Comm` (`AllToAllDispatch`): first the row counts per expert (`all_to_all.splits`),
+then the rows (`all_to_all`), the experts' outputs back the same way, and backward the
+gradients of both in reverse. With h the hidden size and d the dtype size, one rank sends per
+step 2 x (rows it sends to other ranks + rows it receives from them) x h x d bytes of
+`all_to_all`; over a whole ep group 4 x (routed rows crossing ranks) x h x d.
+
+Gradients: dense parameters are summed over all of dp; expert parameters over `edp` only (the
+dp ranks holding the same experts) - the all-to-all already brought every token of the ep run
+to its expert (`ExpertParallelSync`). The expert sums run after the backward, in bucket order,
+so every rank issues them identically whatever experts its tokens used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..comm.autograd import all_to_all_rows
+from ..mesh import Mesh
+from ..models.moe import Experts, moe_modules
+from ..sharding import Placement
+from .data import DataParallelReducer
+
+AXIS = "ep"
+
+
+class AllToAllDispatch:
+    """An `ExpertDispatch` (models/moe.py) for experts spread over the `ep` axis."""
+
+    def __init__(self, comm: Comm, axis: str = AXIS):
+        self.comm, self.axis = comm, axis
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        n = self.comm.mesh.size(self.axis)
+        local = counts.numel() // n
+        splits = [local] * n
+        received_counts = torch.empty_like(counts)  # (source rank, my expert) counts
+        self.comm.all_to_all_v(received_counts, counts.contiguous(), splits, splits, self.axis, tag="splits")
+        by_source = received_counts.view(n, local)
+        send = counts.view(n, local).sum(1).tolist()
+        receive = by_source.sum(1).tolist()
+        arrived = all_to_all_rows(rows, self.comm, self.axis, receive, send)
+        order = _group_by_expert(by_source)  # arrived rows are by source, then expert: regroup by expert
+        out = experts(arrived[order], by_source.sum(0).tolist())[torch.argsort(order)]
+        return all_to_all_rows(out, self.comm, self.axis, send, receive)
+
+
+def _group_by_expert(by_source: torch.Tensor) -> torch.Tensor:
+    """Row indices that take rows ordered (source, expert) to the order (expert, source)."""
+    counts = by_source.tolist()
+    starts, at = [], 0
+    for row in counts:
+        starts.append([])
+        for c in row:
+            starts[-1].append(at)
+            at += c
+    parts = [torch.arange(starts[s][e], starts[s][e] + counts[s][e]) for e in range(len(counts[0]))
+             for s in range(len(counts))]
+    return torch.cat(parts).to(by_source.device) if parts else torch.zeros(0, dtype=torch.long,
+                                                                             device=by_source.device)
+
+
+def shard_experts(model: nn.Module, mesh: Mesh, comm: Comm, placements: dict[str, Placement]) -> set[str]:
+    """Keep this rank's experts of every MoE block (on the meta device, before materialising) and
+    route through all-to-all; updates `placements`; returns the expert parameters' names."""
+    ep, rank = mesh.size(AXIS), mesh.rank(AXIS)
+    names: set[str] = set()
+    if ep == 1:
+        return names
+    for prefix, moe in moe_modules(model):
+        for key, p in list(moe.experts.named_parameters(recurse=False)):
+            local = torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device=p.device)
+            setattr(moe.experts, key, nn.Parameter(local, requires_grad=p.requires_grad))
+            name = f"{prefix}.experts.{key}"
+            placements[name] = placements[name].split(0, rank, ep)
+            names.add(name)
+        moe.dispatch = AllToAllDispatch(comm)
+    return names
+
+
+class ExpertParallelSync:
+    """The `GradSync` of expert parallelism: dense gradients summed over dp (bucketed, overlapped
+    with backward), expert gradients over edp (after the backward)."""
+
+    applies_momentum = False
+
+    def __init__(self, model: nn.Module, expert_names: set[str], comm: Comm, bucket_mb: float):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.dense = DataParallelReducer([p for n, p in named if n not in expert_names], comm, bucket_mb)
+        self.experts = DataParallelReducer([p for n, p in named if n in expert_names], comm, bucket_mb,
+                                           axis="edp")
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        with self.dense.micro_batch(last), self.experts.micro_batch(last=False):
+            yield
+
+    def finish(self) -> None:
+        self.dense.finish()
+        self.experts.finish()
+
+    def zero_grad(self) -> None:
+        self.dense.zero_grad()
+        self.experts.zero_grad()
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        return param.grad
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return self.dense.gradient_tensors() + self.experts.gradient_tensors()
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def gather_for(self, params: list[nn.Parameter]) -> None:
+        """Nothing to gather: every rank holds its parameters whole."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # no compression under ep (config_checks refuses it)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"expert parallelism keeps no gradient-sync state; got {sorted(state)[:3]}")
+
+
+def router_metrics(module: nn.Module, comm: Comm) -> dict | None:
+    """Metrics of the routers since the last call, over the whole global batch (summed over dp):
+    tokens per expert (min / mean / max over every sparse block's experts, kept assignments),
+    assignments dropped by the capacity, and `aux_loss`, the weighted auxiliary losses the logged
+    loss includes (balance: mean over sequences, z-loss: mean over tokens; summed over blocks).
+    None for a model without experts."""
+    mods = moe_modules(module)
+    if not mods:
+        return None
+    rows = []
+    for _, moe in mods:
+        t = moe.take_tally()
+        kept = t.kept.double() if t.kept is not None else torch.zeros(moe.num_experts, dtype=torch.float64)
+        rows.append(torch.cat([kept.cpu(), torch.tensor([t.dropped, t.balance_sum, t.z_sum, t.sequences, t.tokens],
+                                                        dtype=torch.float64)]))
+    table = torch.stack(rows).to(comm.mesh.device)
+    comm.all_reduce(table, "dp", tag="moe")
+    table = table.cpu()
+    kept, (dropped, balance, z, sequences, tokens) = table[:, :-5], table[:, -5:].unbind(1)
+    aux = sum(moe.aux_weight * float(b) / max(float(s), 1) + moe.z_weight * float(zz) / max(float(n), 1)
+              for (_, moe), b, zz, s, n in zip(mods, balance, z, sequences, tokens))
+    return {"tokens_per_expert": {"min": int(kept.min()), "mean": float(kept.mean()), "max": int(kept.max())},
+            "dropped": int(dropped.sum()), "aux_loss": aux,
+            "balance_loss": float((balance / sequences.clamp(min=1)).sum()),
+            "z_loss": float((z / tokens.clamp(min=1)).sum())}
