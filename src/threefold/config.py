@@ -80,6 +80,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     bucket_mb: float = 25.0  # gradient bucket size for the data-parallel reduction
     offload: Literal["none", "optimizer"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
+    # the world size dp and train.microbatches are written for; 0 = the actual world. In a smaller
+    # world dp shrinks and accumulation grows to keep the global batch (set by --nnodes MIN:MAX)
+    elastic_world: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,20 @@ class TrainConfig:
     deterministic: bool = False
     eval_every: int = 0  # validation loss every N steps (and at the last); 0: never. Needs prepared data
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
+    # periodic synchronisation over dp (parallel/local_sgd.py, docs/local_sgd.md): replicas step alone and meet
+    # every sync_every steps; 1 with outer_optimizer=none and easgd_alpha=0 is plain synchronous data parallelism
+    sync_every: int = 1  # H: steps between parameter averages (local SGD / DiLoCo) or elastic pulls (EASGD tau)
+    sync_warmup_steps: int = 0  # post-local SGD: synchronous steps (gradients summed every step) before switching
+    sync_optimizer_state: bool = False  # also average the optimizer's moments (or momentum) at every sync
+    outer_optimizer: Literal["none", "nesterov"] = "none"  # nesterov: DiLoCo's outer step on the averaged delta
+    outer_lr: float = 0.7  # DiLoCo outer learning rate
+    outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
+    easgd_alpha: float = 0.0  # > 0: elastic averaging SGD, each replica pulled towards a centre variable
+
+    @property
+    def periodic(self) -> bool:
+        """Replicas step alone between syncs (local SGD, DiLoCo or EASGD) instead of summing gradients every step."""
+        return self.sync_every > 1 or self.outer_optimizer != "none" or self.easgd_alpha > 0
 
 
 @dataclass(frozen=True)
@@ -210,16 +227,22 @@ class FaultConfig:
     all-reduce and stall outside communication. nan: the output of `module` becomes NaN in that
     step. slow: sleep `delay_s` before the computation of every step from `step` on. perturb: that
     step's targets are shifted by one token id (the loss and the whole run change, as a broken
-    layout would). `layout` ("dp,tp,pp") limits the fault to runs of that layout; "" = any.
-    Only the first attempt of a job fails: a process restarted by the launcher does not.
+    layout would). lose_node: the node whose launcher has `--node-rank` = `rank` loses its
+    launcher (SIGKILL; its processes die with it) at the start of `step`; with `hold_file`, the
+    processes of later attempts wait at the start of `step` while that file exists (a test's way
+    to let a node join again before the run ends). `layout` ("dp,tp,pp") limits the fault to runs
+    of that layout; "" = any. Only the first attempt of a job fails: a process restarted by the
+    launcher does not; `slow` stays slow in every attempt (a straggler stays one).
     """
 
     rank: int = -1
     step: int = 0
-    kind: Literal["raise", "kill", "kill_in_save", "skip_collective", "nan", "slow", "perturb"] = "raise"
+    kind: Literal["raise", "kill", "kill_in_save", "skip_collective", "nan", "slow", "perturb",
+                  "lose_node"] = "raise"
     module: str = "blocks.0.mlp"
     delay_s: float = 0.2
     layout: str = ""
+    hold_file: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,22 @@ import uuid
 from pathlib import Path
 
 from .errors import UserError
-from .nodes import Nodes, wait_for_endpoint
+from .nodes import AGENT_PID, NODE_RANK, Nodes, wait_for_endpoint
+
+
+def die_with_agent() -> None:
+    """In a worker of `launch_local`: ask the kernel to SIGKILL this process when its launcher
+    (the elastic agent, its parent) goes away, so a lost launcher never leaves workers behind
+    holding a node's share of the world. Linux only; elsewhere a no-op."""
+    agent = os.environ.get(AGENT_PID)
+    if agent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(agent):  # the launcher ended before the request took effect
+        os._exit(1)
 
 
 def in_launched_world(launching: bool = False) -> bool:
@@ -94,6 +109,9 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     if argv[:1] == ["train"]:
         argv = [*argv, "--worker" if nodes is None else "--node-worker"] + \
             (["--log-dir", str(log_dir)] if log_dir is not None else [])
+    os.environ[AGENT_PID] = str(os.getpid())  # the workers end when this process does (die_with_agent)
+    if nodes is not None:
+        os.environ[NODE_RANK] = str(nodes.node_rank)
     if max_restarts > 0 or nodes is not None:
         # The agent's shared TCPStore outlives a restart with the dead workers' gloo addresses in
         # it, and restarted workers intermittently connect to those (refused, then a hang until
@@ -143,7 +161,11 @@ def _node_config(config, nodes: Nodes):
         config, min_nodes=nodes.min, max_nodes=nodes.max, rdzv_endpoint=nodes.endpoint,
         run_id=f"threefold-{nodes.port}",
         rdzv_configs={"is_host": nodes.hosts_rendezvous, "join_timeout": wait, "read_timeout": wait, "timeout": wait,
-                      "last_call_timeout": 1 if nodes.min == nodes.max else 30},
+                      "last_call_timeout": 1 if nodes.min == nodes.max else max(1, round(nodes.last_call_s)),
+                      # a lost node leaves the rendezvous when its heartbeats stop: after 3 x 5 s, or
+                      # 5 x 1 s when every node is on this machine (trials, tests)
+                      "keep_alive_interval": 1 if nodes.on_loopback else 5,
+                      "keep_alive_max_attempt": 5 if nodes.on_loopback else 3},
         local_addr="127.0.0.1" if nodes.on_loopback else None)
 
 

@@ -19,6 +19,8 @@ from .errors import UserError
 
 DEFAULT_PORT = 29500
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+AGENT_PID = "THREEFOLD_AGENT_PID"  # set by the launcher for the processes it starts
+NODE_RANK = "THREEFOLD_NODE_RANK"  # the --node-rank of the launcher that started this process
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Nodes:
     host: str
     port: int
     timeout_s: float = 300.0
+    last_call_s: float = 30.0  # MIN:MAX: once MIN nodes are there, how long the rendezvous waits for more
 
     @property
     def endpoint(self) -> str:
@@ -72,7 +75,8 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 def nodes_from_options(nnodes: str | None, node_rank: int | None, endpoint: str | None,
-                       timeout_s: float | None = None, env=os.environ) -> Nodes | None:
+                       timeout_s: float | None = None, last_call_s: float | None = None,
+                       env=os.environ) -> Nodes | None:
     """The node part of a launch from the options, filled in from Slurm where they are missing;
     None for a single-node launch."""
     if nnodes is None and node_rank is None and endpoint is None:
@@ -92,7 +96,10 @@ def nodes_from_options(nnodes: str | None, node_rank: int | None, endpoint: str 
     if not 0 <= rank < high:
         raise UserError(f"--node-rank: {rank} is outside 0..{high - 1} for --nnodes {nnodes}")
     host, port = parse_endpoint(endpoint)
-    return Nodes(low, high, rank, host, port, 300.0 if timeout_s is None else float(timeout_s))
+    if last_call_s is not None and not last_call_s > 0:
+        raise UserError(f"--rdzv-last-call: must be positive seconds, got {last_call_s}")
+    return Nodes(low, high, rank, host, port, 300.0 if timeout_s is None else float(timeout_s),
+                 30.0 if last_call_s is None else float(last_call_s))
 
 
 def wait_for_endpoint(nodes: Nodes, poll_s: float = 0.5) -> None:

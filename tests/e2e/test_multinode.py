@@ -1,19 +1,23 @@
 """Two "nodes" of two processes on this machine, started three ways (threefold's own
 `--nnodes` launcher, plain torchrun, and the Slurm script's command with Slurm's variables set
 by hand), each under another layout; every node's launcher exits 0, the node holding global
-rank 0 has every step once, and the losses match one process within relative 1e-5."""
+rank 0 has every step once, and the losses match one process within relative 1e-5. Then an
+elastic job (`--nnodes 1:2`) loses a node, goes on with the node left and grows back."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.e2e.cli import SRC, threefold
 from threefold.launch import free_port
 
-RUN = ["--model", "tiny", "--steps", "3", "--global-batch", "8", "--seq-len", "16", "--data", "stdlib",
+STEPS = 8
+RUN = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "16", "--data", "stdlib",
        "--no-progress", "--set", "train.eps=1e-6", "--set", "run.plot=false"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -26,10 +30,10 @@ def environment(**extra) -> dict:
     return env
 
 
-def node_command(how: str, rank: int, port: int, args: list[str]) -> tuple[list[str], dict]:
+def node_command(how: str, rank: int, port: int, args: list[str], nnodes: str = "2") -> tuple[list[str], dict]:
     train = ["train", *RUN, *args]
     if how == "threefold":
-        return ([sys.executable, "-m", "threefold", *train[:1], "--nnodes", "2", "--node-rank", str(rank),
+        return ([sys.executable, "-m", "threefold", *train[:1], "--nnodes", nnodes, "--node-rank", str(rank),
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc", "2", *train[1:]], environment())
     if how == "torchrun":
         return ([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
@@ -43,7 +47,18 @@ def node_command(how: str, rank: int, port: int, args: list[str]) -> tuple[list[
 
 
 def rows(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The complete records of metrics.jsonl (a line being written, or none yet, is left out)."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +98,102 @@ def test_two_nodes_match_one_process(tmp_path, one_process, how, layout):
     for p, (_, err) in zip(nodes, outputs):
         assert p.returncode == 0, err[-3000:]
     records = rows(out)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for got, want in zip([r["loss"] for r in records], one_process):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     if how == "threefold":  # rank 0 leads node 0: its ring of 2 leaders sends 2 (2-1)/2 S = S across nodes
         assert records[0]["comm"]["dp_inter"]["all_reduce"] == gradient_bytes()
         assert records[0]["comm_inter_node"] == {"dp": 0, "dp_inter": gradient_bytes()}
         assert (out / "logs" / "rank-3.log").exists()
+
+
+# ---------------------------------------------------------------- elastic shrink and grow
+
+ELASTIC = ["--rdzv-last-call", "1", "--max-restarts", "2", "--resume", "auto", "--save-every", "3"]
+LOSE_AT = 6  # node rank 1 loses its launcher at the start of step 6; the newest checkpoint is step 3
+WAIT_S = 600  # upper bounds only: every wait below ends on an event, on a loaded machine too
+
+
+def wait_for(condition, what: str, *processes):
+    deadline = time.monotonic() + WAIT_S
+    while not (result := condition()):
+        ended = [p.name for p in processes if p.poll() is not None]
+        assert not ended and time.monotonic() < deadline, f"{what}: not seen ({ended or 'timeout'})"
+        time.sleep(0.05)
+    return result
+
+
+def node_workers(out) -> dict[int, int]:
+    """pid -> parent pid of every worker process of the run in `out`."""
+    found = {}
+    for proc in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{proc}/cmdline", "rb").read().split(b"\0")
+            stat = open(f"/proc/{proc}/stat").read()
+        except OSError:
+            continue
+        if b"--node-worker" in cmdline and str(out).encode() in b" ".join(cmdline) and ") Z" not in stat:
+            found[int(proc)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def step_rows(out, world: int):
+    """The records of steps 4 and 5 when both ran in a world of `world` processes, else None."""
+    records = {r["step"]: r for r in rows(out)}
+    ran = [records.get(s) for s in (LOSE_AT - 2, LOSE_AT - 1)]
+    return ran if all(r is not None and r["world_size"] == world for r in ran) else None
+
+
+def test_elastic_shrink_and_grow(tmp_path, one_process):
+    """--nnodes 1:2: node 1's launcher dies at step 6 (its workers with it), the job goes on with
+    node 0 from checkpoint 3 under dp=2 x 2 micro-batches (the same global batch), matching one
+    process resumed from that checkpoint; node 1 joins again and the job finishes on both."""
+    port, out, hold = free_port(), tmp_path / "run", tmp_path / "hold"
+    hold.touch()  # the attempts after the loss wait at step 6 until the test has seen what it needs
+    lose = ["fault.kind=lose_node", "fault.rank=1", f"fault.step={LOSE_AT}", f"fault.hold_file={hold}"]
+    started = []
+
+    def start(rank: int, sets: list[str], name: str):
+        cmd, env = node_command("threefold", rank, port, [*ELASTIC, "--out", str(out),
+                                                          *[a for s in sets for a in ("--set", s)]], nnodes="1:2")
+        with open(tmp_path / f"{name}.log", "w") as log:
+            node = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        node.name = name
+        started.append(node)
+        return node
+
+    def output(node) -> str:
+        return (tmp_path / f"{node.name}.log").read_text()[-3000:]
+
+    try:
+        node0, node1 = start(0, lose, "node0"), start(1, lose, "node1")
+        assert node1.wait(timeout=WAIT_S) == -9, output(node1)
+        # no worker of the lost node outlives its launcher
+        wait_for(lambda: all(parent == node0.pid for parent in node_workers(out).values()), "orphans gone", node0)
+        assert all(r["step"] < LOSE_AT for r in rows(out)), "node 1's workers outlived their launcher and went on"
+        shrunk = wait_for(lambda: step_rows(out, 2), "steps 4-5 on the node left", node0)
+        checkpoint = tmp_path / "step-3"
+        shutil.copytree(out / "checkpoints" / "step-00000003", checkpoint)
+        rejoined = start(1, [], "rejoined")
+        grown = wait_for(lambda: step_rows(out, 4), "steps 4-5 on both nodes again", node0, rejoined)
+        hold.unlink()
+        for p in (node0, rejoined):
+            assert p.wait(timeout=WAIT_S) == 0, output(p)
+    finally:  # a failed check leaves no launcher behind
+        for node in started:
+            if node.poll() is None:
+                node.kill()
+
+    assert [r["microbatches"] for r in shrunk] == [2, 2] and [r["microbatches"] for r in grown] == [1, 1]
+    assert {r["tokens"] for r in shrunk + grown} == {8 * 16}  # the global batch never changed
+    resumed = tmp_path / "resumed"
+    done = threefold("train", *RUN, "--microbatches", "4", "--resume", str(checkpoint),
+                     "--out", str(resumed))  # one process, the same micro-batches of 2 sequences
+    assert done.returncode == 0, done.stderr
+    for got, want in zip(shrunk, rows(resumed)[:2]):
+        assert got["step"] == want["step"]
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+    final = rows(out)
+    assert [r["step"] for r in final] == list(range(1, STEPS + 1))
+    for got, want in zip([r["loss"] for r in final], one_process):
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)

@@ -78,3 +78,43 @@ def test_missing_node_is_one_line_after_the_join_timeout(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(
         f"threefold: error: --nnodes: the rendezvous at 127.0.0.1:{port} did not complete within 3 s"), done.stderr
+
+
+def elastic_config(**keys):
+    from threefold.config import load_config
+
+    return load_config(None, ["model.preset=tiny", *[f"{k.replace('__', '.')}={v}" for k, v in keys.items()]])
+
+
+def test_elastic_layout_keeps_tp_pp_and_the_global_batch():
+    cfg = elastic_config(parallel__elastic_world=8, parallel__tp=2, train__global_batch=8)
+    full, half = cfg.validate(8), cfg.validate(4)
+    assert (full.parallel.dp, full.train.microbatches) == (4, 1)
+    assert (half.parallel.dp, half.parallel.tp, half.train.microbatches) == (2, 2, 2)  # micro-batches of 2 sequences
+    assert half.train.global_batch == 8 and half.validate(4) == half  # re-derived once
+
+
+def test_elastic_layout_that_does_not_fit_names_the_smallest_world():
+    from threefold.errors import ConfigError
+
+    cfg = elastic_config(parallel__elastic_world=6, train__global_batch=12)
+    assert cfg.validate(3).train.microbatches == 2
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(4)  # 12 sequences are not 4 ranks x micro-batches of 2
+    assert str(e.value) == (
+        "parallel.elastic_world: the layout written for 6 processes (dp=6 tp=1 pp=1 microbatches=1) cannot be "
+        "re-derived for the 4 processes left (train.global_batch: 12 sequences are not a whole number of "
+        "micro-batches of 2 for dp=4); the smallest world that works is 1 process")
+
+
+def test_elastic_launch_without_a_layout_for_min_nodes_is_one_line(tmp_path):
+    done = threefold(*RUN, "--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--nproc", "2", "--tp", "4",
+                     "--resume", "auto", "--save-every", "1", "--max-restarts", "1", "--out", str(tmp_path / "r"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "threefold: error: --nnodes 1:2: the layout (dp=1 tp=4 pp=1) cannot be re-derived for 1 node of 2 "
+        "processes (parallel: tp=4 x pp=1 = 4 does not divide 2); the smallest node count that works is 2: "
+        "use --nnodes 2:2")
+    done = threefold(*RUN, "--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--nproc", "2",
+                     "--out", str(tmp_path / "r"))
+    assert done.returncode == 2 and "pass --resume auto and --save-every N" in done.stderr, done.stderr

@@ -10,6 +10,13 @@ only in runs of `fault.layout` when one is given, and from the start of `fault.s
     perturb          this step's targets are shifted by one token id (a broken layout, for parity)
     skip_collective  do not join the step's loss all-reduce; stall outside communication instead
                      (the others wait in it until the hang watchdog stops the world)
+    lose_node        `fault.rank` is a node (the launcher's --node-rank): its first process SIGKILLs
+                     that launcher, and the node's processes die with it; with `fault.hold_file`,
+                     every process of a later attempt waits at the start of the step while that
+                     file exists
+
+Faults fire in the first attempt of a job only, except `slow` (a straggler stays one) and the
+hold of `lose_node`, which is for the attempts after the loss.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ..config import FaultConfig
 from ..config_checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
+from ..nodes import NODE_RANK
 
 
 def first_attempt() -> bool:
@@ -34,7 +42,12 @@ def first_attempt() -> bool:
 class FaultInjector:
     def __init__(self, fault: FaultConfig, layout: tuple[int, int, int], rank: int, model: nn.Module, vocab: int):
         self.fault = fault
-        self.active = fault_applies(fault, layout) and fault.rank == rank and first_attempt()
+        applies = fault_applies(fault, layout)
+        self.active = applies and fault.rank == rank and (first_attempt() or fault.kind == "slow")
+        if fault.kind == "lose_node":
+            self.active = applies and first_attempt() and os.environ.get("LOCAL_RANK") == "0" \
+                and os.environ.get(NODE_RANK) == str(fault.rank)
+        self.holds = applies and fault.kind == "lose_node" and bool(fault.hold_file) and not first_attempt()
         self.model = model
         self.vocab = vocab
         self._hook = None
@@ -50,6 +63,14 @@ class FaultInjector:
         kind = self.fault.kind
         if self._now(step) and kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._now(step) and kind == "lose_node":
+            launcher = os.getppid()
+            os.kill(launcher, signal.SIGKILL)  # this node's processes die with it (launch.die_with_agent)
+            while os.getppid() == launcher:  # until the kernel has taken the launcher; then on, if alive
+                time.sleep(0.01)
+        if self.holds and step == self.fault.step:
+            while os.path.exists(self.fault.hold_file):
+                time.sleep(0.05)
         if self._now(step) and kind == "raise":
             raise RuntimeError(f"injected fault on rank {self.fault.rank} at step {step}")
         if self.active and kind == "slow" and step >= self.fault.step:

@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "free port, the same on every node")
     p.add_argument("--rdzv-timeout", type=float, help="seconds to wait for the endpoint and the other nodes "
                    "(default 300)")
+    p.add_argument("--rdzv-last-call", type=float, help="--nnodes MIN:MAX: once MIN nodes are there, seconds to "
+                   "wait for more before starting (default 30)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the local world after a failure "
                    "(default 0)")
     for option, key in OPTION_KEYS.items():
@@ -102,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     check_nproc(args.nproc)
     launching = bool(args.nproc or args.nnodes or args.rdzv_endpoint or args.node_rank is not None)
     if in_launched_world(launching):
+        if args.worker or args.node_worker:  # started by our launcher: end with it
+            from ..launch import die_with_agent
+
+            die_with_agent()
         if args.log_dir:  # started by our launcher: log to the run directory
             from ..launch import redirect_worker_output
 

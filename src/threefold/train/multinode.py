@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..elastic import check_node_counts
 from ..nodes import Nodes, nodes_from_options, tp_across_nodes
 
 
 def node_options(args: argparse.Namespace) -> Nodes | None:
-    return nodes_from_options(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
+    return nodes_from_options(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout, args.rdzv_last_call)
 
 
 def worker_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
@@ -41,10 +42,26 @@ def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[st
     from .inputs import check_data
 
     nproc = args.nproc or 1
+    argv = worker_argv(args, overrides)
+    if nodes.min < nodes.max:  # elastic: the layout is written for MAX nodes and re-derived for fewer
+        check_elastic(cfg, args.max_restarts)
+        cfg = check_node_counts(cfg, nodes.min, nodes.max, nproc)
+        argv += ["--set", f"parallel.elastic_world={nproc * nodes.max}"]
     cfg = cfg.validate(nproc * nodes.max)  # fail before starting any process
     check_data(cfg)
     if not cfg.run.out:
         raise ConfigError("run.out", "a multi-node job needs --out, the same run directory on every node "
                           "(a shared file system keeps checkpoints in one place)")
-    return launch_local(nproc, worker_argv(args, overrides), None, args.max_restarts, out=Path(cfg.run.out),
+    return launch_local(nproc, argv, None, args.max_restarts, out=Path(cfg.run.out),
                         verbose=args.verbose, resume=cfg.checkpoint.resume, nodes=nodes)
+
+
+def check_elastic(cfg, max_restarts: int) -> None:
+    """A job that continues on fewer nodes continues from its newest checkpoint."""
+    ck = cfg.checkpoint
+    if ck.resume != "auto" or ck.save_every != "auto" and ck.save_every < 1:
+        raise ConfigError("checkpoint", "--nnodes MIN:MAX continues on the nodes left from the newest checkpoint: "
+                          "pass --resume auto and --save-every N (or auto)")
+    if max_restarts < 1:
+        raise ConfigError("--max-restarts", "--nnodes MIN:MAX restarts the job when a node is lost: pass "
+                          "--max-restarts K with K >= 1 (each lost node uses one)")

@@ -211,6 +211,7 @@ class Trainer:
         self.step = step
         record = {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
+                  "world_size": self.mesh.world_size, "microbatches": cfg.train.microbatches,
                   "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
                   "mem": self.memory()}
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
