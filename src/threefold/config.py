@@ -148,6 +148,20 @@ class TrainConfig:
     deterministic: bool = False
     eval_every: int = 0  # validation loss every N steps (and at the last); 0: never. Needs prepared data
     eval_batches: int = 4  # global batches of the validation split per evaluation (the same ones each time)
+    # periodic synchronisation over dp (parallel/local_sgd.py, docs/local_sgd.md): replicas step alone and meet
+    # every sync_every steps; 1 with outer_optimizer=none and easgd_alpha=0 is plain synchronous data parallelism
+    sync_every: int = 1  # H: steps between parameter averages (local SGD / DiLoCo) or elastic pulls (EASGD tau)
+    sync_warmup_steps: int = 0  # post-local SGD: synchronous steps (gradients summed every step) before switching
+    sync_optimizer_state: bool = False  # also average the optimizer's moments (or momentum) at every sync
+    outer_optimizer: Literal["none", "nesterov"] = "none"  # nesterov: DiLoCo's outer step on the averaged delta
+    outer_lr: float = 0.7  # DiLoCo outer learning rate
+    outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
+    easgd_alpha: float = 0.0  # > 0: elastic averaging SGD, each replica pulled towards a centre variable
+
+    @property
+    def periodic(self) -> bool:
+        """Replicas step alone between syncs (local SGD, DiLoCo or EASGD) instead of summing gradients every step."""
+        return self.sync_every > 1 or self.outer_optimizer != "none" or self.easgd_alpha > 0
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ def _validate(c: Config, world_size: int) -> Config:
                           "written by `threefold ckpt export` (or with the same tensor names)")
     _validate_optimizer(t)
     _validate_compress(c.compress, p.zero, t)
+    _validate_periodic(c, dp)
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
@@ -246,6 +247,37 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
     if c.hierarchical and zero >= 1:
         raise ConfigError("compress.hierarchical", "the hierarchical all-reduce replaces the all-reduce of plain data "
                           "parallelism; ZeRO reduce-scatters instead; use parallel.zero=0")
+
+
+def _validate_periodic(c: Config, dp: int) -> None:
+    """Local SGD / DiLoCo / EASGD (train.sync_every and friends): ranges and what they cannot combine with."""
+    t = c.train
+    if t.sync_every < 1:
+        raise ConfigError("train.sync_every", f"must be at least 1 (steps between syncs), got {t.sync_every}")
+    if t.sync_warmup_steps < 0:
+        raise ConfigError("train.sync_warmup_steps", f"must be at least 0, got {t.sync_warmup_steps}")
+    if t.outer_lr <= 0 or not 0.0 <= t.outer_momentum < 1.0:
+        raise ConfigError("train.outer_lr", f"DiLoCo needs outer_lr > 0 and 0 <= outer_momentum < 1, got "
+                          f"{t.outer_lr} and {t.outer_momentum}; e.g. 0.7 and 0.9")
+    if t.easgd_alpha < 0 or t.easgd_alpha * dp >= 1:
+        raise ConfigError("train.easgd_alpha", f"must be in [0, 1/dp) = [0, {1 / dp:.3g}) so the centre moves towards "
+                          f"the replicas (dp={dp}), got {t.easgd_alpha}; e.g. 0.9/dp/sync_every")
+    if t.easgd_alpha > 0 and t.outer_optimizer != "none":
+        raise ConfigError("train.easgd_alpha", "EASGD and DiLoCo are two outer algorithms; set "
+                          "train.outer_optimizer=none or train.easgd_alpha=0")
+    if not t.periodic:
+        return
+    if c.parallel.zero >= 1:
+        sharded = "weights and optimizer states" if c.parallel.zero == 3 else "optimizer states"
+        raise ConfigError("train.sync_every", f"ZeRO-{c.parallel.zero} shards {sharded}"
+                          " across dp, the axis local SGD / DiLoCo / EASGD average over, so a "
+                          "replica cannot step alone; use parallel.zero=0 (or train.sync_every=1)")
+    if c.parallel.ep > 1:
+        raise ConfigError("train.sync_every", "expert parallelism spreads the experts over dp, the axis local SGD / "
+                          "DiLoCo / EASGD average over; use parallel.ep=1 (or train.sync_every=1)")
+    if c.compress.method != "none":
+        raise ConfigError("compress.method", f"{c.compress.method} compresses the every-step gradient all-reduce, "
+                          "which periodic averaging (train.sync_every) removes; use compress.method=none")
 
 
 def _validate_pipeline(c: Config) -> None:

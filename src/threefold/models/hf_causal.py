@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from ..hf_config import read_config_json
-from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
+from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
+from .hf_plans import llama_layers
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
 HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
@@ -95,29 +96,12 @@ class HFCausalLM(nn.Module):
 
 
 def hf_plan(config, tp: int) -> TensorPlan:
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    what_heads = f"attention heads (num_attention_heads={heads} in config.json)"
-    what_ffn = f"MLP features (intermediate_size={config.intermediate_size} in config.json)"
     layer = "blocks.*.layer"
-    attributes = {}
-    if kv_heads % tp and heads % tp == 0 and tp % kv_heads == 0:
-        # each rank keeps one replicated kv head for its heads/tp query heads
-        attributes[f"{layer}.self_attn"] = {"num_key_value_groups": heads // tp}
+    layers, attributes = llama_layers(config, tp, layer, " in config.json")
     qk_norms = (f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm")
     return TensorPlan(
-        layers={
-            "embed": VocabEmbedding(config.vocab_size),
-            f"{layer}.self_attn.q_proj": ColumnParallel(unit=head_dim, what=what_heads),
-            f"{layer}.self_attn.k_proj": GroupedKV(heads, kv_heads, head_dim),
-            f"{layer}.self_attn.v_proj": GroupedKV(heads, kv_heads, head_dim),
-            f"{layer}.self_attn.o_proj": RowParallel(unit=head_dim, what=what_heads),
-            f"{layer}.mlp.gate_proj": ColumnParallel(what=what_ffn),
-            f"{layer}.mlp.up_proj": ColumnParallel(what=what_ffn),
-            f"{layer}.mlp.down_proj": RowParallel(what=what_ffn),
-            "head": VocabHead(config.vocab_size),
-            "loss": VocabLoss(config.vocab_size),
-        },
+        layers={"embed": VocabEmbedding(config.vocab_size), **layers,
+                "head": VocabHead(config.vocab_size), "loss": VocabLoss(config.vocab_size)},
         regions=(f"{layer}.self_attn", f"{layer}.mlp", "head"),
         sequence=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "norm"),
         partial=qk_norms if config.model_type == "qwen3" else (),

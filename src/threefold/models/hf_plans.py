@@ -24,29 +24,37 @@ from __future__ import annotations
 from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead
 
 
-def llama_plan(config, tp: int) -> TensorPlan:
-    """The plan of a `transformers` LlamaForCausalLM with `config`, for `tp` ranks."""
+def llama_layers(config, tp: int, layer: str, where: str = "") -> tuple[dict, dict]:
+    """The tensor plan of the decoder layers `layer` (a pattern such as "model.layers.*") of a
+    Llama-shaped `transformers` config, and the attributes they need: (layers, attributes).
+    `where` names the file in error messages (" in config.json")."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    what_heads = f"attention heads (num_attention_heads={heads})"
-    what_ffn = f"MLP features (intermediate_size={config.intermediate_size})"
-    layer = "model.layers.*"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # a transformers config: not all families set it
+    what_heads = f"attention heads (num_attention_heads={heads}{where})"
+    what_ffn = f"MLP features (intermediate_size={config.intermediate_size}{where})"
     attributes = {}
     if kv_heads % tp and heads % tp == 0 and tp % kv_heads == 0:
         # each rank keeps one replicated kv head for its heads/tp query heads
         attributes[f"{layer}.self_attn"] = {"num_key_value_groups": heads // tp}
+    layers = {
+        f"{layer}.self_attn.q_proj": ColumnParallel(unit=head_dim, what=what_heads),
+        f"{layer}.self_attn.k_proj": GroupedKV(heads, kv_heads, head_dim),
+        f"{layer}.self_attn.v_proj": GroupedKV(heads, kv_heads, head_dim),
+        f"{layer}.self_attn.o_proj": RowParallel(unit=head_dim, what=what_heads),
+        f"{layer}.mlp.gate_proj": ColumnParallel(what=what_ffn),
+        f"{layer}.mlp.up_proj": ColumnParallel(what=what_ffn),
+        f"{layer}.mlp.down_proj": RowParallel(what=what_ffn),
+    }
+    return layers, attributes
+
+
+def llama_plan(config, tp: int) -> TensorPlan:
+    """The plan of a `transformers` LlamaForCausalLM with `config`, for `tp` ranks."""
+    layer = "model.layers.*"
+    layers, attributes = llama_layers(config, tp, layer)
     return TensorPlan(
-        layers={
-            "model.embed_tokens": VocabEmbedding(config.vocab_size, sequence_output=False),
-            f"{layer}.self_attn.q_proj": ColumnParallel(unit=head_dim, what=what_heads),
-            f"{layer}.self_attn.k_proj": GroupedKV(heads, kv_heads, head_dim),
-            f"{layer}.self_attn.v_proj": GroupedKV(heads, kv_heads, head_dim),
-            f"{layer}.self_attn.o_proj": RowParallel(unit=head_dim, what=what_heads),
-            f"{layer}.mlp.gate_proj": ColumnParallel(what=what_ffn),
-            f"{layer}.mlp.up_proj": ColumnParallel(what=what_ffn),
-            f"{layer}.mlp.down_proj": RowParallel(what=what_ffn),
-            "lm_head": VocabHead(config.vocab_size, gather_output=True),
-        },
+        layers={"model.embed_tokens": VocabEmbedding(config.vocab_size, sequence_output=False), **layers,
+                "lm_head": VocabHead(config.vocab_size, gather_output=True)},
         regions=(f"{layer}.self_attn", f"{layer}.mlp", "lm_head"),
         sequence=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.norm"),
         scatter_inputs={"model.layers.0": 1},

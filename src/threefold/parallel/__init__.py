@@ -12,6 +12,7 @@ the meta device, so no rank ever holds the whole model:
     3. activation checkpointing                                                  (parallel/remat.py)
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
+                             (or periodic: local SGD, DiLoCo, EASGD                (parallel/local_sgd.py))
                              (with ep > 1: dense over dp, experts over edp        parallel/expert.py)
 
 Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
@@ -42,6 +43,7 @@ from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
 from .data import parallelize_data
 from .expert import ExpertParallelSync, shard_experts
+from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
 from .materialise import materialise
 from .model import GradSync, ParallelModel, accumulate
@@ -84,11 +86,11 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 4. mixed precision
     precision = apply_precision(model, cfg.precision)
     # 5. gradient sync over dp
-    grad_sync, placements, pieces, after_step = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
-                                                              split is not None, expert_names)
+    grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
+                                                                        split is not None, expert_names)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
-                             after_step, regions, spec=spec, materialised_bytes=allocated)
+                             after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic)
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel
@@ -96,32 +98,39 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
 
 def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool,
                   expert_names: set[str] = frozenset()):
-    """Step 5: plain data parallelism or ZeRO 1-3 -> (grad sync, placements, optimizer pieces, after_step).
+    """Step 5: plain data parallelism (or its periodic form) or ZeRO 1-3
+    -> (grad sync, placements, optimizer pieces, after_step, periodic sync).
     Expert parameters spread over ep (`expert_names`) are summed over edp only."""
     stage, p = cfg.parallel.zero, cfg.parallel
     wire = precision.reduce_dtype
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
         wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    periodic = None
     if stage == 0 and expert_names:
         grad_sync = ExpertParallelSync(model, expert_names, comm, p.bucket_mb)
         placements = {name: place.replicated("edp" if name in expert_names else "dp")
                       for name, place in placements.items()}
     elif stage == 0:
         hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
+        if cfg.train.periodic:  # between syncs, gradients are summed inside a replica only
+            hook = periodic_hook(hook, comm, wire if wire != precision.compute_dtype else None)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
+        # local SGD / DiLoCo / EASGD: the replicas meet every train.sync_every steps, bucket by bucket
+        periodic = (periodic_sync(comm, cfg.train, hook, grad_sync.buckets.buckets, [q for _, q in named])
+                    if cfg.train.periodic else None)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
     if stage == 0:
         pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
                   for name, q in named]
-        return grad_sync, placements, pieces, None
+        return grad_sync, placements, pieces, None, periodic
     if stage in (1, 2):
         # with a pipeline, stage 2 reduce-scatters after the last micro-batch (see zero.py)
         grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=pipelined)
         pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
         placements = {name: place.replicated("dp") for name, place in placements.items()}
-        return grad_sync, placements, pieces, grad_sync.gather_params
+        return grad_sync, placements, pieces, grad_sync.gather_params, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined)
     pieces = grad_sync.pieces(placements)
-    return grad_sync, grad_sync.placements(placements), pieces, None
+    return grad_sync, grad_sync.placements(placements), pieces, None, None

@@ -21,6 +21,7 @@ from ..comm.compression import adapt_optimizer
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
 from ..sharding import Placement
+from .local_sgd import PeriodicOptimizer, PeriodicSync
 from .master import Piece, ShardedOptimizer
 from .precision import MixedPrecision
 
@@ -86,6 +87,7 @@ class ParallelModel:
     pipeline: object | None = None  # pipeline.PipelineRuntime when pp > 1: runs forward_backward
     spec: object | None = None  # the models.spec.ModelSpec it was built from
     materialised_bytes: int = 0  # model-tensor bytes this rank allocated while starting (meta build)
+    periodic: PeriodicSync | None = None  # local SGD / DiLoCo / EASGD (train.sync_every...): when replicas meet
     _meter: SavedTensorMeter | None = None
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -133,7 +135,11 @@ class ParallelModel:
         if cfg.optimizer == "sgd" and self.grad_sync.applies_momentum:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
-        optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
+        if self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
+            optimizer = PeriodicOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step,
+                                          sync=self.periodic)
+        else:
+            optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
         return adapt_optimizer(optimizer, self.grad_sync) if compression else optimizer
 
@@ -151,9 +157,15 @@ class ParallelModel:
         return {"loss_scaler": self.scaler} if self.scaler is not None else {}
 
     @property
-    def rank_state(self) -> GradSync:
-        """This rank's own tensors (gradient-compression residuals): restored under the same layout only."""
-        return self.grad_sync
+    def rank_state(self) -> GradSync | PeriodicSync:
+        """This rank's own tensors (gradient-compression residuals, or a periodic run's replica masters and
+        moments): restored under the same layout only."""
+        return self.periodic if self.periodic is not None else self.grad_sync
+
+    @property
+    def norm_axis(self) -> str | None:
+        """The axis that stands for dp in the gradient norm: dp, or a replica's own axis between syncs."""
+        return self.periodic.norm_axis if self.periodic is not None else "dp"
 
     # ------------------------------------------------------------ memory accounting
 

@@ -30,22 +30,31 @@ class StepResult:
     skipped: bool = False
 
 
-def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm) -> torch.Tensor:
+def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
+                     dp_axis: str | None = "dp") -> torch.Tensor:
     """sqrt of the sum of squares of every distinct gradient element of the global model.
 
     Each rank adds the gradients it owns - a copy replicated over an axis counts only at that
     axis's coordinate 0 - and the partial sums are added over every mesh axis, so shards,
-    stages and replicas of any layout give the single-device norm.
+    stages and replicas of any layout give the single-device norm. `dp_axis` stands for dp:
+    between the syncs of local SGD a replica's own norm is over its inner axis (or none).
     """
     mesh = comm.mesh
+
+    def owns(axis: str) -> bool:
+        if axis == "dp":
+            return dp_axis is None or mesh.rank(dp_axis) == 0
+        return mesh.rank(axis) == 0
+
     owned = [p.grad for p, place in zip(params, placements)
-             if p.grad is not None and all(mesh.rank(axis) == 0 for axis in place.replicated_over)]
+             if p.grad is not None and all(owns(axis) for axis in place.replicated_over)]
     # on the mesh's device: the collective needs it (offloaded master gradients live on the host)
     sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
     if owned:
         sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
-    for axis in ("tp", "pp", "dp"):
-        comm.all_reduce(sumsq, axis, tag="grad_norm")
+    for axis in ("tp", "pp", dp_axis):
+        if axis is not None:
+            comm.all_reduce(sumsq, axis, tag="grad_norm")
     return sumsq.sqrt()
 
 
@@ -79,13 +88,15 @@ class TrainStep:
     def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult:
         """Run optimizer step `step` (1-based)."""
         self.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.parallel.periodic is not None:  # local SGD: whether this step sums gradients over dp
+            self.parallel.periodic.begin_step(step)
         self.grad_sync.zero_grad()
         loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, self.loss_scale)
         self.grad_sync.finish()
         prepare = getattr(self.optimizer, "prepare_grads", None)
         params, placements = (prepare(1.0 / self.loss_scale) if prepare is not None
                               else (self.params, self.placements))
-        norm = global_grad_norm(params, placements, self.comm)
+        norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis)
         # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
         finite = math.isfinite(float(norm))
         if self.scaler is not None:
