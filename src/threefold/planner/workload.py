@@ -15,6 +15,10 @@ from functools import lru_cache
 from ..config import Config, ModelConfig
 
 IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
+# the attention kernel's work: "flash" (SDPA's fused causal kernels on a GPU skip the masked half of
+# the s x s scores: threefold, torchtitan, Megatron-LM since 2023) or "dense" (the whole s x s
+# matrix is computed and masked: Megatron-LM / DeepSpeed / metaseq of 2021-2022)
+ATTENTION_KERNELS = ("flash", "dense")
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     implementation: str = "threefold"
+    attention: str = "flash"  # ATTENTION_KERNELS: what the attention core executes (time, not model FLOPs)
 
     @property
     def tokens(self) -> int:

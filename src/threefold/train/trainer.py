@@ -26,9 +26,10 @@ from ..observe.memory import storage_bytes
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
 from ..parallel.precision import set_tf32
+from .autosave import AutoSave
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
-from .rundir import run_directory
+from .rundir import run_directory, update_run
 from .step import TrainStep
 from .summary import print_summary
 
@@ -88,6 +89,8 @@ class Trainer:
         self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
         self.resumed_from: Path | None = None
         self._restore()
+        self.autosave = AutoSave(cfg.checkpoint, self.mesh.world_size, cfg.train.steps, self.step,
+                                 self._agree_max) if cfg.checkpoint.save_every == "auto" else None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -144,8 +147,32 @@ class Trainer:
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
 
     def _save_due(self) -> bool:
+        if self.autosave is not None:
+            return self.autosave.due(self.step)
         every = self.cfg.checkpoint.save_every
         return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
+
+    def _save(self) -> None:
+        """Save; under save_every=auto, time the stall and set the next save from the advice."""
+        start = time.perf_counter()
+        self.save_checkpoint()
+        if self.autosave is None:
+            return
+        advice = self.autosave.after_save(self.step, time.perf_counter() - start)
+        if self.is_writer:
+            update_run(self.out, "checkpoint_interval", self.autosave.record())
+            if advice is not None:
+                m = self.autosave.measured
+                print(f"threefold: save_every=auto at step {self.step}: {advice.describe()}; measured save "
+                      f"{m['save_s']:.3g} s, step {m['step_s']:.3g} s, {self.mesh.world_size} GPUs of MTBF "
+                      f"{self.cfg.checkpoint.mtbf_hours:g} h", file=sys.stderr, flush=True)
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        """The element-wise maximum of `values` over every rank."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
+        for axis in ("pp", "dp", "tp"):
+            self.comm.all_reduce(t, axis, op=dist.ReduceOp.MAX, tag="checkpoint")
+        return t.tolist()
 
     def memory(self) -> dict:
         """Bytes this rank holds, each storage counted once: model states and the step's activations.
@@ -216,13 +243,15 @@ class Trainer:
             while self.step < cfg.train.steps:
                 record = self.train_one_step()
                 records.append(record)
+                if self.autosave is not None:
+                    self.autosave.record_step(record["step_time_s"])
                 if self.evaluator is not None and self.evaluator.due(self.step):
                     record.update(self.evaluator())
                 if log is not None:
                     log.write(record)
                 if self._save_due():
-                    self.save_checkpoint()
-            if cfg.checkpoint.save_every > 0:
+                    self._save()
+            if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()
             self.observer.finish()
         finally:
