@@ -84,7 +84,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat)
     # 4. mixed precision
-    precision = apply_precision(model, cfg.precision)
+    precision = apply_precision(model, cfg.precision, mesh.device.type)
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
                                                                         split is not None, expert_names)

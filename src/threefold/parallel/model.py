@@ -51,12 +51,13 @@ class GradSync(Protocol):
 
 
 def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float,
-               meter: SavedTensorMeter | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+               meter: SavedTensorMeter | None = None, loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Forward and backward over the micro-batches; returns this rank's summed token loss.
 
     Each micro-batch's backward starts from `summed loss / global_tokens * loss_scale` (fp16's
-    dynamic loss scale; the optimizer divides the gradients by it again).
+    dynamic loss scale, a device tensor; the optimizer divides the gradients by it again).
     """
+    scaled = isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0
     total = None
     for i, mb in enumerate(micro_batches):
         with grad_sync.micro_batch(last=i == len(micro_batches) - 1):
@@ -67,7 +68,7 @@ def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, globa
             else:
                 loss_sum = model(mb.inputs, mb.targets)
             loss = loss_sum / global_tokens
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            (loss * loss_scale if scaled else loss).backward()
         loss_sum = loss_sum.detach().float()
         total = loss_sum if total is None else total + loss_sum
     return total
@@ -116,7 +117,8 @@ class ParallelModel:
             self._meter = SavedTensorMeter(exclude=self.weight_tensors())
         return self._meter
 
-    def forward_backward(self, micro_batches: list, global_tokens: float, loss_scale: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list, global_tokens: float,
+                         loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches (gradients accumulate, the sync runs inside);
         returns this rank's summed token loss (0 on pipeline stages without the loss)."""
         if self.pipeline is not None:
