@@ -129,6 +129,9 @@ class ExpertParallelSync:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}  # no compression under ep (config_checks refuses it)
 
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer  # no compression hook: the optimizer stays as it is
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state:
             raise ValueError(f"expert parallelism keeps no gradient-sync state; got {sorted(state)[:3]}")

@@ -17,7 +17,6 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from ..comm.compression import adapt_optimizer
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
 from ..sharding import Placement
@@ -48,6 +47,9 @@ class GradSync(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...  # this rank's own state (compression residuals)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """What the compression needs in place of the torch optimizer over the masters (1-bit Adam)."""
 
 
 def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float,
@@ -127,7 +129,7 @@ class ParallelModel:
             return self.pipeline.forward_backward(micro_batches, global_tokens / loss_scale)
         return accumulate(self.module, micro_batches, self.grad_sync, global_tokens, self.meter, loss_scale)
 
-    def make_optimizer(self, cfg: TrainConfig, compression: bool = True):
+    def make_optimizer(self, cfg: TrainConfig, compression: bool = True) -> ShardedOptimizer:
         """`cfg.optimizer` with fp32 masters over this rank's pieces (consumes the fp32 initial values);
         1-bit Adam in its place when the gradient compression asks for it (`compression`).
 
@@ -143,7 +145,9 @@ class ParallelModel:
         else:
             optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
-        return adapt_optimizer(optimizer, self.grad_sync) if compression else optimizer
+        if compression:
+            optimizer.inner = self.grad_sync.optimizer_for(optimizer.inner)
+        return optimizer
 
     def router_metrics(self, comm) -> dict | None:
         """The `moe` metrics of the step (parallel/expert.py), None without experts."""

@@ -21,6 +21,7 @@ from ..comm import Comm
 from ..config import TrainConfig
 from ..data import Batch
 from ..parallel import GradSync, ParallelModel, accumulate  # noqa: F401  (accumulate, GradSync: re-exported)
+from ..parallel.master import ShardedOptimizer
 from ..sharding import Placement
 from .optim import lr_at, set_lr
 
@@ -79,13 +80,13 @@ class TrainStep:
     """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step.
 
     Forward and backward are the parallel model's (`ParallelModel.forward_backward`: plain
-    accumulation or the pipeline schedule). With threefold's optimizer (parallel/master.py: fp32
-    masters, shards, offload) the norm and the clipping act on the fp32 master gradients of the
-    pieces this rank owns, after dividing by the loss scale; a plain torch optimizer acts on the
-    parameters as they are.
+    accumulation or the pipeline schedule). The optimizer is the one `ParallelModel.make_optimizer`
+    built (parallel/master.py: fp32 masters, shards, offload): the norm and the clipping act on
+    the fp32 master gradients of the pieces this rank owns (`prepare_grads`, after dividing by the
+    loss scale); a step with a non-finite norm changes nothing (`step(found_inf)`, on the device).
     """
 
-    def __init__(self, parallel: ParallelModel, optimizer, comm: Comm, cfg: TrainConfig):
+    def __init__(self, parallel: ParallelModel, optimizer: ShardedOptimizer, comm: Comm, cfg: TrainConfig):
         self.parallel = parallel
         self.grad_sync = parallel.grad_sync
         self.optimizer = optimizer
@@ -107,8 +108,7 @@ class TrainStep:
         self.grad_sync.zero_grad()
         loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, scale)
         self.grad_sync.finish()
-        prepare = getattr(self.optimizer, "prepare_grads", None)
-        params, placements = (prepare(1.0 / scale) if prepare is not None else (self.params, self.placements))
+        params, placements = self.optimizer.prepare_grads(1.0 / scale)
         norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis)
         # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
         found_inf = ~torch.isfinite(norm)
@@ -117,8 +117,5 @@ class TrainStep:
         clip_gradients(params, norm, self.cfg.grad_clip)  # non-finite gradients stay non-finite: skipped below
         lr = lr_at(step, self.cfg)
         set_lr(self.optimizer, lr)
-        if prepare is not None:
-            self.optimizer.step(found_inf)  # the update is skipped on the device where found_inf is set
-        else:
-            self.optimizer.step()  # a plain torch optimizer
+        self.optimizer.step(found_inf)  # the update is skipped on the device where found_inf is set
         return StepResult(loss_sum, norm, lr, found_inf, scale)
