@@ -42,6 +42,9 @@ def test_train_export_and_plan_a_hugging_face_directory(llama, tmp_path):
     assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites
     plan = threefold("plan", "--model", f"hf:{llama}", "--gpus", "8", "--seq-len", "16")
     assert plan.returncode == 0, plan.stderr
+    parity = threefold("parity", "--model", f"hf:{llama}", "--layouts", "1,1,1 1,2,1", "--steps", "2",
+                       "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "parity"), timeout=300)
+    assert parity.returncode == 0 and "parity PASSED" in parity.stdout, parity.stdout[-2000:] + parity.stderr
 
 
 def _broken(kind: str, llama, tmp_path):
