@@ -86,7 +86,8 @@ def _validate(c: Config, world_size: int) -> Config:
     _validate_optimizer(t)
     _validate_compress(c.compress, p.zero, t)
     _validate_periodic(c, dp)
-    for key, value in (("parallel.zero_weight_comm", p.zero_weight_comm), ("parallel.zero_grad_comm", p.zero_grad_comm)):
+    for key, value in (("parallel.zero_weight_comm", p.zero_weight_comm),
+                       ("parallel.zero_grad_comm", p.zero_grad_comm)):
         if value != "none" and p.zero != 3:
             raise ConfigError(key, f"{value} quantizes ZeRO-3's weight all-gathers and gradient reduce-scatters; "
                               f"set parallel.zero=3 (got zero={p.zero}), or {key}=none")

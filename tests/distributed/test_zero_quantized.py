@@ -40,3 +40,31 @@ def test_quantized_zero3_sends_fewer_bytes_and_trains_alike(worlds, tmp_path, ca
                        for row in got["comm"])
     with capsys.disabled():
         print("\nZeRO-3, dp=2, 8 steps, against the fp32 wire:\n  " + "\n  ".join(lines))
+
+
+def collective_checks() -> dict:
+    from threefold.comm import Comm
+    from threefold.comm.quantize import quantized_all_gather, quantized_reduce_scatter
+    from threefold.mesh import Layout, Mesh
+
+    mesh = Mesh(Layout(dp=2), torch.device("cpu"))
+    comm, rank = Comm(mesh), mesh.rank("dp")
+    g = torch.Generator().manual_seed(rank)
+    grads = torch.randn(2 * 700, generator=g) * (1 + rank)  # two chunks of 700 (not a multiple of 256)
+    exact = torch.empty(700)
+    comm.reduce_scatter(exact, grads.clone(), "dp")
+    got = torch.empty(700)
+    quantized_reduce_scatter(comm, got, grads, "dp").wait()
+    shard = torch.randn(700, generator=g)
+    whole, whole_q = torch.empty(1400), torch.empty(1400)
+    comm.all_gather(whole, shard, "dp")
+    quantized_all_gather(comm, whole_q, shard, "dp", "int8").wait()
+    return {"rs": (got - exact).abs().max().item(), "rs_scale": exact.abs().max().item(),
+            "ag": (whole_q - whole).abs().max().item(), "ag_scale": whole.abs().max().item()}
+
+
+def test_quantized_collectives_are_the_exact_ones_to_the_int8_bound(worlds):
+    for r in worlds(2).run(collective_checks):
+        # each contribution is off by at most max|block| / 254; the sum of two contributions twice that
+        assert 0 < r["rs"] <= 2 * 4 * r["rs_scale"] / 254, r
+        assert 0 < r["ag"] <= r["ag_scale"] / 254 * 1.0001, r
