@@ -20,6 +20,12 @@ echo "== NCCL path: threefold train --nproc 1 on cuda"
 $PY -m threefold train --nproc 1 --model tiny --steps 10 --global-batch 8 --seq-len 64 --set run.device=cuda \
     --no-progress --out "$OUT/nccl-run"
 tail -n 1 "$OUT/nccl-run/metrics.jsonl"
+if $PY -c "import pytest" 2>/dev/null; then
+    echo "== tests/gpu (NCCL training, no host sync inside a step)"
+    $PY -m pytest -q -p no:cacheprovider tests/gpu
+else
+    echo "== tests/gpu skipped: pytest is not installed"
+fi
 echo "== GPT-2 124M, bf16: threefold vs compiled plain loop"
 $PY bench/gpu_compare.py --model gpt2-124m --batch 16 --seq-len 1024 --rounds 5 --steps 10 --out "$OUT/gpt2"
 echo "== Llama ~1.2B (Llama 3.2 1B shape), bf16: threefold vs compiled plain loop (vs HF if installed)"

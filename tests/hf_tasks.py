@@ -18,8 +18,9 @@ HIDDEN = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_
 TRAIN = ["train.global_batch=8", "train.seq_len=16", "train.min_lr_ratio=1.0", "train.steps=10"]
 
 
-def save_tiny(family: str, out: Path, **changes) -> Path:
-    """A small random `transformers` model of `family` in `out` (config.json + model.safetensors)."""
+def save_tiny(family: str, out: Path, shard: str | None = None, **changes) -> Path:
+    """A small random `transformers` model of `family` in `out` (config.json + model.safetensors, or
+    shards of at most `shard` (e.g. "40KB") + model.safetensors.index.json)."""
     import transformers
 
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -31,7 +32,7 @@ def save_tiny(family: str, out: Path, **changes) -> Path:
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**HIDDEN, **changes}))
     with contextlib.redirect_stderr(io.StringIO()):
-        model.save_pretrained(out)
+        model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
     return Path(out)
 
 
@@ -139,7 +140,9 @@ def train_hf(overrides: list[str], out: str, tokens: torch.Tensor | None = None,
         records = trainer.run()
         after = pipeline_logits(trainer, tokens) if tokens is not None else None
     return {"losses": [r["loss"] for r in records], "params": global_params(trainer),
-            "before": before, "after": after, "rank": trainer.mesh.global_rank}
+            "before": before, "after": after, "rank": trainer.mesh.global_rank,
+            "dtypes": {p.dtype for p in trainer.parallel.module.parameters()},
+            "comm": [r.get("comm", {}).get("dp", {}) for r in records]}
 
 
 def train_hf_many(runs: list[tuple[list[str], str]]) -> list[dict]:
@@ -167,3 +170,4 @@ def start_memory(overrides: list[str], out: str) -> dict:
 def train_with_logits(runs: list[tuple[list[str], str]], tokens: torch.Tensor) -> list[dict]:
     """`train_hf` of each run, with the whole-vocabulary logits of `tokens` after training."""
     return [train_hf(overrides, out, tokens) for overrides, out in runs]
+

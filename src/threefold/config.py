@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -97,12 +98,21 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    compute: Literal["fp32", "bf16", "fp16"] = "fp32"
-    reduce_dtype: Literal["fp32", "bf16", "fp16", "compute"] = "fp32"
+    compute: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 elsewhere
+    # the dtype gradients travel in over dp; auto: the compute dtype on CUDA, fp32 elsewhere
+    reduce_dtype: Literal["auto", "fp32", "bf16", "fp16", "compute"] = "auto"
+    tf32: bool = True  # on CUDA, fp32 matmuls and convolutions use TF32 tensor cores
     initial_scale: float = 65536.0
     growth_interval: int = 1000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
+
+    def for_device(self, device_type: str) -> "PrecisionConfig":
+        """`auto` settled for a device: bf16 compute reduced in bf16 on CUDA, fp32 elsewhere."""
+        cuda = device_type == "cuda"
+        compute = ("bf16" if cuda else "fp32") if self.compute == "auto" else self.compute
+        reduce = ("compute" if cuda else "fp32") if self.reduce_dtype == "auto" else self.reduce_dtype
+        return replace(self, compute=compute, reduce_dtype=reduce)
 
 
 @dataclass(frozen=True)
@@ -179,7 +189,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save_every: int = 0  # save every N optimizer steps and at the last step; 0: never
+    # save every N optimizer steps and at the last step; 0: never; "auto": the Young/Daly interval from
+    # the save stall and step time measured in the run and mtbf_hours (train/autosave.py)
+    save_every: int | Literal["auto"] = 0
+    mtbf_hours: float = 50_000.0  # save_every=auto: mean time between failures of one GPU (Llama 3's cluster)
+    restart_seconds: float = 300.0  # save_every=auto: time to restart the job and load the checkpoint
     async_save: bool = False  # snapshot to host memory, write on a background thread
     resume: str = "none"  # none | auto (newest checkpoint that verifies) | a checkpoint or run directory
     keep: int = 3  # newest checkpoints kept; 0 keeps all
@@ -257,6 +271,10 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def for_device(self, device_type: str) -> "Config":
+        """The `auto` settings (precision) settled for the device the run uses."""
+        return replace(self, precision=self.precision.for_device(device_type))
 
     def validate(self, world_size: int) -> "Config":
         """Check everything against `world_size`; return the config with derived values set."""
@@ -366,8 +384,29 @@ def _field_type(section: str, name: str):
 
 def _check_value(section: str, name: str, value):
     """Type-check a value that arrived already typed (TOML, Python)."""
-    kind = _field_type(section, name)
-    key = f"{section}.{name}"
+    return _check_kind(f"{section}.{name}", _field_type(section, name), value)
+
+
+def _union_members(kind) -> tuple:
+    """The members of `int | Literal["auto"]`-style fields; () for any other type."""
+    return typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else ()
+
+
+def _kind_name(kind) -> str:
+    if typing.get_origin(kind) is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(kind))
+    return kind.__name__
+
+
+def _check_kind(key: str, kind, value):
+    members = _union_members(kind)
+    if members:
+        for member in members:
+            try:
+                return _check_kind(key, member, value)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"expected {' or '.join(map(_kind_name, members))}, got {value!r}")
     if typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         if value not in choices:
@@ -390,7 +429,7 @@ def _parse_text(section: str, name: str, text: str):
             if lowered not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError
             value = lowered in ("true", "1", "yes")
-        elif kind is int:
+        elif kind is int or int in _union_members(kind) and text.lstrip("+-").isdigit():
             value = int(text)
         elif kind is float:
             value = float(text)

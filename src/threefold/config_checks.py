@@ -78,8 +78,12 @@ def _validate(c: Config, world_size: int) -> Config:
     if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
     for key, value in [("checkpoint.save_every", ck.save_every), ("checkpoint.keep", ck.keep)]:
-        if value < 0:
-            raise ConfigError(key, f"must be at least 0, got {value}")
+        if value != "auto" and value < 0:
+            raise ConfigError(key, f"must be at least 0 (or auto), got {value}" if key.endswith("every")
+                              else f"must be at least 0, got {value}")
+    for key, value in [("checkpoint.mtbf_hours", ck.mtbf_hours), ("checkpoint.restart_seconds", ck.restart_seconds)]:
+        if not value >= (0 if key.endswith("seconds") else 1e-9):
+            raise ConfigError(key, f"must be {'at least 0' if key.endswith('seconds') else 'positive'}, got {value}")
     if ck.init_from and not Path(ck.init_from).is_file():
         raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
                           "written by `threefold ckpt export` (or with the same tensor names)")

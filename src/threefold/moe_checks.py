@@ -48,8 +48,12 @@ def validate_experts(c: "Config", dp: int) -> None:
                           "data parallelism)")
     if m.experts % p.ep:
         raise ConfigError("parallel.ep", f"model.experts={m.experts} is not divisible by ep={p.ep}")
-    if p.zero:
-        raise ConfigError("parallel.zero", f"ZeRO does not shard over ep={p.ep} yet; use --zero 0 or --ep 1")
+    if p.zero == 3:
+        raise ConfigError("parallel.zero", f"ZeRO-3 does not run with ep={p.ep} yet; use --zero 0, 1 or 2, "
+                          "or --ep 1")
+    if c.train.periodic:
+        raise ConfigError("train.sync_every", f"periodic synchronisation (local SGD) does not run with ep={p.ep} "
+                          "yet; synchronise every step or use --ep 1")
     if c.compress.method != "none":
         raise ConfigError("compress.method", f"gradient compression does not run with ep={p.ep} yet; "
                           "use compress.method=none or --ep 1")

@@ -174,3 +174,56 @@ def test_reference_decoder_without_a_library_equivalent_refuses_hf_export():
         _hf_format_of(SimpleNamespace(config={"model": mixed}))
     with pytest.raises(CheckpointError, match="model.kv_heads=2 < heads has no GPT-2 equivalent"):
         _hf_format_of(SimpleNamespace(config={"model": {"preset": "tiny", "kv_heads": 2}}))
+
+
+# Per-step relative loss difference allowed against the fp32 library loop: one unit roundoff of the
+# compute format (as tests/distributed/test_zero_precision.py), > 0 to show it computed in that format.
+ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def test_strategies_on_hugging_face_models(worlds, hf_dirs, tmp_path):
+    """One 4-process world: a 4-layer Llama loaded from sharded files + index under the interleaved
+    schedule with full activation checkpointing (parity 1e-5); GPT-2 under tp with async checkpoints,
+    resumed from its step-5 checkpoint (bitwise the uninterrupted run); 1-bit Adam compression (its
+    warm-up exactly the library loop, then compressed momentum only); bf16 and fp16 compute."""
+    sharded = save_tiny("llama", tmp_path / "sharded", shard="40KB", num_hidden_layers=4)
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    llama4 = [f"model.preset=hf:{sharded}", *TRAIN]
+    gpt2 = [f"model.preset=hf:{hf_dirs['gpt2']}", *TRAIN]
+    llama = [f"model.preset=hf:{hf_dirs['llama']}", *TRAIN]
+    async_ckpt = ["checkpoint.save_every=5", "checkpoint.async_save=true", "checkpoint.keep=0"]
+    runs = {
+        "interleaved": llama4 + ["parallel.tp=2", "parallel.pp=2", "train.microbatches=4",
+                                 "pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "remat.policy=full"],
+        "async": gpt2 + ["parallel.dp=2", "parallel.tp=2", *async_ckpt],
+        "resumed": gpt2 + ["parallel.dp=2", "parallel.tp=2",
+                           f"checkpoint.resume={tmp_path / 'async' / 'checkpoints' / 'step-00000005'}"],
+        "onebit": llama + ["parallel.dp=4", "compress.method=onebit", "compress.warmup_steps=3"],
+        "bf16": llama + ["parallel.dp=2", "parallel.tp=2", "precision.compute=bf16"],
+        "fp16": gpt2 + ["parallel.dp=2", "parallel.pp=2", "train.microbatches=2", "precision.compute=fp16"],
+    }
+    references = {"interleaved": _reference_sharded(sharded, llama4), "gpt2": _reference(hf_dirs["gpt2"], gpt2),
+                  "llama": _reference(hf_dirs["llama"], llama)}
+    results = worlds(4).run(train_hf_many, [(o, str(tmp_path / name)) for name, o in runs.items()])
+    for rank_results in results:
+        got = dict(zip(runs, rank_results))
+        _check_parity(got["interleaved"], references["interleaved"], "llama interleaved + remat, sharded files")
+        _check_parity(got["async"], references["gpt2"], "gpt2 async checkpoints")
+        assert got["resumed"]["losses"] == got["async"]["losses"][5:]
+        assert all(torch.equal(p, got["async"]["params"][n]) for n, p in got["resumed"]["params"].items())
+        onebit, ref = got["onebit"], references["llama"]["losses"]
+        assert max(abs(a - b) / b for a, b in zip(onebit["losses"][:4], ref)) <= 1e-5  # step 4: loss before update
+        assert "all_reduce" not in onebit["comm"][-1] and onebit["comm"][-1]["all_to_all"] > 0
+        assert onebit["losses"][-1] < onebit["losses"][0]
+        for dtype, family in (("bf16", "llama"), ("fp16", "gpt2")):
+            worst = max(abs(a - b) / b for a, b in zip(got[dtype]["losses"], references[family]["losses"]))
+            assert 0 < worst <= ROUNDOFF[dtype], (dtype, worst)
+            assert got[dtype]["dtypes"] == {getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])}
+
+
+def _reference_sharded(directory, overrides):
+    from safetensors.torch import load_file
+
+    ref = reference_training(directory, overrides)
+    ref["initial"] = {k: v for f in directory.glob("model-*.safetensors") for k, v in load_file(str(f)).items()}
+    return ref

@@ -19,3 +19,26 @@ def test_training_on_one_gpu_over_nccl(tmp_path, precision):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and rows[-1]["loss"] < rows[0]["loss"]
     assert rows[0]["mem"]["peak"] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_cuda_step_never_synchronises_with_the_host(tmp_path, precision):
+    """torch's sync debug mode raises at any blocking device-to-host wait inside the step (the CPU
+    test counts reads in tests/distributed/test_host_sync.py; this is the same claim on the device)."""
+    from tests.helpers import make_config
+    from threefold.train.trainer import Trainer
+
+    trainer = Trainer(make_config(["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "train.steps=3",
+                                   "run.device=cuda", f"precision.compute={precision}", "data.prefetch=0"],
+                                  str(tmp_path)))
+    trainer.train_one_step()
+    step = trainer.step + 1
+    micro_batches, _ = trainer.loader.get(step - 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = trainer.step_fn(step, micro_batches, trainer.global_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    trainer.loader.close()
+    assert result.read()[1] == 0.0  # not skipped

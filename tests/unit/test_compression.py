@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from threefold.comm.compression import DenseHook, DGCHook, OneBitAdamHook, PowerSGDHook, adapt_optimizer
+from threefold.comm.compression import DenseHook, DGCHook, OneBitAdamHook, PowerSGDHook
 from threefold.parallel.comm_hook import make_comm_hook
 from threefold.comm.compression.onebit import OneBitAllReduce, compress, decompress, pack_signs, unpack_signs
 from threefold.comm.compression.powersgd import _Layout
@@ -61,16 +61,13 @@ def test_one_process_and_plain_methods_pick_the_dense_hook():
     assert isinstance(pick["onebit"], OneBitAdamHook)
 
 
-def test_adapt_optimizer_keeps_adamw_unless_one_bit_adam():
+def test_optimizer_for_keeps_adamw_unless_one_bit_adam():
     p = nn.Parameter(torch.zeros(3))
     adamw = torch.optim.AdamW([p])
 
-    class Sync:
-        hook, comm, axis = DenseHook(), None, "dp"
-
-    assert adapt_optimizer(adamw, Sync()) is adamw
-    Sync.hook = OneBitAdamHook(warmup_steps=2)
-    adapted = adapt_optimizer(adamw, Sync())
+    for hook in (DenseHook(), DGCHook(), PowerSGDHook()):
+        assert hook.optimizer_for(adamw, None, "dp") is adamw
+    adapted = OneBitAdamHook(warmup_steps=2).optimizer_for(adamw, None, "dp")
     assert type(adapted).__name__ == "OneBitAdam" and adapted.param_groups[0]["params"] == [p]
 
 

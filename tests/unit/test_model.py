@@ -1,5 +1,7 @@
 import torch
 
+from tests.helpers import rel_err
+
 from threefold.config import load_config
 from threefold.models.decoder import build_model, count_parameters, init_parameters
 from threefold.models.presets import PRESETS, PUBLISHED_PARAMS
@@ -57,3 +59,23 @@ def test_causal_and_tied():
     untied = build_model(model_cfg("model.preset=tiny-llama"), 0)
     assert untied.head.weight is not untied.embed.tok.weight
     assert set(PRESETS) >= {"tiny", "small", "gpt2-124m", "llama-7b", "llama-70b", "llama-405b", "gpt3-175b"}
+
+
+def test_grouped_query_attention_through_sdpa_equals_expanded_heads():
+    """SDPA's grouped heads (k, v never expanded) against attention written out with every kv head
+    repeated for its group of q heads: softmax(q k^T / sqrt(d) + causal mask) v."""
+    from threefold.models.decoder import Attention
+
+    cfg = model_cfg("model.preset=tiny-llama")
+    assert cfg.kv_heads < cfg.heads
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    b, s, d = 2, 7, cfg.head_dim
+    q, k, v = torch.randn(b, cfg.heads, s, d), torch.randn(b, cfg.kv_heads, s, d), torch.randn(b, cfg.kv_heads, s, d)
+    group = cfg.heads // cfg.kv_heads
+    k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k_all.transpose(-1, -2)) / d**0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ v_all
+    got = attn.core(q, k, v)
+    assert rel_err(got, expected) < 1e-6

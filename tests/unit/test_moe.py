@@ -118,7 +118,7 @@ def test_moe_presets_match_published_counts(preset):
     (["model.preset=tiny", "parallel.ep=2"], 2, "parallel.ep"),
     (["model.preset=tiny-moe", "parallel.ep=3"], 3, "parallel.ep"),
     (["model.preset=tiny-moe", "parallel.ep=2", "parallel.tp=2"], 2, "parallel.ep"),
-    (["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=1"], 2, "parallel.zero"),
+    (["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=3"], 2, "parallel.zero"),
     (["model.preset=tiny-moe", "parallel.pp=2"], 2, "parallel.pp"),
 ])
 def test_bad_moe_settings_name_the_key(overrides, world, key):

@@ -76,3 +76,27 @@ def test_unscaling_and_bf16_masters():
     assert all(torch.equal(m.grad, torch.ones(4)) for m in masters)  # unscaled, in fp32
     opt.step()
     assert torch.equal(model, (init - 1e-3).to(torch.bfloat16))  # Adam's first step moves by lr
+
+
+def test_auto_precision_is_bf16_reduced_in_bf16_on_cuda_and_fp32_elsewhere():
+    from threefold.parallel.precision import set_tf32
+
+    auto = PrecisionConfig()
+    assert (auto.compute, auto.reduce_dtype, auto.tf32) == ("auto", "auto", True)
+    on_gpu, on_cpu = auto.for_device("cuda"), auto.for_device("cpu")
+    assert (on_gpu.compute, on_gpu.reduce_dtype) == ("bf16", "compute")
+    assert (on_cpu.compute, on_cpu.reduce_dtype) == ("fp32", "fp32")
+    chosen = PrecisionConfig(compute="fp16", reduce_dtype="fp32")
+    assert chosen.for_device("cuda") == chosen  # a choice is kept
+    mp = apply_precision(torch.nn.Linear(2, 2), auto, "cuda")
+    assert (mp.compute_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert resolve_reduce_dtype(PrecisionConfig(compute="bf16"), "cpu") == torch.float32
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        set_tf32(torch.device("cpu"), not before)
+        assert torch.backends.cuda.matmul.allow_tf32 == before  # only a CUDA run changes it
+        set_tf32(torch.device("cuda"), not before)
+        assert torch.backends.cuda.matmul.allow_tf32 == (not before)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+        torch.backends.cudnn.allow_tf32 = True

@@ -84,15 +84,15 @@ class Attention(nn.Module):
         if self.rope:
             cos, sin = rotary_tables(s, self.head_dim, self.rope_theta, x_bsh.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).flatten(2))
 
     def core(self, q, k, v):
-        """Causal softmax attention; a separate method so selective checkpointing can target it."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        """Causal softmax attention; a separate method so selective checkpointing can target it.
+
+        Grouped-query attention (fewer kv heads, each serving a group of q heads) goes to SDPA's
+        grouped heads (`enable_gqa`): k and v are never expanded to every head."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):

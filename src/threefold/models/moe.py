@@ -25,7 +25,8 @@ token count makes them means): the load-balancing loss E * sum_e f_e P_e of each
 (f_e the fraction of its assignments routed to e, P_e its mean router probability; Switch
 Transformer, computed per sequence as DeepSeek-V3's sequence-wise balance loss) weighted by
 `router_aux_weight`, and the router z-loss logsumexp(logits)^2 per token (ST-MoE) weighted by
-`router_z_weight`.
+`router_z_weight`. Without autograd (evaluation) they are not added: a validation loss is the
+cross-entropy alone.
 
 How the routed rows reach the experts is the `dispatch` (an `ExpertDispatch`): here all
 experts are local; expert parallelism (parallel/expert.py) replaces it with all-to-all.
@@ -153,6 +154,8 @@ class MoE(nn.Module):
         balance = self.num_experts * (routed * probs.mean(1)).sum(-1)  # (b,)
         z = torch.logsumexp(logits, -1).square()  # (b, s)
         self.aux_sum = s * self.aux_weight * balance.sum() + self.z_weight * z.sum()
+        if not torch.is_grad_enabled():  # evaluation: the loss is the cross-entropy alone
+            self.aux_sum = torch.zeros((), dtype=self.aux_sum.dtype, device=self.aux_sum.device)
         # dispatch: kept assignments sorted by expert (stable: token order within an expert)
         flat_idx, flat_keep = idx.reshape(-1), keep.reshape(-1)
         token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(self.top_k)

@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
-from .data import parallelize_data
+from .data import DataParallelReducer, parallelize_data
 from .expert import ExpertParallelSync, shard_experts
 from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
@@ -86,7 +86,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat)
     # 4. mixed precision
-    precision = apply_precision(model, cfg.precision)
+    precision = apply_precision(model, cfg.precision, mesh.device.type)
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
                                                                         split is not None, expert_names)
@@ -96,6 +96,30 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel
+
+
+def _expert_sync(named, expert_names: set[str], placements, comm: Comm, cfg: Config, wire, pipelined: bool):
+    """Step 5 with ep > 1: dense parameters over dp, experts over edp, each plain or ZeRO-1/2."""
+    stage, p = cfg.parallel.zero, cfg.parallel
+    dense = [(n, q) for n, q in named if n not in expert_names]
+    experts = [(n, q) for n, q in named if n in expert_names]
+    replicated = {name: place.replicated("edp" if name in expert_names else "dp")
+                  for name, place in placements.items()}
+    if stage == 0:
+        syncs = (DataParallelReducer([q for _, q in dense], comm, p.bucket_mb),
+                 DataParallelReducer([q for _, q in experts], comm, p.bucket_mb, axis="edp"))
+        pieces = [Piece(name, replicated[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
+                  for name, q in named]
+        return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, pieces, None
+    # ZeRO-1/2: optimizer states sharded over dp (dense) and edp (experts); the expert sync reduces in finish()
+    syncs = (ZeroReducer(dense, comm, stage, p.bucket_mb, wire, defer=pipelined),
+             ZeroReducer(experts, comm, stage, p.bucket_mb, wire, axis="edp", defer=True))
+    pieces = syncs[0].pieces(placements) + syncs[1].pieces(placements)
+
+    def after_step():
+        syncs[0].gather_params()
+        syncs[1].gather_params()
+    return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, pieces, after_step
 
 
 def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool,
@@ -108,12 +132,10 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
         wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    if expert_names:
+        return (*_expert_sync(named, expert_names, placements, comm, cfg, wire, pipelined), None)
     periodic = None
-    if stage == 0 and expert_names:
-        grad_sync = ExpertParallelSync(model, expert_names, comm, p.bucket_mb)
-        placements = {name: place.replicated("edp" if name in expert_names else "dp")
-                      for name, place in placements.items()}
-    elif stage == 0:
+    if stage == 0:
         hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
         if cfg.train.periodic:  # between syncs, gradients are summed inside a replica only
             hook = periodic_hook(hook, comm, wire if wire != precision.compute_dtype else None)
@@ -122,7 +144,6 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         periodic = (periodic_sync(comm, cfg.train, hook, grad_sync.buckets.buckets, [q for _, q in named])
                     if cfg.train.periodic else None)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
-    if stage == 0:
         pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
                   for name, q in named]
         return grad_sync, placements, pieces, None, periodic

@@ -106,6 +106,10 @@ class DataParallelReducer:
         """Whether the hook applies the optimizer's momentum before the exchange (DGC's correction)."""
         return self.hook.applies_momentum
 
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the hook needs in place of `optimizer` (1-bit Adam for its hook)."""
+        return self.hook.optimizer_for(optimizer, self.comm, self.axis)
+
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)
 

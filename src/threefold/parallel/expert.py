@@ -14,8 +14,9 @@ step 2 x (rows it sends to other ranks + rows it receives from them) x h x d byt
 
 Gradients: dense parameters are summed over all of dp; expert parameters over `edp` only (the
 dp ranks holding the same experts) - the all-to-all already brought every token of the ep run
-to its expert (`ExpertParallelSync`). The expert sums run after the backward, in bucket order,
-so every rank issues them identically whatever experts its tokens used.
+to its expert (`ExpertParallelSync`: plain sums, or ZeRO-1/2 reduce-scatters with the
+optimizer states sharded over dp and edp respectively). The expert reductions run after the
+backward, in bucket order, so every rank issues them alike whatever experts its tokens used.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from ..comm.autograd import all_to_all_rows
 from ..mesh import Mesh
 from ..models.moe import Experts, moe_modules
 from ..sharding import Placement
-from .data import DataParallelReducer
 
 AXIS = "ep"
 
@@ -90,16 +90,16 @@ def shard_experts(model: nn.Module, mesh: Mesh, comm: Comm, placements: dict[str
 
 
 class ExpertParallelSync:
-    """The `GradSync` of expert parallelism: dense gradients summed over dp (bucketed, overlapped
-    with backward), expert gradients over edp (after the backward)."""
+    """The `GradSync` of expert parallelism: one sync for the dense parameters over dp (plain DP or
+    ZeRO 1-2, as without experts), one for the expert parameters over edp (the same kind), which
+    reduces after the backward only (every rank issues its collectives alike, whichever experts
+    its tokens reached). `parallelize()` builds both."""
 
     applies_momentum = False
 
-    def __init__(self, model: nn.Module, expert_names: set[str], comm: Comm, bucket_mb: float):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.dense = DataParallelReducer([p for n, p in named if n not in expert_names], comm, bucket_mb)
-        self.experts = DataParallelReducer([p for n, p in named if n in expert_names], comm, bucket_mb,
-                                           axis="edp")
+    def __init__(self, dense, experts, expert_params: list[nn.Parameter]):
+        self.dense, self.experts = dense, experts
+        self._expert_ids = {id(p) for p in expert_params}
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool):
@@ -115,19 +115,22 @@ class ExpertParallelSync:
         self.experts.zero_grad()
 
     def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
-        return param.grad
+        return (self.experts if id(param) in self._expert_ids else self.dense).gradient_of(param)
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return self.dense.gradient_tensors() + self.experts.gradient_tensors()
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return []
+        return self.dense.weight_tensors() + self.experts.weight_tensors()
 
     def gather_for(self, params: list[nn.Parameter]) -> None:
-        """Nothing to gather: every rank holds its parameters whole."""
+        """Nothing to gather: every rank holds its parameters whole (ZeRO-3 is not combined with ep)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}  # no compression under ep (config_checks refuses it)
+
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer  # no compression hook: the optimizer stays as it is
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state:

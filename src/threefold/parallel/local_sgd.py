@@ -241,8 +241,8 @@ class PeriodicOptimizer(ShardedOptimizer):
         self.sync = sync
         sync.bind(self)
 
-    def step(self) -> None:
-        super().step()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        super().step(found_inf)  # skipped or not (found_inf), the step counts for the period
         self.sync.end_step()
 
     def skip(self) -> None:

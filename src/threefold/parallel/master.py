@@ -10,10 +10,13 @@ range of its flattening under ZeRO 1-3. For every piece the optimizer keeps
     momentum_buffer       SGD momentum, fp32             (train.optimizer=sgd, train.momentum > 0)
 
 and runs the torch optimizer `train.optimizer` names (AdamW or SGD) on the masters, multi-tensor:
-AdamW fused on CUDA (one kernel over all pieces, step counts on the device, so no per-tensor
-host read of the step), `foreach` elsewhere (its bits are the single-tensor loop's). Both are
-elementwise, so any partition of the parameters into pieces gives the same bits as the
-unsharded optimizer (tests/unit/test_optimizer.py, tests/distributed/test_zero.py). The states are allocated up front (torch creates them on
+fused on CUDA (one kernel over all pieces; the step counts stay on the device and the skip
+decision after an overflow is a device flag, `step(found_inf)`, the `found_inf` of torch's fused
+kernels as CUDA loss scalers use it: a step never reads a value back to the host), `foreach`
+elsewhere (its bits are the single-tensor loop's; torch's CPU fused kernels round a piece's
+vector tail differently, so they would break the guarantee below; on CPU reading the skip flag
+costs nothing, there is no device queue to drain). Both are elementwise, so any partition of
+the parameters into pieces gives the same bits as the unsharded optimizer (tests/unit/test_optimizer.py, tests/distributed/test_zero.py). The states are allocated up front (torch creates them on
 the first step), so they are counted by memory reports and checkpointable from step 0.
 
 Offload (`parallel.offload=optimizer`): masters and states live in a separate host pool
@@ -56,19 +59,20 @@ STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
 def fused_on(device: torch.device) -> bool:
-    """AdamW runs fused where the masters are on CUDA (foreach would read every step count on the host)."""
+    """Fused AdamW / SGD where the masters are on CUDA (foreach would read every step count on the
+    host and could not skip a step without reading the overflow flag)."""
     return device.type == "cuda"
 
 
 def make_inner(groups: list[dict], cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     """The torch optimizer `cfg.optimizer` over parameter groups, multi-tensor (module docstring):
     elementwise kernels, so the same bits whatever the tensors' grouping (pieces reproduce whole tensors)."""
+    fused = fused_on(device)
+    kernel = {"foreach": None, "fused": True} if fused else {"foreach": True}
     if cfg.optimizer == "adamw":
-        fused = fused_on(device)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 foreach=None if fused else True, fused=fused or None)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kernel)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
@@ -83,8 +87,8 @@ class ShardedOptimizer:
     """AdamW or SGD (`train.optimizer`) over this rank's pieces with fp32 masters, optionally in a host pool.
 
     Used by the training step as: `prepare_grads(1 / loss_scale)` -> norm over `masters` ->
-    clip -> `step()` (or `skip()` after an overflow). Exposes `param_groups` like a torch
-    optimizer, so learning-rate schedules apply unchanged.
+    clip -> `step(found_inf)` (a 0-dim device flag: the update is skipped where it is set).
+    Exposes `param_groups` like a torch optimizer, so learning-rate schedules apply unchanged.
     """
 
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor] | None = None,
@@ -146,15 +150,20 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------ one step
 
-    def prepare_grads(self, inv_scale: float = 1.0) -> tuple[list[nn.Parameter], list[Placement]]:
-        """Give every master its fp32, unscaled gradient; returns (masters, placements) for the norm."""
+    def prepare_grads(self, inv_scale: float | torch.Tensor = 1.0) -> tuple[list[nn.Parameter], list[Placement]]:
+        """Give every master its fp32, unscaled gradient; returns (masters, placements) for the norm.
+
+        `inv_scale`: 1 / the loss scale, a number or a 0-dim tensor (fp16's scaler keeps it on the device)."""
+        scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
+        if isinstance(inv_scale, torch.Tensor):
+            inv_scale = inv_scale.to(self.host)  # a host read only with offload
         for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
             grad = piece.grad()
-            if alias and inv_scale == 1.0:
+            if alias and not scaled:
                 master.grad = grad.detach()  # the model's own fp32 gradient, no copy
             else:
                 master.grad = grad.detach().to(self.host, torch.float32, copy=True)
-                if inv_scale != 1.0:
+                if scaled:
                     master.grad.mul_(inv_scale)
         return self.masters, self.placements
 
@@ -164,11 +173,23 @@ class ShardedOptimizer:
         self._pre_hooks.append(hook)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """The update of the masters, then the model's pieces from them, then `after_step` (all-gathers)."""
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """The update of the masters, then the model's pieces from them, then `after_step` (all-gathers).
+
+        `found_inf`: a 0-dim flag; where it is set the fused kernel leaves masters, states and step
+        counts as they were (the copies back and the gathers then move unchanged values). Read on
+        the host only without a fused kernel (CPU masters, 1-bit Adam)."""
         for hook in self._pre_hooks:
             hook(self, (), {})
+        if found_inf is not None and not self.inner.defaults.get("fused"):
+            if bool(found_inf):  # a host read: only without a fused kernel (CPU, 1-bit Adam)
+                self._drop_grads()
+                return
+            found_inf = None
+        if found_inf is not None:
+            self.inner.found_inf = found_inf.to(self.host, torch.float32)  # a host read only with offload
         self.inner.step()
+        self.inner.found_inf = None
         self.steps += 1
         for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
             if not alias:
@@ -179,6 +200,9 @@ class ShardedOptimizer:
 
     def skip(self) -> None:
         """A step skipped after an overflow: nothing changes but the gradients are dropped."""
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
         for master in self.masters:
             master.grad = None
 

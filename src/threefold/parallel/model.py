@@ -17,7 +17,6 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from ..comm.compression import adapt_optimizer
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
 from ..sharding import Placement
@@ -49,14 +48,18 @@ class GradSync(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """What the compression needs in place of the torch optimizer over the masters (1-bit Adam)."""
+
 
 def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float,
-               meter: SavedTensorMeter | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+               meter: SavedTensorMeter | None = None, loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Forward and backward over the micro-batches; returns this rank's summed token loss.
 
     Each micro-batch's backward starts from `summed loss / global_tokens * loss_scale` (fp16's
-    dynamic loss scale; the optimizer divides the gradients by it again).
+    dynamic loss scale, a device tensor; the optimizer divides the gradients by it again).
     """
+    scaled = isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0
     total = None
     for i, mb in enumerate(micro_batches):
         with grad_sync.micro_batch(last=i == len(micro_batches) - 1):
@@ -67,7 +70,7 @@ def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, globa
             else:
                 loss_sum = model(mb.inputs, mb.targets)
             loss = loss_sum / global_tokens
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            (loss * loss_scale if scaled else loss).backward()
         loss_sum = loss_sum.detach().float()
         total = loss_sum if total is None else total + loss_sum
     return total
@@ -116,7 +119,8 @@ class ParallelModel:
             self._meter = SavedTensorMeter(exclude=self.weight_tensors())
         return self._meter
 
-    def forward_backward(self, micro_batches: list, global_tokens: float, loss_scale: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list, global_tokens: float,
+                         loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches (gradients accumulate, the sync runs inside);
         returns this rank's summed token loss (0 on pipeline stages without the loss)."""
         if self.pipeline is not None:
@@ -125,7 +129,7 @@ class ParallelModel:
             return self.pipeline.forward_backward(micro_batches, global_tokens / loss_scale)
         return accumulate(self.module, micro_batches, self.grad_sync, global_tokens, self.meter, loss_scale)
 
-    def make_optimizer(self, cfg: TrainConfig, compression: bool = True):
+    def make_optimizer(self, cfg: TrainConfig, compression: bool = True) -> ShardedOptimizer:
         """`cfg.optimizer` with fp32 masters over this rank's pieces (consumes the fp32 initial values);
         1-bit Adam in its place when the gradient compression asks for it (`compression`).
 
@@ -141,7 +145,9 @@ class ParallelModel:
         else:
             optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
-        return adapt_optimizer(optimizer, self.grad_sync) if compression else optimizer
+        if compression:
+            optimizer.inner = self.grad_sync.optimizer_for(optimizer.inner)
+        return optimizer
 
     def router_metrics(self, comm) -> dict | None:
         """The `moe` metrics of the step (parallel/expert.py), None without experts."""

@@ -1,12 +1,15 @@
 """Mixed precision: the compute dtype of the model, fp32 master weights, the dynamic loss scaler.
 
-Step 4 of `parallelize`. With `precision.compute` = bf16 or fp16 the model's floating-point
+Step 4 of `parallelize`. `auto` (the default) settles by device: bf16 compute with gradients
+reduced in bf16 on CUDA, fp32 elsewhere (`PrecisionConfig.for_device`); on CUDA fp32 matmuls
+use TF32 (`precision.tf32`). With `precision.compute` = bf16 or fp16 the model's floating-point
 parameters are cast to that dtype, so forward and backward run in it and gradients are produced
 in it. The fp32 values they had before the cast are handed on (`MixedPrecision.fp32_init`) to
 the optimizer, which keeps them as *master weights*: AdamW updates fp32 masters with fp32
 moments, and the result is cast back into the model after every step. The dtype gradients
-travel in over dp (`precision.reduce_dtype`) is independent of both (fp32 by default: summing
-over many ranks in bf16 loses bits the optimizer would keep).
+travel in over dp (`precision.reduce_dtype`) is independent of both (`fp32` keeps the bits a
+sum over many ranks in bf16 loses; `compute`, the CUDA default, halves the bytes and skips the
+upcast and the rounding back).
 
 fp16 has a narrow exponent range, so small gradients underflow to zero. The dynamic loss scaler
 multiplies the loss by S before backward (gradients are S times larger), the optimizer divides
@@ -29,38 +32,57 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class DynamicLossScaler:
-    """Loss scale for fp16: grow after `growth_interval` clean steps, back off on overflow."""
+    """Loss scale for fp16: grow after `growth_interval` clean steps, back off on overflow.
+
+    The scale, the count of clean steps and the count of skipped steps are 0-dim tensors on the
+    compute device (`to(device)`), updated by torch's `_amp_update_scale_` from the device-side
+    overflow flag, as CUDA loss scalers do: a step never reads them back. `scale`, `clean_steps`
+    and `skipped_steps` read them (metrics, checkpoints, tests).
+    """
 
     def __init__(self, initial_scale: float = 2.0**16, growth_interval: int = 1000, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, min_scale: float = 1.0):
-        self.scale = float(initial_scale)
+        self.scale_tensor = torch.tensor(float(initial_scale))
+        self._clean = torch.zeros((), dtype=torch.int32)  # consecutive steps without overflow since the last change
+        self._skipped = torch.zeros((), dtype=torch.int64)  # total, for metrics
         self.growth_interval = growth_interval
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.min_scale = min_scale
-        self.clean_steps = 0  # consecutive steps without overflow since the last change
-        self.skipped_steps = 0  # total, for metrics
 
-    def update(self, found_inf: bool) -> None:
+    def to(self, device: torch.device) -> "DynamicLossScaler":
+        self.scale_tensor, self._clean, self._skipped = (t.to(device) for t in (self.scale_tensor, self._clean,
+                                                                               self._skipped))
+        return self
+
+    @property
+    def scale(self) -> float:
+        return float(self.scale_tensor)
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
+
+    def update(self, found_inf: torch.Tensor | bool) -> None:
         """After a step: `found_inf` must be the same on every rank (it is: a global norm)."""
-        if found_inf:
-            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
-            self.clean_steps = 0
-            self.skipped_steps += 1
-            return
-        self.clean_steps += 1
-        if self.clean_steps >= self.growth_interval:
-            self.scale *= self.growth_factor
-            self.clean_steps = 0
+        flag = torch.as_tensor(found_inf, device=self.scale_tensor.device).to(torch.float32)
+        torch._amp_update_scale_(self.scale_tensor, self._clean, flag, self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        self.scale_tensor.clamp_(min=self.min_scale)
+        self._skipped += flag.to(self._skipped.dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain JSON values for the checkpoint manifest (identical on every rank)."""
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self.scale_tensor.fill_(float(state["scale"]))
+        self._clean.fill_(int(state["clean_steps"]))
+        self._skipped.fill_(int(state["skipped_steps"]))
 
 
 @dataclass
@@ -76,12 +98,22 @@ class MixedPrecision:
         return self.scaler.scale if self.scaler is not None else 1.0
 
 
-def resolve_reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
+def resolve_reduce_dtype(cfg: PrecisionConfig, device_type: str = "cpu") -> torch.dtype:
+    cfg = cfg.for_device(device_type)
     return DTYPES[cfg.compute if cfg.reduce_dtype == "compute" else cfg.reduce_dtype]
 
 
-def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> MixedPrecision:
-    """Cast `model`'s floating-point parameters and buffers to the compute dtype, in place."""
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (`precision.tf32`)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def apply_precision(model: nn.Module, cfg: PrecisionConfig, device_type: str = "cpu") -> MixedPrecision:
+    """Cast `model`'s floating-point parameters and buffers to the compute dtype, in place
+    (`auto` settled for `device_type`: bf16 on CUDA, fp32 elsewhere)."""
+    cfg = cfg.for_device(device_type)
     dtype = DTYPES[cfg.compute]
     fp32_init: dict[str, torch.Tensor] = {}
     if dtype != torch.float32:
@@ -96,4 +128,4 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig) -> MixedPrecision:
     scaler = None
     if cfg.compute == "fp16":
         scaler = DynamicLossScaler(cfg.initial_scale, cfg.growth_interval, cfg.growth_factor, cfg.backoff_factor)
-    return MixedPrecision(dtype, resolve_reduce_dtype(cfg), scaler, fp32_init)
+    return MixedPrecision(dtype, resolve_reduce_dtype(cfg, device_type), scaler, fp32_init)

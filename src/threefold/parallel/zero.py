@@ -196,6 +196,9 @@ class ZeroReducer:
 
     applies_momentum = False  # ZeRO's only compression is a 16-bit wire
 
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer  # no compression hook: the optimizer stays as it is
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}  # nothing per rank beyond the optimizer's shards
 

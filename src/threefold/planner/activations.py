@@ -11,7 +11,7 @@ threefold's reference decoder, per block:
                 compute dtype; CUDA in fp32, a difference below 0.1%); RMSNorm (fp32 inside): fp32 input and
                 normalised 8*bsh, rsqrt 4*bs, the weight's fp32 copy 4*h in 16-bit precision.
                 The norm output (c*bsh) is what the next linear layers save.
-    attention   q, k, v as given to SDPA (k, v expanded to all heads) 3c*bsh/t, output c*bsh/t,
+    attention   q, k, v as given to SDPA (k, v unexpanded: grouped heads) c*bs*d*(heads + 2 kv_heads)/t, output c*bsh/t,
                 the flash log-sum-exp 4*b*heads*s/t; with RoPE the output is copied for the o
                 projection (c*bsh/t) and each block keeps its cos/sin tables (4*s*d)
     mlp         GELU: up output, GELU output 2c*bsf/t; SwiGLU: gate, silu, up, product 4c*bsf/t
@@ -26,7 +26,7 @@ softmax of the local slice 4*bsV/t, local ids 8*bs, mask bs) and the flattened t
 a copy unless one row).
 
 Hugging Face Llama (`implementation="hf-llama"`, transformers' LlamaForCausalLM with SDPA):
-the same items except that SDPA gets k, v unexpanded (enable_gqa), the attention output is
+the same items except that the attention output is
 not copied for o_proj, the rotary tables are computed once per forward (2c*s*d), the
 norm keeps its output and (16-bit) a 16-bit copy of the normalised tensor, the head's logits
 are whole (gathered) before the library's fp32 loss, and the labels are shifted into a new
@@ -88,7 +88,7 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
     d = m.head_dim
     rope = m.position == "rope"
     mlp_consumers = 2 if m.mlp == "swiglu" else 1
-    kv = kv_heads if hf else heads
+    kv = kv_heads  # both give SDPA k and v unexpanded (grouped heads)
     return {
         "norms": 2 * norm_items(m, x, hf) + linear_inputs(m, x, 3) + linear_inputs(m, x, mlp_consumers),
         "qkv": c * bs * d * (heads + 2 * kv),

@@ -7,6 +7,9 @@ usual convention). The output projection adds 2*h*V. Backward costs twice the fo
 Recomputation adds the forward of what is checkpointed: every block (`full`), one block in k
 (`every-k`) or the attention core's 4*s*h (`selective`). MFU counts model FLOPs only
 (3 x forward); "hardware" FLOPs include recomputation (Megatron-LM's reported TFLOP/s do).
+Time is another matter: a fused causal kernel (flash attention, what SDPA runs on a GPU) skips the
+masked half of the scores, so the step time charges `executed_attention_share` (1/2) of the
+attention FLOPs under `Workload.attention = "flash"` and all of them under "dense".
 For GPT-3 175B this reproduces Narayanan et al.'s 96*B*s*l*h^2*(1 + s/6h + V/16lh) exactly
 when recomputation is full.
 """
@@ -30,21 +33,28 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 4 * seq_len * m.hidden
 
 
-def block_forward_flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    return 2 * block_matmul_params(m) + attention_flops_per_token(m, seq_len)
+def executed_attention_share(attention: str) -> float:
+    """The share of the counted attention FLOPs the kernel executes: a causal flash kernel skips
+    the blocks above the diagonal (half, for long sequences); a dense one computes them all."""
+    return 0.5 if attention == "flash" else 1.0
+
+
+def block_forward_flops_per_token(m: ModelConfig, seq_len: int, attention_share: float = 1.0) -> float:
+    return 2 * block_matmul_params(m) + attention_share * attention_flops_per_token(m, seq_len)
 
 
 def head_forward_flops_per_token(m: ModelConfig) -> float:
     return 2 * m.hidden * m.vocab
 
 
-def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str, layers: int, every: int = 2) -> float:
+def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str, layers: int, every: int = 2,
+                                       attention_share: float = 1.0) -> float:
     if policy == "full":
-        return layers * block_forward_flops_per_token(m, seq_len)
+        return layers * block_forward_flops_per_token(m, seq_len, attention_share)
     if policy == "every-k":
-        return math.ceil(layers / max(1, every)) * block_forward_flops_per_token(m, seq_len)
+        return math.ceil(layers / max(1, every)) * block_forward_flops_per_token(m, seq_len, attention_share)
     if policy == "selective":
-        return layers * attention_flops_per_token(m, seq_len)
+        return layers * attention_share * attention_flops_per_token(m, seq_len)
     return 0.0
 
 

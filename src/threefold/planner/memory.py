@@ -195,9 +195,9 @@ def predict_memory(cfg: Config, world_size: int, gpu: Gpu | None = None, rank: i
 
     Keys as in metrics.jsonl `mem` (params, grads, optimizer, activations, peak) plus the
     planner's extras. On the CPU (`gpu=None`) the prediction is what the trainer counts: no
-    allocator margin, no buffers, and the configured precision (fp32 by default).
+    allocator margin, no buffers, and the configured precision (`auto`: fp32 on the CPU, bf16 on a GPU).
     """
-    w, st = from_config(cfg, world_size)
+    w, st = from_config(cfg, world_size, "cpu" if gpu is None else "cuda")
     if rank is None:
         return rank_memory(w, st, gpu or CPU).as_dict()
     return stage_memory(w, st, rank // (st.dp * st.tp), gpu or CPU).as_dict()  # mesh order pp, dp, tp

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from . import comm
-from .compute import (block_forward_flops_per_token, head_forward_flops_per_token,
+from .compute import (block_forward_flops_per_token, executed_attention_share, head_forward_flops_per_token,
                       recomputed_forward_flops_per_token, step_flops)
 from .hardware import Gpu
 from .memory import bytes_per_param, compute_bytes
@@ -109,10 +109,11 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     m, s = w.model, w.seq_len
     layers = stage_layers(m, st.pp, _chunks(st))[stage]
     tokens = st.micro_batch_size(w) * s
-    fwd = layers * block_forward_flops_per_token(m, s)
+    share = executed_attention_share(w.attention)  # what the attention kernel really computes
+    fwd = layers * block_forward_flops_per_token(m, s, share)
     if stage == st.pp - 1:
         fwd += head_forward_flops_per_token(m)
-    recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every)
+    recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every, share)
     rate = gpu.flops(st.precision) * gpu.compute_efficiency * st.tp
     f = tokens * fwd / rate
     return f, tokens * (2 * fwd + recompute) / rate, tokens * fwd / rate, tokens * recompute / rate

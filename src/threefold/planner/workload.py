@@ -15,6 +15,10 @@ from functools import lru_cache
 from ..config import Config, ModelConfig
 
 IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
+# the attention kernel's work: "flash" (SDPA's fused causal kernels on a GPU skip the masked half of
+# the s x s scores: threefold, torchtitan, Megatron-LM since 2023) or "dense" (the whole s x s
+# matrix is computed and masked: Megatron-LM / DeepSpeed / metaseq of 2021-2022)
+ATTENTION_KERNELS = ("flash", "dense")
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     implementation: str = "threefold"
+    attention: str = "flash"  # ATTENTION_KERNELS: what the attention core executes (time, not model FLOPs)
 
     @property
     def tokens(self) -> int:
@@ -70,9 +75,10 @@ def hf_llama_model(config) -> ModelConfig:
                        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)), bias=False)
 
 
-def from_config(cfg: Config, world_size: int) -> tuple[Workload, Strategy]:
-    """The workload and strategy of a threefold run with this config on `world_size` processes."""
-    cfg = cfg.validate(world_size)
+def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tuple[Workload, Strategy]:
+    """The workload and strategy of a threefold run with this config on `world_size` processes of
+    `device_type` (which settles `precision.compute=auto`: bf16 on CUDA, fp32 on the CPU)."""
+    cfg = cfg.for_device(device_type).validate(world_size)
     p = cfg.parallel
     strategy = Strategy(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, microbatches=cfg.train.microbatches,
                         remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,

@@ -21,6 +21,7 @@ OPTION_KEYS = {
     "activation_checkpointing": "remat.policy", "compress": "compress.method", "steps": "train.steps",
     "global_batch": "train.global_batch", "seq_len": "train.seq_len", "lr": "train.lr", "seed": "train.seed",
     "data": "data.source", "out": "run.out", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
+    "mtbf_hours": "checkpoint.mtbf_hours",
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic"}
 _NOTES = {  # what a default or a value means, where the type alone does not say
@@ -28,7 +29,9 @@ _NOTES = {  # what a default or a value means, where the type alone does not say
     "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
     "a directory or a .npy token array", "run.out": "a fresh runs/<date>-<time>, linked from runs/latest",
     "checkpoint.resume": "none, auto (the newest checkpoint of this run) or a checkpoint directory",
-    "checkpoint.save_every": "0 = never",
+    "checkpoint.save_every": "0 = never; auto = the Young/Daly interval from the measured save stall and step "
+    "time and --mtbf-hours (docs/checkpoint.md)",
+    "checkpoint.mtbf_hours": "mean time between failures of one GPU, for --save-every auto",
 }
 
 

@@ -59,9 +59,9 @@ def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[st
 def check_elastic(cfg, max_restarts: int) -> None:
     """A job that continues on fewer nodes continues from its newest checkpoint."""
     ck = cfg.checkpoint
-    if ck.resume != "auto" or ck.save_every < 1:
+    if ck.resume != "auto" or ck.save_every != "auto" and ck.save_every < 1:
         raise ConfigError("checkpoint", "--nnodes MIN:MAX continues on the nodes left from the newest checkpoint: "
-                          "pass --resume auto and --save-every N")
+                          "pass --resume auto and --save-every N (or auto)")
     if max_restarts < 1:
         raise ConfigError("--max-restarts", "--nnodes MIN:MAX restarts the job when a node is lost: pass "
                           "--max-restarts K with K >= 1 (each lost node uses one)")

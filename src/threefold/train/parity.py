@@ -195,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
     layouts = parse_layouts(args.layouts)
     overrides = _overrides(args)
     base = load_config(args.config, overrides)
-    default_loss, default_param = TOLERANCES[base.precision.compute]
+    from ..mesh import pick_device
+
+    compute = base.precision.for_device(pick_device(base.run.device).type).compute  # `auto` as the runs settle it
+    default_loss, default_param = TOLERANCES[compute]
     loss_rtol = args.loss_rtol if args.loss_rtol is not None else default_loss
     param_rtol = args.param_rtol if args.param_rtol is not None else default_param
     root = Path(args.out)
@@ -227,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                 results[name(layout)]["compare"] = outcome
                 if outcome["failure"]:
                     failures.append((name(layout), *outcome["failure"]))
-        print("\n".join(report(layouts, results, loss_rtol, param_rtol, base.precision.compute)))
+        print("\n".join(report(layouts, results, loss_rtol, param_rtol, compute)))
     print()
     if failures:
         for layout, step, why in failures:

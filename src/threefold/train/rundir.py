@@ -104,6 +104,13 @@ def adopt(cfg: Config) -> Config:
     return replace(cfg, run=replace(cfg.run, id=str(run.get("run_id", ""))))
 
 
+def update_run(out: Path, key: str, value) -> None:
+    """Set one entry of the run file (e.g. the checkpoint interval a run chose), atomically."""
+    run = read_run(out) or {}
+    run[key] = value
+    _write_atomic(out / RUN_FILE, json.dumps(run, indent=1) + "\n")
+
+
 def move_aside(out: Path) -> Path:
     """Rename `out` to `out.old-<date>-<time>` (never deletes anything); returns the new path."""
     target = out.resolve()

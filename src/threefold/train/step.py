@@ -4,11 +4,14 @@ loss = (sum over every token of the global batch of -log p) / (tokens in the glo
 Each rank runs its micro-batches, dividing each micro-batch's summed loss by the *global*
 token count before backward, so the gradients summed by the gradient sync are exactly the
 gradient of that mean. Then: global gradient norm, clipping, learning rate, optimizer update.
+
+No host synchronisation: the norm, the overflow flag, the loss scale and the loss stay on the
+device; one flag decides skip or step inside the optimizer's kernel (parallel/master.py), and
+the trainer reads the step's figures once, after the step is issued (`StepResult.read`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +21,26 @@ from ..comm import Comm
 from ..config import TrainConfig
 from ..data import Batch
 from ..parallel import GradSync, ParallelModel, accumulate  # noqa: F401  (accumulate, GradSync: re-exported)
+from ..parallel.master import ShardedOptimizer
 from ..sharding import Placement
 from .optim import lr_at, set_lr
 
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # this rank's summed token loss (0-dim, fp32)
-    grad_norm: float
+    """A step's figures as 0-dim device tensors (reading them waits for the step)."""
+
+    loss_sum: torch.Tensor  # this rank's summed token loss (fp32)
+    grad_norm: torch.Tensor  # the global gradient norm (fp32; inf or nan after an overflow)
     lr: float
-    skipped: bool = False
+    skipped: torch.Tensor  # bool: the update was skipped (non-finite gradients)
+    loss_scale: torch.Tensor | float = 1.0  # the loss scale this step used (fp16)
+
+    def read(self, *extra: torch.Tensor) -> list[float]:
+        """One transfer to the host: [grad_norm, skipped, loss_scale, *extra] as numbers."""
+        device = self.grad_norm.device
+        values = [self.grad_norm, self.skipped, torch.as_tensor(self.loss_scale, device=device), *extra]
+        return torch.stack([v.to(device, torch.float64) for v in values]).tolist()
 
 
 def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
@@ -67,13 +80,13 @@ class TrainStep:
     """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step.
 
     Forward and backward are the parallel model's (`ParallelModel.forward_backward`: plain
-    accumulation or the pipeline schedule). With threefold's optimizer (parallel/master.py: fp32
-    masters, shards, offload) the norm and the clipping act on the fp32 master gradients of the
-    pieces this rank owns, after dividing by the loss scale; a plain torch optimizer acts on the
-    parameters as they are.
+    accumulation or the pipeline schedule). The optimizer is the one `ParallelModel.make_optimizer`
+    built (parallel/master.py: fp32 masters, shards, offload): the norm and the clipping act on
+    the fp32 master gradients of the pieces this rank owns (`prepare_grads`, after dividing by the
+    loss scale); a step with a non-finite norm changes nothing (`step(found_inf)`, on the device).
     """
 
-    def __init__(self, parallel: ParallelModel, optimizer, comm: Comm, cfg: TrainConfig):
+    def __init__(self, parallel: ParallelModel, optimizer: ShardedOptimizer, comm: Comm, cfg: TrainConfig):
         self.parallel = parallel
         self.grad_sync = parallel.grad_sync
         self.optimizer = optimizer
@@ -82,31 +95,27 @@ class TrainStep:
         self.params = parallel.params
         self.placements = parallel.param_placements
         self.scaler = parallel.scaler  # parallel/precision.py DynamicLossScaler (fp16) or None
-        self.loss_scale = 1.0
+        if self.scaler is not None:
+            self.scaler.to(comm.mesh.device)
         self.meter = parallel.meter
 
     def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult:
         """Run optimizer step `step` (1-based)."""
-        self.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        # fp16: the scaler's device tensor, copied (the update below changes it in place)
+        scale = self.scaler.scale_tensor.clone() if self.scaler is not None else 1.0
         if self.parallel.periodic is not None:  # local SGD: whether this step sums gradients over dp
             self.parallel.periodic.begin_step(step)
         self.grad_sync.zero_grad()
-        loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, self.loss_scale)
+        loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, scale)
         self.grad_sync.finish()
-        prepare = getattr(self.optimizer, "prepare_grads", None)
-        params, placements = (prepare(1.0 / self.loss_scale) if prepare is not None
-                              else (self.params, self.placements))
+        params, placements = self.optimizer.prepare_grads(1.0 / scale)
         norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis)
         # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
-        finite = math.isfinite(float(norm))
+        found_inf = ~torch.isfinite(norm)
         if self.scaler is not None:
-            self.scaler.update(found_inf=not finite)
-        if not finite:
-            if hasattr(self.optimizer, "skip"):
-                self.optimizer.skip()
-            return StepResult(loss_sum, float(norm), lr_at(step, self.cfg), skipped=True)
-        clip_gradients(params, norm, self.cfg.grad_clip)
+            self.scaler.update(found_inf)
+        clip_gradients(params, norm, self.cfg.grad_clip)  # non-finite gradients stay non-finite: skipped below
         lr = lr_at(step, self.cfg)
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        return StepResult(loss_sum, float(norm), lr)
+        self.optimizer.step(found_inf)  # the update is skipped on the device where found_inf is set
+        return StepResult(loss_sum, norm, lr, found_inf, scale)

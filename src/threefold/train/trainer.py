@@ -25,9 +25,11 @@ from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
+from ..parallel.precision import set_tf32
+from .autosave import AutoSave
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
-from .rundir import run_directory
+from .rundir import run_directory, update_run
 from .step import TrainStep
 from .summary import print_summary
 
@@ -48,7 +50,8 @@ class Trainer:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
         init_distributed(device, process_group_timeout_s(cfg))
         share_cpu_threads(device)
-        self.cfg = cfg = cfg.validate(dist.get_world_size())
+        self.cfg = cfg = cfg.for_device(device.type).validate(dist.get_world_size())
+        set_tf32(device, cfg.precision.tf32)
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
@@ -86,6 +89,8 @@ class Trainer:
         self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
         self.resumed_from: Path | None = None
         self._restore()
+        self.autosave = AutoSave(cfg.checkpoint, self.mesh.world_size, cfg.train.steps, self.step,
+                                 self._agree_max) if cfg.checkpoint.save_every == "auto" else None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -142,8 +147,32 @@ class Trainer:
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
 
     def _save_due(self) -> bool:
+        if self.autosave is not None:
+            return self.autosave.due(self.step)
         every = self.cfg.checkpoint.save_every
         return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
+
+    def _save(self) -> None:
+        """Save; under save_every=auto, time the stall and set the next save from the advice."""
+        start = time.perf_counter()
+        self.save_checkpoint()
+        if self.autosave is None:
+            return
+        advice = self.autosave.after_save(self.step, time.perf_counter() - start)
+        if self.is_writer:
+            update_run(self.out, "checkpoint_interval", self.autosave.record())
+            if advice is not None:
+                m = self.autosave.measured
+                print(f"threefold: save_every=auto at step {self.step}: {advice.describe()}; measured save "
+                      f"{m['save_s']:.3g} s, step {m['step_s']:.3g} s, {self.mesh.world_size} GPUs of MTBF "
+                      f"{self.cfg.checkpoint.mtbf_hours:g} h", file=sys.stderr, flush=True)
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        """The element-wise maximum of `values` over every rank."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
+        for axis in ("pp", "dp", "tp"):
+            self.comm.all_reduce(t, axis, op=dist.ReduceOp.MAX, tag="checkpoint")
+        return t.tolist()
 
     def memory(self) -> dict:
         """Bytes this rank holds, each storage counted once: model states and the step's activations.
@@ -178,17 +207,18 @@ class Trainer:
             self.faults.stall()
         for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
             self.comm.all_reduce(loss_sum, axis, tag="metrics")
-        loss = float(loss_sum) / self.global_tokens
+        # the step's one read back to the host, after everything of the step was issued
+        grad_norm, skipped, loss_scale, loss_total = result.read(loss_sum)
         elapsed = time.perf_counter() - start
         self.faults.step_end(step)
         self.step = step
-        record = {"step": step, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
+        record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
                   "world_size": self.mesh.world_size, "microbatches": cfg.train.microbatches,
-                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": result.skipped, "loss_scale": self.step_fn.loss_scale,
+                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": bool(skipped), "loss_scale": loss_scale,
                   "mem": self.memory()}
         local_tokens = sum(mb.targets.numel() for mb in micro_batches)
-        record.update(self.observer.step_end(step, result.loss_sum, result.grad_norm, local_tokens))
+        record.update(self.observer.step_end(step, result.loss_sum, grad_norm, local_tokens))
         moe = self.parallel.router_metrics(self.comm)
         if moe is not None:
             record["moe"] = moe
@@ -213,13 +243,15 @@ class Trainer:
             while self.step < cfg.train.steps:
                 record = self.train_one_step()
                 records.append(record)
+                if self.autosave is not None:
+                    self.autosave.record_step(record["step_time_s"])
                 if self.evaluator is not None and self.evaluator.due(self.step):
                     record.update(self.evaluator())
                 if log is not None:
                     log.write(record)
                 if self._save_due():
-                    self.save_checkpoint()
-            if cfg.checkpoint.save_every > 0:
+                    self._save()
+            if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()
             self.observer.finish()
         finally:

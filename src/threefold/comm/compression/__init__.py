@@ -19,8 +19,8 @@ from .dense import DenseHook
 from .dgc import DGCHook
 from .hook import CommHook, StatelessHook
 from .onebit import OneBitAllReduce, OneBitHook
-from .onebit_adam import OneBitAdam, OneBitAdamHook, adapt_optimizer
+from .onebit_adam import OneBitAdam, OneBitAdamHook
 from .powersgd import PowerSGDHook
 
-__all__ = ["adapt_optimizer", "CommHook", "StatelessHook", "DenseHook", "DGCHook", "OneBitHook", "OneBitAllReduce",
+__all__ = ["CommHook", "StatelessHook", "DenseHook", "DGCHook", "OneBitHook", "OneBitAllReduce",
            "OneBitAdam", "OneBitAdamHook", "PowerSGDHook"]

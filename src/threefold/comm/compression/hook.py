@@ -1,7 +1,7 @@
 """What every gradient hook is: the contract between the data-parallel reducer and a compressor.
 
 The reducer (parallel/data.py) calls `launch` when a bucket is full, `complete` after the wait,
-reads `applies_momentum` when it builds the optimizer, and saves / restores `state_dict` with
+reads `applies_momentum` and asks `optimizer_for` when the optimizer is built, and saves / restores `state_dict` with
 the checkpoint. `StatelessHook` gives the defaults of a hook that keeps nothing of its own
 outside `bucket.state`.
 """
@@ -30,6 +30,10 @@ class CommHook(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what `state_dict` returned."""
 
+    def optimizer_for(self, optimizer: torch.optim.Optimizer, comm: Comm, axis: str) -> torch.optim.Optimizer:
+        """The optimizer this compression needs in place of `optimizer` (the torch AdamW / SGD over
+        the fp32 masters): `optimizer` itself, or 1-bit Adam for its hook."""
+
 
 class StatelessHook:
     applies_momentum = False
@@ -40,3 +44,6 @@ class StatelessHook:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state of its own; got {sorted(state)}")
+
+    def optimizer_for(self, optimizer: torch.optim.Optimizer, comm: Comm, axis: str) -> torch.optim.Optimizer:
+        return optimizer

@@ -12,9 +12,9 @@ non-linear variance. 1-bit Adam therefore runs in two stages:
                                     p -= lr (m / bc1) / (sqrt(v / bc2_frozen) + eps)
 
 How it plugs in: the data-parallel reducer gets `OneBitAdamHook` (from make_comm_hook for
-compress.method=onebit with onebit_adam=true), and the trainer passes its AdamW through
-`adapt_optimizer`, which returns a `OneBitAdam` with the same parameter groups and
-hyper-parameters sharing that hook. During warm-up OneBitAdam computes exactly what AdamW
+compress.method=onebit with onebit_adam=true), and the optimizer is built through the hook's
+`optimizer_for` (CommHook), which returns a `OneBitAdam` in place of the AdamW over the fp32
+masters, with the same parameter groups and hyper-parameters, sharing that hook. During warm-up OneBitAdam computes exactly what AdamW
 (foreach=False) computes. After warm-up the gradient left in the buckets is this rank's
 local one, so the gradient norm the trainer reports and clips with is rank 0's local norm
 (the same factor on every rank, so replicas stay identical).
@@ -72,6 +72,16 @@ class OneBitAdamHook:
         self.steps = state["steps"].clone().to(torch.int64)
         self.momentum_state = {k.removeprefix("momentum."): v.clone() for k, v in state.items()
                                if k.startswith("momentum.")}
+
+    def optimizer_for(self, optimizer: torch.optim.Optimizer, comm: Comm, axis: str) -> torch.optim.Optimizer:
+        """1-bit Adam in place of the AdamW `optimizer`: the same parameter groups and hyper-parameters,
+        its moments carried over (both keep step, exp_avg, exp_avg_sq per tensor), this hook shared."""
+        d = optimizer.defaults
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        one_bit = OneBitAdam(groups, self, comm, axis, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                             weight_decay=d["weight_decay"])
+        one_bit.state.update(optimizer.state)
+        return one_bit
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -136,23 +146,3 @@ class OneBitAdam(torch.optim.Optimizer):
         self.hook.steps += 1
         return loss
 
-
-def adapt_optimizer(optimizer, grad_sync):
-    """The optimizer the gradient sync's compression needs: 1-bit Adam replaces AdamW; else unchanged.
-
-    `optimizer` is a torch AdamW, or the trainer's ShardedOptimizer whose `inner` AdamW over the fp32
-    masters is swapped (moments carried over: both keep step, exp_avg, exp_avg_sq per tensor).
-    """
-    hook = getattr(grad_sync, "hook", None)
-    if not isinstance(hook, OneBitAdamHook):
-        return optimizer
-    inner = getattr(optimizer, "inner", optimizer)
-    d = inner.defaults
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in inner.param_groups]
-    one_bit = OneBitAdam(groups, hook, grad_sync.comm, grad_sync.axis, lr=d["lr"], betas=d["betas"], eps=d["eps"],
-                         weight_decay=d["weight_decay"])
-    one_bit.state.update(inner.state)
-    if inner is optimizer:
-        return one_bit
-    optimizer.inner = one_bit
-    return optimizer
