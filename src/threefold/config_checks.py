@@ -281,9 +281,6 @@ def _validate_periodic(c: Config, dp: int) -> None:
         raise ConfigError("train.sync_every", f"ZeRO-{c.parallel.zero} shards {sharded}"
                           " across dp, the axis local SGD / DiLoCo / EASGD average over, so a "
                           "replica cannot step alone; use parallel.zero=0 (or train.sync_every=1)")
-    if c.parallel.ep > 1:
-        raise ConfigError("train.sync_every", "expert parallelism spreads the experts over dp, the axis local SGD / "
-                          "DiLoCo / EASGD average over; use parallel.ep=1 (or train.sync_every=1)")
     if c.compress.method != "none":
         raise ConfigError("compress.method", f"{c.compress.method} compresses the every-step gradient all-reduce, "
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")
