@@ -90,6 +90,11 @@ def _validate(c: Config, world_size: int) -> Config:
     _validate_optimizer(t)
     _validate_compress(c.compress, p.zero, t)
     _validate_periodic(c, dp)
+    for key, value in (("parallel.zero_weight_comm", p.zero_weight_comm),
+                       ("parallel.zero_grad_comm", p.zero_grad_comm)):
+        if value != "none" and p.zero != 3:
+            raise ConfigError(key, f"{value} quantizes ZeRO-3's weight all-gathers and gradient reduce-scatters; "
+                              f"set parallel.zero=3 (got zero={p.zero}), or {key}=none")
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
@@ -276,9 +281,6 @@ def _validate_periodic(c: Config, dp: int) -> None:
         raise ConfigError("train.sync_every", f"ZeRO-{c.parallel.zero} shards {sharded}"
                           " across dp, the axis local SGD / DiLoCo / EASGD average over, so a "
                           "replica cannot step alone; use parallel.zero=0 (or train.sync_every=1)")
-    if c.parallel.ep > 1:
-        raise ConfigError("train.sync_every", "expert parallelism spreads the experts over dp, the axis local SGD / "
-                          "DiLoCo / EASGD average over; use parallel.ep=1 (or train.sync_every=1)")
     if c.compress.method != "none":
         raise ConfigError("compress.method", f"{c.compress.method} compresses the every-step gradient all-reduce, "
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")

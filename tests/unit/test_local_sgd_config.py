@@ -15,7 +15,7 @@ from threefold.errors import ConfigError
     (["train.outer_optimizer=nesterov", "train.outer_momentum=1.0"], 2, "train.outer_lr", "outer_momentum < 1"),
     (["train.easgd_alpha=0.5"], 2, "train.easgd_alpha", "[0, 0.5)"),
     (["train.easgd_alpha=0.1", "train.outer_optimizer=nesterov"], 2, "train.easgd_alpha", "outer_optimizer=none"),
-    (["train.sync_every=2", "parallel.ep=2", "model.experts=2"], 2, "train.sync_every", "parallel.ep=1"),
+    (["train.sync_every=2", "parallel.ep=2", "model.experts=2"], 2, "train.sync_every", "--ep 1"),
     (["train.outer_optimizer=adam"], 2, "train.outer_optimizer", "not one of none, nesterov"),
 ])
 def test_periodic_mistakes_name_the_key_and_the_fix(overrides, world, field, words):

@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm.quantize import fp8_supported
 from ..config import Config
+from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
@@ -152,6 +154,10 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         return grad_sync, placements, pieces, grad_sync.gather_params, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
-    grad_sync = Zero3(model, comm, wire, stage_passes=pipelined)
+    if p.zero_weight_comm == "fp8" and not fp8_supported(mesh.device):
+        raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "
+                          "use parallel.zero_weight_comm=int8")
+    grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
+                      grad_comm=p.zero_grad_comm)
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None

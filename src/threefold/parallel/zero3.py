@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..sharding import Placement
 from .master import Piece
 
@@ -116,8 +117,9 @@ class Zero3:
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
-                 prefetch: bool = True, stage_passes: bool = False):
+                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none"):
         self.model, self.comm, self.axis = model, comm, axis
+        self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
         self.prefetch = prefetch
@@ -211,7 +213,10 @@ class Zero3:
             return
         buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
         # all-gather over dp: every rank's chunks of this unit, rank-major
-        handle = self.comm.all_gather(buffer, unit.shard_flat, self.axis, async_op=True)
+        if self.weight_comm != "none":  # 8 bits and a scale per block on the wire
+            handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
+        else:
+            handle = self.comm.all_gather(buffer, unit.shard_flat, self.axis, async_op=True)
         unit.gather, unit.state = (buffer, handle), "gathering"
         self.whole_numel += self.unit_numel(unit)
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
@@ -317,7 +322,10 @@ class Zero3:
                 src[:, sp.grad_offset: sp.grad_offset + sp.chunk].copy_(padded.view(self.n, sp.chunk))
                 sp.full.grad = None
         out = torch.empty(unit.grad_flat.numel(), dtype=dtype, device=src.device)
-        handle = self.comm.reduce_scatter(out, src.view(-1), self.axis, async_op=True)
+        if self.grad_comm != "none":  # all-to-all of 8-bit contributions, summed here in fp32
+            handle = quantized_reduce_scatter(self.comm, out, src.view(-1), self.axis, self.grad_comm)
+        else:
+            handle = self.comm.reduce_scatter(out, src.view(-1), self.axis, async_op=True)
         self._inflight.append((unit, src, out, handle))
         while len(self._inflight) > 2:  # bound the whole gradients alive
             self._complete_one()
