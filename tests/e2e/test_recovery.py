@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 import threefold
 from threefold.checkpoint.format import partial_dir_name, step_dir_name
 from threefold.cli import main
 
-COMMON = ["--model", "tiny", "--steps", "6", "--global-batch", "8", "--seq-len", "32", "--deterministic",
+COMMON = ["--steps", "6", "--global-batch", "8", "--seq-len", "32", "--deterministic",
           "--save-every", "2", "--async-save", "--no-progress", "--set", "run.plot=false",
           "--set", "run.collective_timeout_s=60"]
 
@@ -33,10 +34,22 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_killed_rank_restarts_and_matches_the_uninterrupted_run_bitwise(tmp_path):
+@pytest.fixture(params=["tiny", "hf-llama"])
+def model(request, tmp_path_factory) -> str:
+    """The reference decoder, and a Hugging Face Llama from its saved directory."""
+    if request.param == "tiny":
+        return "tiny"
+    pytest.importorskip("transformers")
+    from tests.hf_tasks import save_tiny
+
+    return f"hf:{save_tiny('llama', tmp_path_factory.mktemp('hf') / 'llama')}"
+
+
+def test_killed_rank_restarts_and_matches_the_uninterrupted_run_bitwise(tmp_path, model):
     ref_dir, faulty_dir = tmp_path / "reference", tmp_path / "faulty"
-    reference = start(["train", "--nproc", "2", *COMMON, "--out", str(ref_dir)])
-    faulty = start(["train", "--nproc", "2", "--max-restarts", "2", "--resume", "auto", *COMMON,
+    common = ["--model", model, *COMMON]
+    reference = start(["train", "--nproc", "2", *common, "--out", str(ref_dir)])
+    faulty = start(["train", "--nproc", "2", "--max-restarts", "2", "--resume", "auto", *common,
                     "--out", str(faulty_dir), "--set", "fault.rank=1", "--set", "fault.step=5",
                     "--set", "fault.kind=kill"])
     (ref_rc, ref_log), (rc, log) = finish(reference), finish(faulty)
@@ -60,8 +73,8 @@ def test_killed_rank_restarts_and_matches_the_uninterrupted_run_bitwise(tmp_path
 
 def test_checkpoint_killed_mid_write_never_becomes_visible(tmp_path, capsys):
     run = tmp_path / "run"
-    rc, log = finish(start(["train", *COMMON, "--out", str(run), "--set", "fault.rank=0", "--set", "fault.step=4",
-                            "--set", "fault.kind=kill_in_save"]))
+    rc, log = finish(start(["train", "--model", "tiny", *COMMON, "--out", str(run), "--set", "fault.rank=0",
+                            "--set", "fault.step=4", "--set", "fault.kind=kill_in_save"]))
     assert rc == -signal.SIGKILL, log[-3000:]
     root = run / "checkpoints"
     visible = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
@@ -70,7 +83,7 @@ def test_checkpoint_killed_mid_write_never_becomes_visible(tmp_path, capsys):
     complete_size = (root / step_dir_name(2) / "rank-00000.safetensors").stat().st_size
     assert 0 < (partial / "rank-00000.safetensors").stat().st_size < complete_size  # half written
     assert main(["ckpt", "verify", str(run)]) == 0 and step_dir_name(2) in capsys.readouterr().out
-    rc, log = finish(start(["train", *COMMON, "--resume", "auto", "--out", str(run)]))
+    rc, log = finish(start(["train", "--model", "tiny", *COMMON, "--resume", "auto", "--out", str(run)]))
     assert rc == 0, log[-3000:]
     assert f"resumed from {root / step_dir_name(2)}" in log
     assert sorted(p.name for p in root.iterdir()) == [step_dir_name(s) for s in (2, 4, 6)]  # partial removed

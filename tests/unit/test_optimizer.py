@@ -98,9 +98,10 @@ def test_dgc_momentum_correction_takes_the_optimizer_momentum(hook, momentum):
 
     class Sync:  # the data-parallel reducer's view of its hook, without the buckets
         applies_momentum = DataParallelReducer.applies_momentum
+        optimizer_for = DataParallelReducer.optimizer_for
 
     sync = Sync()
-    sync.hook = hook
+    sync.hook, sync.comm, sync.axis = hook, None, "dp"
     parallel = ParallelModel(torch.nn.Linear(2, 3), sync, {}, flat_pieces(param.detach(), torch.zeros(3, 2), []))
     opt = parallel.make_optimizer(replace(SGD, nesterov=True))
     assert opt.inner.defaults["momentum"] == momentum and opt.inner.defaults["nesterov"] == bool(momentum)

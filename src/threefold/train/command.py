@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 from ..config import Config, load_config
+from ..errors import UserError
 from ..models.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
@@ -167,4 +168,18 @@ def _train(cfg) -> None:
 
     from .trainer import train
 
-    record(train)(cfg)  # under the elastic agent: writes this rank's error for the launcher to report
+    try:
+        record(train)(cfg)  # under the elastic agent: writes this rank's error for the launcher to report
+    except UserError:
+        _leave_world()
+        raise
+
+
+def _leave_world() -> None:
+    """Every rank meets a user error (a bad checkpoint, bad data) at the same point, so none is left
+    in a collective: leave the world before exiting, rather than have the interpreter's exit tear
+    down live communicator threads (which can abort the process instead of exiting with 2)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
