@@ -134,8 +134,9 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     except ChildFailedError as e:
         failures = sorted(e.failures.items(), key=lambda item: item[1].timestamp)
         first_rank, first = failures[0]
-        if first.exitcode == 2:  # a user error: its one line, once
-            print(f"threefold: error: {_user_message(first.message)}", file=sys.stderr)
+        user = [f for _, f in failures if f.exitcode == 2]
+        if user:  # a user error (every rank meets it; one that then died on its way out does not hide it)
+            print(f"threefold: error: {_user_message(user[0].message)}", file=sys.stderr)
             return 2
         print(f"threefold: rank {first_rank} failed ({_exit_text(first.exitcode)}): "
               f"{_error_line(first.message, log_dir, first_rank)}", file=sys.stderr)
