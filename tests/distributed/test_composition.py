@@ -16,11 +16,11 @@ from threefold.checkpoint.format import step_dir_name
 
 # eps=1e-6: see test_data_parallel.py. grad_clip=0.5 is active (the global norms are about 0.8),
 # so clipping by a norm summed over tp, pp and the ZeRO shards is exercised. A constant learning
-# rate (min_lr_ratio=1) makes the first 10 steps of a 20-step run those of a 10-step run.
+# rate (min_lr_ratio=1) makes the first STEPS steps of a 2 x STEPS run those of a STEPS-step run.
 BASE = ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=16", "train.lr=1e-3",
         "train.min_lr_ratio=1.0", "train.eps=1e-6", "train.grad_clip=0.5"]
 TOL = 1e-4
-STEPS = 10
+STEPS = 6
 
 # (dp, tp, pp), ZeRO stage, schedule options: every schedule family and activation checkpointing appear
 LAYOUTS = [
@@ -33,7 +33,7 @@ LAYOUTS = [
     ((2, 4, 1), 1, ["train.microbatches=2"]),
     ((2, 4, 1), 3, ["train.microbatches=2", "remat.policy=full"]),
 ]
-# the checkpoint matrix: (2,2,2) ZeRO-1 saves at step 10 of 20 (its first 10 steps are a layout above)
+# the checkpoint matrix: (2,2,2) ZeRO-1 saves at step STEPS of 2 x STEPS (its first STEPS steps are a layout above)
 SAVER = LAYOUTS[0]
 RESUMES = {"(2,2,2) zero 1": ((2, 2, 2), 1, ["pipeline.schedule=1f1b", "train.microbatches=2"]),
            "(4,1,2) zero 3": ((4, 1, 2), 3, ["pipeline.schedule=1f1b", "train.microbatches=2"]),
@@ -58,7 +58,7 @@ def runs(worlds, tmp_path_factory):
     saver_out = root / "saver"
     ckpt = saver_out / "checkpoints" / step_dir_name(STEPS)
     resume = [f"checkpoint.resume={ckpt}"]
-    jobs = [(label(*SAVER), overrides(*SAVER, 2 * STEPS) + ["checkpoint.save_every=10"], str(saver_out))]
+    jobs = [(label(*SAVER), overrides(*SAVER, 2 * STEPS) + [f"checkpoint.save_every={STEPS}"], str(saver_out))]
     jobs += [(label(*case), overrides(*case, STEPS), str(root / f"layout{i}")) for i, case in enumerate(LAYOUTS[1:])]
     jobs += [(f"resume {name}", overrides(*case, 2 * STEPS) + resume, str(root / f"resume{i}"))
              for i, (name, case) in enumerate(RESUMES.items()) if case[0] != (1, 1, 1)]
@@ -93,7 +93,7 @@ def test_every_layout_matches_the_single_process_run(runs, capsys):
         norm_err = max(abs(a - b) / b for r in results for a, b in zip(r["norms"][:STEPS], ref["norms"]))
         assert err <= TOL, f"{name}: loss differs by {err:.2e}"
         assert norm_err <= TOL, f"{name}: gradient norm differs by {norm_err:.2e}"
-        if case is SAVER:  # trained 20 steps: its parameters are checked by the resumes
+        if case is SAVER:  # trained 2 x STEPS steps: its parameters are checked by the resumes
             lines.append(f"{name}: loss {err:.1e} norm {norm_err:.1e}")
             continue
         got = global_params(results)
@@ -106,7 +106,7 @@ def test_every_layout_matches_the_single_process_run(runs, capsys):
         assert worst <= TOL, f"{name}: {worst_name} differs by {worst:.2e}"
         lines.append(f"{name}: loss {err:.1e} norm {norm_err:.1e} params {worst:.1e}")
     with capsys.disabled():
-        print("\nmax relative error against one process, 10 steps:\n  " + "\n  ".join(lines))
+        print(f"\nmax relative error against one process, {STEPS} steps:\n  " + "\n  ".join(lines))
 
 
 def test_zero3_pipeline_ranks_hold_less_and_count_no_weights_as_activations(runs):
@@ -128,14 +128,14 @@ def test_checkpoint_resumes_under_other_layouts(runs, capsys):
         results = runs[f"resume {name}"]
         assert all(r["resumed_from"] == step_dir_name(STEPS) for r in results), name
         err = loss_err(results, expected)
-        assert err <= TOL, f"resume under {name}: steps 11-20 differ by {err:.2e}"
+        assert err <= TOL, f"resume under {name}: the steps after the checkpoint differ by {err:.2e}"
         got = global_params(results)
         worst = max((rel_err(got[k], v), k) for k, v in expected_params.items())
         assert worst[0] <= TOL, f"resume under {name}: {worst[1]} differs by {worst[0]:.2e}"
         lines.append(f"{name}: loss {err:.1e} params {worst[0]:.1e}")
     with capsys.disabled():
-        print("\nresumed at step 10 of (2,2,2) zero 1, steps 11-20:\n  " + "\n  ".join(lines))
-    # not a no-op: step 10's state is far from the initial weights
+        print(f"\nresumed at step {STEPS} of (2,2,2) zero 1, steps {STEPS + 1}-{2 * STEPS}:\n  " + "\n  ".join(lines))
+    # not a no-op: the checkpoint's state is far from the initial weights
     first = runs["reference"][0]
     assert rel_err(expected_params["blocks.0.mlp.up.weight"], global_params([first])["blocks.0.mlp.up.weight"]) > 1e-3
 
@@ -143,7 +143,7 @@ def test_checkpoint_resumes_under_other_layouts(runs, capsys):
 def test_same_layout_resume_is_bitwise_identical(runs):
     saver, resumed = runs[label(*SAVER)], runs["resume (2,2,2) zero 1"]
     for a, b in zip(sorted(saver, key=lambda r: r["rank"]), sorted(resumed, key=lambda r: r["rank"])):
-        assert b["losses"] == a["losses"][STEPS:], f"rank {a['rank']}: steps 11-20 differ"
+        assert b["losses"] == a["losses"][STEPS:], f"rank {a['rank']}: the steps after the checkpoint differ"
         for key, value in a["params"].items():
             assert torch.equal(b["params"][key], value), f"rank {a['rank']}: {key} differs"
 
