@@ -11,10 +11,12 @@ checkpoint then loads under the new layout. Plain Python (no torch).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .config import Config
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the config checks import this module
+    from .config import Config
 
 
 class NoLayout(ConfigError):

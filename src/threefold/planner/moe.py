@@ -3,7 +3,7 @@
 A sparse block replaces the dense MLP (gate?, up, down of `ffn_hidden`) by a router
 (hidden x experts), `experts` stacked expert MLPs of `expert_ffn_hidden` (no biases) and an
 optional shared MLP of `shared_experts x expert_ffn_hidden`. A token uses `experts_top_k` of
-the routed experts: `active_parameters` counts only those (embeddings and head included, as
+the routed experts: `workload.active_parameters` counts only those (embeddings and head included, as
 the published "active" figures do).
 
 Not modelled yet: expert parallelism in the layout search (memory per ep rank, all-to-all time).
@@ -37,11 +37,3 @@ def sparse_block_extra(m: ModelConfig) -> int:
 
 def sparse_blocks(m: ModelConfig) -> int:
     return sum(m.is_moe_block(i) for i in range(m.layers))
-
-
-def active_parameters(m: ModelConfig) -> int:
-    """Parameters one token's forward uses: the total less the routed experts it is not sent to."""
-    from .workload import total_parameters
-
-    idle = max(m.experts - m.experts_top_k, 0) * expert_parameters(m)
-    return total_parameters(m) - sparse_blocks(m) * idle

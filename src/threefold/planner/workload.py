@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import Config, ModelConfig
+from .moe import expert_parameters, sparse_block_extra, sparse_blocks
 
 IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
 # the attention kernel's work: "flash" (SDPA's fused causal kernels on a GPU skip the masked half of
@@ -138,10 +139,14 @@ def head_parameters(m: ModelConfig, tp: int = 1, with_embedding: bool = True) ->
 def total_parameters(m: ModelConfig) -> int:
     """The whole model's parameter count (tied weights once), equal to count_parameters(m); a
     mixture of experts' sparse blocks hold their router and experts in place of the dense MLP."""
-    from .moe import sparse_block_extra
-
     dense = m.layers * layer_parameters(m).total + embedding_parameters(m).total + head_parameters(m).total
     return int(dense + sum(m.is_moe_block(i) for i in range(m.layers)) * sparse_block_extra(m))
+
+
+def active_parameters(m: ModelConfig) -> int:
+    """Parameters one token's forward uses: the total less the routed experts it is not sent to."""
+    idle = max(m.experts - m.experts_top_k, 0) * expert_parameters(m)
+    return total_parameters(m) - sparse_blocks(m) * idle
 
 
 @dataclass(frozen=True)
