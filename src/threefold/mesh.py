@@ -143,20 +143,11 @@ class Mesh:
         torch.cuda.synchronize(self.device)
 
     def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
-        """Create the ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep),
-        and the members with the same place in their run (edp); every rank creates every group."""
+        """The ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep), and
+        the members with the same place in their run (edp). A one-member axis gets no group."""
         if self.layout.dp % ep:
             raise ValueError(f"ep={ep} does not divide dp={self.layout.dp}")
-        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
-        dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
-        me = dist.get_rank()
-        groups, expert_ranks = {}, {}
-        for axis, lists in (("ep", [g[i: i + ep] for g in dp_groups for i in range(0, len(g), ep)]),
-                            ("edp", [g[i::ep] for g in dp_groups for i in range(ep)])):
-            if len(lists[0]) > 1:
-                groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
-            expert_ranks[axis] = next(ranks for ranks in lists if me in ranks)
-        return groups, expert_ranks
+        return self._split_dp(ep, ("ep", "edp"), single_groups=False)
 
     @staticmethod
     def _build_axes(device: torch.device, shape: tuple[int, int, int]) -> tuple[DeviceMesh, dict]:
@@ -164,9 +155,9 @@ class Mesh:
         return device_mesh, {axis: device_mesh.get_group(axis) for axis in AXES}
 
     def _build_node_axes(self, node_size: int) -> tuple[dict, dict]:
-        """Create the dp_intra / dp_inter groups (every rank creates every group, in one order)."""
-        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
-        dp_groups = [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+        """The dp_intra / dp_inter groups: dp cut at node boundaries (this node's dp peers) and one
+        peer per node with the same place."""
+        dp_groups = self._dp_groups()
         first = dp_groups[0]
         intra = sum(1 for r in first if r // node_size == first[0] // node_size)
         for ranks in dp_groups:
@@ -176,14 +167,26 @@ class Mesh:
                 raise ValueError(f"the dp groups of layout {self.layout} do not split evenly over nodes of "
                                  f"{node_size} processes; use a node size that is a multiple of tp and divides "
                                  "dp x tp (or the reverse)")
-        intra_lists = [ranks[i: i + intra] for ranks in dp_groups for i in range(0, len(ranks), intra)]
-        inter_lists = [ranks[i::intra] for ranks in dp_groups for i in range(intra)]
+        return self._split_dp(intra, ("dp_intra", "dp_inter"), single_groups=True)
+
+    def _dp_groups(self) -> list[list[int]]:
+        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
+        return [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+
+    def _split_dp(self, run: int, axes: tuple[str, str], single_groups: bool) -> tuple[dict, dict]:
+        """Cut every dp group into runs of `run` consecutive members (axis `axes[0]`) and the members
+        at the same place of their runs (`axes[1]`): ({axis: this rank's group}, {axis: its ranks}).
+        Every rank creates every group, in one order; with `single_groups` false, an axis of one
+        member gets no group."""
+        dp_groups = self._dp_groups()
         me = dist.get_rank()
-        groups, node_ranks = {}, {}
-        for axis, lists in (("dp_intra", intra_lists), ("dp_inter", inter_lists)):
-            groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
-            node_ranks[axis] = next(ranks for ranks in lists if me in ranks)
-        return groups, node_ranks
+        groups, ranks = {}, {}
+        for axis, lists in ((axes[0], [g[i: i + run] for g in dp_groups for i in range(0, len(g), run)]),
+                            (axes[1], [g[i::run] for g in dp_groups for i in range(run)])):
+            if single_groups or len(lists[0]) > 1:
+                groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
+            ranks[axis] = next(members for members in lists if me in members)
+        return groups, ranks
 
     @property
     def global_rank(self) -> int:
