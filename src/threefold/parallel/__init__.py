@@ -108,9 +108,7 @@ def _expert_sync(named, expert_names: set[str], placements, comm: Comm, cfg: Con
     if stage == 0:
         syncs = (DataParallelReducer([q for _, q in dense], comm, p.bucket_mb),
                  DataParallelReducer([q for _, q in experts], comm, p.bucket_mb, axis="edp"))
-        pieces = [Piece(name, replicated[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
-                  for name, q in named]
-        return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, pieces, None
+        return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, _whole_pieces(named, replicated), None
     # ZeRO-1/2: optimizer states sharded over dp (dense) and edp (experts); the expert sync reduces in finish()
     syncs = (ZeroReducer(dense, comm, stage, p.bucket_mb, wire, defer=pipelined),
              ZeroReducer(experts, comm, stage, p.bucket_mb, wire, axis="edp", defer=True))
@@ -136,17 +134,16 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         return (*_expert_sync(named, expert_names, placements, comm, cfg, wire, pipelined), None)
     periodic = None
     if stage == 0:
-        hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
+        hook_wire = wire if wire != precision.compute_dtype else None
+        hook = make_comm_hook(cfg, mesh.size("dp"), hook_wire)
         if cfg.train.periodic:  # between syncs, gradients are summed inside a replica only
-            hook = periodic_hook(hook, comm, wire if wire != precision.compute_dtype else None)
+            hook = periodic_hook(hook, comm, hook_wire)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
         # local SGD / DiLoCo / EASGD: the replicas meet every train.sync_every steps, bucket by bucket
         periodic = (periodic_sync(comm, cfg.train, hook, grad_sync.buckets.buckets, [q for _, q in named])
                     if cfg.train.periodic else None)
         placements = {name: place.replicated("dp") for name, place in placements.items()}
-        pieces = [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
-                  for name, q in named]
-        return grad_sync, placements, pieces, None, periodic
+        return grad_sync, placements, _whole_pieces(named, placements), None, periodic
     if stage in (1, 2):
         # with a pipeline, stage 2 reduce-scatters after the last micro-batch (see zero.py)
         grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=pipelined)
@@ -161,3 +158,9 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
                       grad_comm=p.zero_grad_comm)
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None
+
+
+def _whole_pieces(named, placements) -> list[Piece]:
+    """Without ZeRO the optimizer updates every parameter whole: one piece per parameter."""
+    return [Piece(name, placements[name], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
+            for name, q in named]
