@@ -31,6 +31,7 @@ from ..comm.autograd import all_to_all_rows
 from ..mesh import Mesh
 from ..models.moe import Experts, moe_modules
 from ..sharding import Placement
+from .model import HooklessSync
 
 AXIS = "ep"
 
@@ -89,13 +90,13 @@ def shard_experts(model: nn.Module, mesh: Mesh, comm: Comm, placements: dict[str
     return names
 
 
-class ExpertParallelSync:
+class ExpertParallelSync(HooklessSync):
     """The `GradSync` of expert parallelism: one sync for the dense parameters over dp (plain DP or
     ZeRO 1-2, as without experts), one for the expert parameters over edp (the same kind), which
     reduces after the backward only (every rank issues its collectives alike, whichever experts
     its tokens reached). `parallelize()` builds both."""
 
-    applies_momentum = False
+    kind = "expert parallelism"  # no compression under ep (config_checks refuses it)
 
     def __init__(self, dense, experts, expert_params: list[nn.Parameter]):
         self.dense, self.experts = dense, experts
@@ -126,15 +127,6 @@ class ExpertParallelSync:
     def gather_for(self, params: list[nn.Parameter]) -> None:
         """Nothing to gather: every rank holds its parameters whole (ZeRO-3 is not combined with ep)."""
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # no compression under ep (config_checks refuses it)
-
-    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer  # no compression hook: the optimizer stays as it is
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise ValueError(f"expert parallelism keeps no gradient-sync state; got {sorted(state)[:3]}")
 
 
 def router_metrics(module: nn.Module, comm: Comm) -> dict | None:

@@ -245,10 +245,6 @@ class PeriodicOptimizer(ShardedOptimizer):
         super().step(found_inf)  # skipped or not (found_inf), the step counts for the period
         self.sync.end_step()
 
-    def skip(self) -> None:
-        super().skip()
-        self.sync.end_step()
-
     def state_tensors(self) -> list[torch.Tensor]:
         return super().state_tensors() + self.sync.outer_tensors()
 

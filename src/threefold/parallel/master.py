@@ -16,8 +16,10 @@ kernels as CUDA loss scalers use it: a step never reads a value back to the host
 elsewhere (its bits are the single-tensor loop's; torch's CPU fused kernels round a piece's
 vector tail differently, so they would break the guarantee below; on CPU reading the skip flag
 costs nothing, there is no device queue to drain). Both are elementwise, so any partition of
-the parameters into pieces gives the same bits as the unsharded optimizer (tests/unit/test_optimizer.py, tests/distributed/test_zero.py). The states are allocated up front (torch creates them on
-the first step), so they are counted by memory reports and checkpointable from step 0.
+the parameters into pieces gives the same bits as the unsharded optimizer
+(tests/unit/test_optimizer.py, tests/distributed/test_zero.py). The states are allocated up
+front (torch creates them on the first step), so they are counted by memory reports and
+checkpointable from step 0.
 
 Offload (`parallel.offload=optimizer`): masters and states live in a separate host pool
 (pinned CPU memory next to an accelerator, a separate CPU copy on a CPU-only machine: the same
@@ -183,7 +185,8 @@ class ShardedOptimizer:
             hook(self, (), {})
         if found_inf is not None and not self.inner.defaults.get("fused"):
             if bool(found_inf):  # a host read: only without a fused kernel (CPU, 1-bit Adam)
-                self._drop_grads()
+                for master in self.masters:  # nothing changes; the gradients are dropped
+                    master.grad = None
                 return
             found_inf = None
         if found_inf is not None:
@@ -197,14 +200,6 @@ class ShardedOptimizer:
             master.grad = None
         if self.after_step is not None:
             self.after_step()
-
-    def skip(self) -> None:
-        """A step skipped after an overflow: nothing changes but the gradients are dropped."""
-        self._drop_grads()
-
-    def _drop_grads(self) -> None:
-        for master in self.masters:
-            master.grad = None
 
     # ------------------------------------------------------------ memory and checkpoints
 

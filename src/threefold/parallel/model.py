@@ -52,6 +52,24 @@ class GradSync(Protocol):
         """What the compression needs in place of the torch optimizer over the masters (1-bit Adam)."""
 
 
+class HooklessSync:
+    """The `GradSync` defaults of a sync with no compression hook and no per-rank state (ZeRO's
+    stages, whose only compression is a 16-bit wire, and expert parallelism)."""
+
+    applies_momentum = False
+    kind = "this gradient sync"  # named in the error below
+
+    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer  # no compression hook: the optimizer stays as it is
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing per rank beyond the optimizer's shards
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{self.kind} keeps no per-rank state; got {sorted(state)}")
+
+
 def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float,
                meter: SavedTensorMeter | None = None, loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Forward and backward over the micro-batches; returns this rank's summed token loss.
@@ -95,14 +113,6 @@ class ParallelModel:
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_trainable()]
-
-    @property
-    def param_placements(self) -> list[Placement]:
-        return [self.placements[n] for n, _ in self.named_trainable()]
 
     @property
     def scaler(self):

@@ -53,6 +53,7 @@ from ..comm import Comm
 from ..sharding import Placement
 from .buckets import Bucket, GradientBuckets
 from .master import Piece
+from .model import HooklessSync
 
 
 def _free(t: torch.Tensor) -> None:
@@ -67,7 +68,7 @@ def _allocated(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
 
-class ZeroReducer:
+class ZeroReducer(HooklessSync):
     """ZeRO stage 1 or 2 over `axis`: the grad-sync interface plus the pieces this rank updates."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, stage: int,
@@ -75,6 +76,7 @@ class ZeroReducer:
                  defer: bool = False):
         assert stage in (1, 2)
         self.comm, self.stage, self.axis = comm, stage, axis
+        self.kind = f"ZeRO-{stage}"
         self.defer = defer  # stage 2: accumulate whole buckets, reduce-scatter in finish() only (pipeline)
         self.wire_dtype = wire_dtype
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
@@ -193,18 +195,6 @@ class ZeroReducer:
 
     def gather_for(self, params: list[nn.Parameter]) -> None:
         """Nothing to gather: every rank holds its parameters whole."""
-
-    applies_momentum = False  # ZeRO's only compression is a 16-bit wire
-
-    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer  # no compression hook: the optimizer stays as it is
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # nothing per rank beyond the optimizer's shards
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise ValueError(f"ZeRO-{self.stage} keeps no per-rank state; got {sorted(state)}")
 
     # ------------------------------------------------------------ the optimizer's view
 

@@ -54,6 +54,7 @@ from ..comm import Comm
 from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..sharding import Placement
 from .master import Piece
+from .model import HooklessSync
 
 
 @dataclass(eq=False)
@@ -113,8 +114,10 @@ def _storage_exact(p: nn.Parameter) -> bool:
             and p.untyped_storage().nbytes() == p.numel() * p.element_size())
 
 
-class Zero3:
+class Zero3(HooklessSync):
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
+
+    kind = "ZeRO-3"
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none"):
@@ -396,18 +399,6 @@ class Zero3:
     def weight_tensors(self) -> list[torch.Tensor]:
         """Shards and whole forms: never activations, whatever autograd saves."""
         return [t for unit in self.units for sp in unit.params for t in (sp.shard, sp.full)]
-
-    applies_momentum = False  # ZeRO's only compression is a 16-bit wire
-
-    def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer  # no compression hook: the optimizer stays as it is
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # nothing per rank beyond the optimizer's shards
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise ValueError(f"ZeRO-3 keeps no per-rank state; got {sorted(state)}")
 
     def reset_peak(self) -> None:
         self.peak_whole_numel = self.whole_numel

@@ -92,8 +92,6 @@ class TrainStep:
         self.optimizer = optimizer
         self.comm = comm
         self.cfg = cfg
-        self.params = parallel.params
-        self.placements = parallel.param_placements
         self.scaler = parallel.scaler  # parallel/precision.py DynamicLossScaler (fp16) or None
         if self.scaler is not None:
             self.scaler.to(comm.mesh.device)
