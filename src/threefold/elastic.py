@@ -70,7 +70,6 @@ def _layout_for(full: Config, world: int, check: Callable[[Config, int], Config]
     return check(shrunk, world)
 
 
-
 def check_node_counts(cfg: Config, low: int, high: int, nproc: int) -> Config:
     """An elastic launch of `low`..`high` nodes of `nproc` processes: the config written for
     `high` nodes, checked now for every count the job may shrink to (exit 2 naming the smallest

@@ -140,7 +140,7 @@ def total_parameters(m: ModelConfig) -> int:
     """The whole model's parameter count (tied weights once), equal to count_parameters(m); a
     mixture of experts' sparse blocks hold their router and experts in place of the dense MLP."""
     dense = m.layers * layer_parameters(m).total + embedding_parameters(m).total + head_parameters(m).total
-    return int(dense + sum(m.is_moe_block(i) for i in range(m.layers)) * sparse_block_extra(m))
+    return int(dense + sparse_blocks(m) * sparse_block_extra(m))
 
 
 def active_parameters(m: ModelConfig) -> int:

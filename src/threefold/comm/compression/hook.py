@@ -1,8 +1,8 @@
 """What every gradient hook is: the contract between the data-parallel reducer and a compressor.
 
 The reducer (parallel/data.py) calls `launch` when a bucket is full, `complete` after the wait,
-reads `applies_momentum` and asks `optimizer_for` when the optimizer is built, and saves / restores `state_dict` with
-the checkpoint. `StatelessHook` gives the defaults of a hook that keeps nothing of its own
+reads `applies_momentum` and asks `optimizer_for` when the optimizer is built, and saves /
+restores `state_dict` with the checkpoint. `StatelessHook` gives the defaults of a hook that keeps nothing of its own
 outside `bucket.state`.
 """
 

@@ -14,8 +14,8 @@ non-linear variance. 1-bit Adam therefore runs in two stages:
 How it plugs in: the data-parallel reducer gets `OneBitAdamHook` (from make_comm_hook for
 compress.method=onebit with onebit_adam=true), and the optimizer is built through the hook's
 `optimizer_for` (CommHook), which returns a `OneBitAdam` in place of the AdamW over the fp32
-masters, with the same parameter groups and hyper-parameters, sharing that hook. During warm-up OneBitAdam computes exactly what AdamW
-(foreach=False) computes. After warm-up the gradient left in the buckets is this rank's
+masters, with the same parameter groups and hyper-parameters, sharing that hook. During
+warm-up OneBitAdam computes exactly what AdamW (foreach=False) computes. After warm-up the gradient left in the buckets is this rank's
 local one, so the gradient norm the trainer reports and clips with is rank 0's local norm
 (the same factor on every rank, so replicas stay identical).
 
@@ -41,9 +41,9 @@ class _Nothing:
 
 
 class OneBitAdamHook:
-    applies_momentum = False
-
     """Dense gradient sums during warm-up, no gradient traffic afterwards."""
+
+    applies_momentum = False
 
     def __init__(self, warmup_steps: int, error_feedback: bool = True):
         self.warmup_steps = warmup_steps
