@@ -1,8 +1,8 @@
 """The checks of the mixture-of-experts keys (model.experts ...) and of expert parallelism (parallel.ep).
 
 Part of `Config.validate`; each mistake names the key and the fix. Expert parallelism is
-carved out of dp (ep divides dp) and composes today with dp and tp; the combinations not
-built yet are refused here rather than run wrongly.
+carved out of dp (ep divides dp) and composes with tp (and sequence parallelism), pp and
+ZeRO 1-3; local SGD and gradient compression are refused with ep > 1 (docs/moe.md says why).
 """
 
 from __future__ import annotations
@@ -31,13 +31,6 @@ def validate_experts(c: "Config", dp: int) -> None:
                           f"got {m.experts_top_k}")
     if p.ep < 1:
         raise ConfigError("parallel.ep", f"must be at least 1, got {p.ep}")
-    if m.experts:
-        if p.pp > 1:
-            raise ConfigError("parallel.pp", "a mixture of experts does not run under pipeline parallelism yet "
-                              "(the routers' auxiliary losses of earlier stages do not reach the loss); use pp=1")
-        if p.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", "a mixture of experts does not run under sequence "
-                              "parallelism yet; set parallel.sequence_parallel=false")
     if p.ep == 1:
         return
     if not m.experts:
@@ -48,12 +41,11 @@ def validate_experts(c: "Config", dp: int) -> None:
                           "data parallelism)")
     if m.experts % p.ep:
         raise ConfigError("parallel.ep", f"model.experts={m.experts} is not divisible by ep={p.ep}")
-    if p.zero == 3:
-        raise ConfigError("parallel.zero", f"ZeRO-3 does not run with ep={p.ep} yet; use --zero 0, 1 or 2, "
-                          "or --ep 1")
     if c.train.periodic:
-        raise ConfigError("train.sync_every", f"periodic synchronisation (local SGD) does not run with ep={p.ep} "
-                          "yet; synchronise every step or use --ep 1")
+        raise ConfigError("train.sync_every", f"periodic synchronisation (local SGD) does not run with ep={p.ep}: "
+                          "its replicas are whole models averaged over dp, but under ep a model spans the ep group "
+                          "and only the edp groups hold the same experts; synchronise every step or use --ep 1")
     if c.compress.method != "none":
-        raise ConfigError("compress.method", f"gradient compression does not run with ep={p.ep} yet; "
-                          "use compress.method=none or --ep 1")
+        raise ConfigError("compress.method", f"gradient compression does not run with ep={p.ep}: it compresses "
+                          "the one gradient exchange over dp, and the experts' gradients are summed over edp apart "
+                          "from it; use compress.method=none or --ep 1")

@@ -1,8 +1,10 @@
 """Expert parallelism against one process (gloo): (dp, ep) = (2,2), (4,4), (4,2), (2,2) + tp2 match the
-single-process run of the same mixture of experts, also under ZeRO-1 and ZeRO-2, within relative 1e-5 over 10 steps (loss, router
-metrics, every parameter reassembled through the placements); with a capacity that drops tokens the
-dropped count is the same under every layout; the ep axis's all-to-all bytes are exactly the routed
-rows that cross ranks x hidden x 4 bytes; a checkpoint saved under ep=2 resumes under ep=4 and ep=1.
+single-process run of the same mixture of experts, also under ZeRO-1, -2 and -3, with pp2 (and
+recomputed MoE blocks), sequence parallelism and activation checkpointing, within relative 1e-5 over
+10 steps (loss, router metrics, every parameter reassembled through the placements); with a capacity
+that drops tokens the dropped count is the same under every layout; the ep axis's all-to-all bytes are
+exactly the routed rows that cross ranks x hidden x 4 bytes; a checkpoint saved under ep=2 resumes
+under ep=4 and ep=1; bf16 / fp16 compute stays close to fp32.
 """
 
 import pytest
@@ -15,6 +17,9 @@ from threefold.checkpoint.format import step_dir_name
 BASE = ["model.preset=tiny-moe", "train.global_batch=8", "train.seq_len=16", "train.lr=1e-3",
         "train.min_lr_ratio=1.0", "train.eps=1e-6", "train.steps=10"]
 DROP = ["model.expert_capacity=1.0"]
+PP2 = ["parallel.pp=2", "train.microbatches=2"]
+SP = ["parallel.sequence_parallel=true"]
+REMAT_MLP = ["remat.policy=selective", "remat.targets=mlp"]
 TOL = 1e-5
 HIDDEN = 32
 
@@ -34,14 +39,22 @@ def runs(worlds, tmp_path_factory):
             "(4,2) drop": (BASE + layout(4, 2) + DROP, root / "c"),
             "(4,2) zero1": (BASE + layout(4, 2) + ["parallel.zero=1"], root / "z1"),
             "(2,2)+tp2 zero2": (BASE + layout(2, 2, 2) + ["parallel.zero=2"], root / "z2"),
-            "(4,4) from ep=2": (BASE + layout(4, 4) + resume, root / "d")}
+            "(4,4) from ep=2": (BASE + layout(4, 4) + resume, root / "d"),
+            "(2,2)+pp2": (BASE + layout(2, 2) + PP2, root / "pp"),
+            "(2,2)+pp2 remat mlp": (BASE + layout(2, 2) + PP2 + REMAT_MLP, root / "pp-remat"),
+            "(4,2) zero3": (BASE + layout(4, 2) + ["parallel.zero=3"], root / "z3"),
+            "(4,2) remat": (BASE + layout(4, 2) + ["remat.policy=full"], root / "remat"),
+            "(2,2)+tp2 sp": (BASE + layout(2, 2, 2) + SP, root / "sp"),
+            "(2,2)+tp2 sp drop": (BASE + layout(2, 2, 2) + SP + DROP, root / "sp-drop")}
     out = {}
     per_rank = worlds(4).run(train_many, [(o, str(d)) for o, d in four.values()])
     out.update({name: [r[i] for r in per_rank] for i, name in enumerate(four)})
     out["(2,2)"] = [r[0] for r in worlds(2).run(train_many, [(BASE + layout(2, 2), str(root / "e"))])]
-    single = worlds(1).run(train_many, [(BASE, str(root / "ref")), (BASE + DROP, str(root / "ref-drop")),
-                                        (BASE + resume, str(root / "ref-resume"))])[0]
-    out["ref"], out["ref drop"], out["(1,1) from ep=2"] = [single[0]], [single[1]], [single[2]]
+    alone = {"ref": BASE, "ref drop": BASE + DROP, "(1,1) from ep=2": BASE + resume,
+             "(1,1) remat": BASE + ["remat.policy=full"], "bf16": BASE + ["precision.compute=bf16"],
+             "fp16": BASE + ["precision.compute=fp16"]}
+    single = worlds(1).run(train_many, [(o, str(root / f"one{i}")) for i, o in enumerate(alone.values())])[0]
+    out.update({name: [r] for name, r in zip(alone, single)})
     return out
 
 
@@ -51,7 +64,10 @@ def _loss_err(results, ref):
 
 @pytest.mark.parametrize("name, ref_name", [("(2,2)", "ref"), ("(4,4)", "ref"), ("(4,2)", "ref"),
                                             ("(2,2)+tp2", "ref"), ("(4,2) drop", "ref drop"),
-                                            ("(4,2) zero1", "ref"), ("(2,2)+tp2 zero2", "ref")])
+                                            ("(4,2) zero1", "ref"), ("(2,2)+tp2 zero2", "ref"),
+                                            ("(2,2)+pp2", "ref"), ("(2,2)+pp2 remat mlp", "ref"),
+                                            ("(4,2) zero3", "ref"), ("(4,2) remat", "ref"), ("(1,1) remat", "ref"),
+                                            ("(2,2)+tp2 sp", "ref"), ("(2,2)+tp2 sp drop", "ref drop")])
 def test_expert_parallel_matches_one_process(runs, name, ref_name):
     ref, results = runs[ref_name][0], runs[name]
     assert _loss_err(results, ref) <= TOL, f"{name}: loss differs by {_loss_err(results, ref):.2e}"
@@ -95,3 +111,15 @@ def test_checkpoint_saved_under_ep2_resumes_under_other_ep(runs, name):
         assert r["resumed_from"] == step_dir_name(5)
         err = max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"][5:], strict=True))
         assert err <= TOL, f"{name}: loss after resuming differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("precision, tol", [("bf16", 2e-2), ("fp16", 5e-3)])
+def test_half_precision_experts_stay_close_to_fp32(runs, precision, tol):
+    """bf16 / fp16 compute (the router in fp32): finite, and the loss within docs/composition.md's bounds
+    for the compute precision (2e-2 bf16, 5e-3 fp16) of the fp32 run."""
+    ref, got = runs["ref"][0], runs[precision][0]
+    err = _loss_err([got], ref)
+    assert err <= tol, f"{precision}: loss differs from fp32 by {err:.2e}"
+    for m in got["moe"]:
+        assert all(v == v and abs(v) < float("inf") for v in (m["aux_loss"], m["balance_loss"], m["z_loss"]))
+    assert all(p.isfinite().all() for p in got["params"].values())

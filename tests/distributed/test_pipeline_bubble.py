@@ -29,6 +29,7 @@ class SleepCompute:
     """A stage whose every action takes a known time."""
 
     meter = None
+    side_loss = 0.0
 
     def __init__(self, unit_s: float):
         self.unit = unit_s

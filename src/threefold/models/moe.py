@@ -30,6 +30,16 @@ cross-entropy alone.
 
 How the routed rows reach the experts is the `dispatch` (an `ExpertDispatch`): here all
 experts are local; expert parallelism (parallel/expert.py) replaces it with all-to-all.
+Under sequence parallelism a block holds only its part of every sequence and routes those
+tokens; `sequence` (a `SequenceShards`, set by parallel/expert.py) sums the per-sequence
+statistics over the parts, so capacity, dropping and the auxiliary losses stay those of
+whole sequences.
+
+The tally for the metrics stays on the device (no host read); the router's forwards that are
+not a training step's own (models/forwards.py: activation checkpointing's recomputation, a
+pipelined evaluation) are not tallied. The only host read of a forward is the expert batch
+sizes of the variable-size (dropless or dropping) dispatch, plus the kept positions when
+tokens can drop.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .forwards import is_evaluating, is_recomputing
 
 
 class ExpertDispatch(Protocol):
@@ -51,11 +62,25 @@ class ExpertDispatch(Protocol):
         each; the result has the rows' order."""
 
 
+class SequenceShards(Protocol):
+    """The ranks holding the other parts of every sequence, when a block sees only its own contiguous
+    part (sequence parallelism): rank `rank` of `size` holds positions [rank s, (rank + 1) s)."""
+
+    rank: int
+    size: int
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of `t` over the holders (forward); the gradient passes through unchanged (backward)."""
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(size, *t.shape): every holder's `t`, in order (no gradient)."""
+
+
 class LocalDispatch:
     """Every expert on this device."""
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: "Experts") -> torch.Tensor:
-        return experts(rows, counts.tolist())
+        return experts(rows, counts.tolist())  # variable-size expert batches: their sizes on the host
 
 
 class Experts(nn.Module):
@@ -71,40 +96,48 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, h, f))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """`rows` grouped by local expert, `counts[j]` rows for expert j (variable sizes)."""
+        """`rows` grouped by local expert, `counts[j]` rows for expert j (variable sizes). Every expert
+        runs, on no rows too: every expert weight gets a gradient (zero) in every backward, so every
+        rank's graph has the same shape and its gradient hooks fire alike (ZeRO-3's reductions)."""
         outs, start = [], 0
         for j, n in enumerate(counts):
-            if n == 0:
-                continue
             x = rows[start: start + n]
             start += n
             up = x @ self.w_up[j].t()
             act = F.silu(x @ self.w_gate[j].t()) * up if self.swiglu else F.gelu(up, approximate="tanh")
             outs.append(act @ self.w_down[j].t())
-        # no rows: still an output that depends on the rows, so the backward reaches every collective
-        return torch.cat(outs) if outs else rows * 0.0
+        return torch.cat(outs)
 
 
 @dataclass
 class RouterTally:
-    """What the router did since the last `take()`: kept assignments per expert, dropped ones, and
-    the summed per-sequence balance loss and per-token z-loss (unweighted)."""
+    """What the router did since the last `take()` (device tensors: no host read on the step path):
+    kept assignments per expert, dropped ones, and the summed per-sequence balance loss and
+    per-token z-loss (unweighted)."""
 
     kept: torch.Tensor | None = None  # (experts,) int64
-    dropped: int = 0
-    balance_sum: float = 0.0
+    dropped: torch.Tensor | int = 0
+    balance_sum: torch.Tensor | float = 0.0
     sequences: int = 0
-    z_sum: float = 0.0
+    z_sum: torch.Tensor | float = 0.0
     tokens: int = 0
 
-    def add(self, kept: torch.Tensor, dropped: int, balance_sum: float, sequences: int, z_sum: float,
-            tokens: int) -> None:
+    def add(self, kept: torch.Tensor, dropped: torch.Tensor, balance_sum: torch.Tensor, sequences: int,
+            z_sum: torch.Tensor, tokens: int) -> None:
         self.kept = kept if self.kept is None else self.kept + kept
-        self.dropped += dropped
-        self.balance_sum += balance_sum
+        self.dropped = self.dropped + dropped
+        self.balance_sum = self.balance_sum + balance_sum
         self.sequences += sequences
-        self.z_sum += z_sum
+        self.z_sum = self.z_sum + z_sum
         self.tokens += tokens
+
+    def row(self, experts: int, device: torch.device) -> torch.Tensor:
+        """(experts + 5,) float64 on `device`: kept per expert, dropped, balance, z, sequences, tokens."""
+        kept = (self.kept.to(device, torch.float64) if self.kept is not None
+                else torch.zeros(experts, dtype=torch.float64, device=device))
+        rest = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                for v in (self.dropped, self.balance_sum, self.z_sum, self.sequences, self.tokens)]
+        return torch.cat([kept, torch.stack(rest)])
 
 
 class MoE(nn.Module):
@@ -119,6 +152,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = shared
         self.dispatch: ExpertDispatch = LocalDispatch()
+        self.sequence: SequenceShards | None = None  # sequence parallelism: the holders of the rest
         self.tally = RouterTally()
         self.aux_sum: torch.Tensor | None = None  # this forward's weighted auxiliary losses (summed)
 
@@ -128,55 +162,84 @@ class MoE(nn.Module):
             return 0
         return math.ceil(self.capacity_factor * seq * self.top_k / self.num_experts)
 
-    def _keep(self, idx_bsk: torch.Tensor) -> torch.Tensor:
-        """Which assignments fit their expert's capacity in their sequence: first choices first,
-        then by position."""
+    def _keep(self, idx_bsk: torch.Tensor, seq: int | None = None) -> torch.Tensor:
+        """Which assignments fit their expert's capacity in their (whole, `seq`-long) sequence: first
+        choices first, then by position; under sequence parallelism the parts held before this
+        rank's come first."""
         b, s, k = idx_bsk.shape
-        cap = self.capacity(s)
+        cap = self.capacity(seq or s)
         if cap == 0:
             return torch.ones_like(idx_bsk, dtype=torch.bool)
-        onehot = F.one_hot(idx_bsk.transpose(1, 2).reshape(b, k * s), self.num_experts)  # (b, k*s, E)
-        position = onehot.cumsum(1) * onehot  # 1-based place in the expert's queue
+        onehot = F.one_hot(idx_bsk.transpose(1, 2), self.num_experts)  # (b, k, s, E)
+        counts = onehot.sum(2)  # (b, k, E): assignments per choice and expert in this part
+        before, total = 0, counts
+        if self.sequence is not None and seq and seq != s:
+            every = self.sequence.gather(counts)  # (parts, b, k, E)
+            before, total = every[: self.sequence.rank].sum(0), every.sum(0)
+        queued = total.cumsum(1) - total + before  # ahead of this part's first assignment of each choice
+        position = (onehot.cumsum(2) + queued.unsqueeze(2)) * onehot  # 1-based place in the expert's queue
         keep = (position > 0) & (position <= cap)
-        return keep.any(-1).reshape(b, k, s).transpose(1, 2)
+        return keep.any(-1).transpose(1, 2)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         b, s, h = x_bsh.shape
+        seq = s * (self.sequence.size if self.sequence is not None else 1)  # the whole sequence
         logits = self.router(x_bsh)  # (b, s, E), in fp32 at least
         logits = logits.float() if logits.element_size() < 4 else logits
         probs = logits.softmax(-1)
         weight, idx = probs.topk(self.top_k, dim=-1)  # (b, s, k)
         if self.top_k > 1:
             weight = weight / weight.sum(-1, keepdim=True)
-        keep = self._keep(idx)
-        # auxiliary losses, summed as token losses are (per sequence balance x its tokens)
-        routed = F.one_hot(idx, self.num_experts).float().sum((1, 2)) / (s * self.top_k)  # (b, E): f_e
-        balance = self.num_experts * (routed * probs.mean(1)).sum(-1)  # (b,)
-        z = torch.logsumexp(logits, -1).square()  # (b, s)
-        self.aux_sum = s * self.aux_weight * balance.sum() + self.z_weight * z.sum()
-        if not torch.is_grad_enabled():  # evaluation: the loss is the cross-entropy alone
-            self.aux_sum = torch.zeros((), dtype=self.aux_sum.dtype, device=self.aux_sum.device)
+        keep = self._keep(idx, seq)
         # dispatch: kept assignments sorted by expert (stable: token order within an expert)
         flat_idx, flat_keep = idx.reshape(-1), keep.reshape(-1)
         token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(self.top_k)
-        chosen = flat_keep.nonzero().squeeze(1)
+        chosen = (flat_keep.nonzero().squeeze(1) if self.capacity(seq) else
+                  torch.arange(flat_keep.numel(), device=x_bsh.device))  # dropless: no host read
         experts_of = flat_idx[chosen]
         assign = chosen[torch.argsort(experts_of, stable=True)]
         counts = torch.bincount(experts_of, minlength=self.num_experts)
+        self._auxiliary(idx, probs, logits, counts, flat_keep, seq)
         x_th = x_bsh.reshape(b * s, h)
         out_rows = self.dispatch(x_th[token[assign]], counts, self.experts)
         scaled = out_rows * weight.reshape(-1)[assign].unsqueeze(1).to(out_rows.dtype)
         y = torch.zeros_like(x_th).index_add(0, token[assign], scaled).reshape(b, s, h)
-        if torch.is_grad_enabled():  # training forwards only (not evaluation)
-            self.tally.add(counts.detach(), int(flat_keep.numel() - chosen.numel()), float(balance.detach().sum()),
-                           b, float(z.detach().sum()), b * s)
         if self.shared is not None:
             y = y + self.shared(x_bsh)
         return y
 
+    def _auxiliary(self, idx, probs, logits, counts, flat_keep, seq: int) -> None:
+        """The auxiliary losses of the whole sequences (`aux_sum`) and the tally of a training forward.
+        Per sequence: f_e (routed assignments) and P_e (mean probability); under sequence
+        parallelism their parts, the z-losses and the counts are summed over the holders (one sum)."""
+        b, e = idx.shape[0], self.num_experts
+        routed = F.one_hot(idx, e).sum((1, 2)).float()  # (b, E) assignments per sequence (this part)
+        prob_sum = probs.sum(1)  # (b, E)
+        z = torch.logsumexp(logits, -1).square().sum(1)  # (b,)
+        dropped = (~flat_keep).sum()
+        if self.sequence is not None:
+            packed = torch.cat([routed.flatten(), prob_sum.flatten(), z, counts.float(), dropped.float().reshape(1)])
+            packed = self.sequence.sum(packed)
+            routed, prob_sum, z = packed[: b * e].view(b, e), packed[b * e: 2 * b * e].view(b, e), packed[2 * b * e:][:b]
+            counts, dropped = packed[2 * b * e + b: -1].round().long(), packed[-1].round().long()
+        balance = e * ((routed / (seq * self.top_k)) * (prob_sum / seq)).sum(-1)  # (b,)
+        training = torch.is_grad_enabled() and not is_evaluating()
+        self.aux_sum = seq * self.aux_weight * balance.sum() + self.z_weight * z.sum()
+        if not training:  # evaluation: the loss is the cross-entropy alone
+            self.aux_sum = torch.zeros((), dtype=self.aux_sum.dtype, device=self.aux_sum.device)
+        elif not is_recomputing():  # a recomputation (activation checkpointing) was tallied the first time
+            self.tally.add(counts.detach(), dropped.detach(), balance.detach().sum(), b, z.detach().sum(), b * seq)
+
     def take_tally(self) -> RouterTally:
         tally, self.tally = self.tally, RouterTally()
         return tally
+
+
+def routers_aux_loss(modules: list[nn.Module]) -> torch.Tensor | None:
+    """The summed weighted auxiliary losses of the last forward of every MoE inside `modules` (a
+    pipeline stage's layers), None when there is none."""
+    found = [m.aux_sum for module in modules for m in module.modules() if isinstance(m, MoE) and m.aux_sum is not None]
+    return sum(found[1:], found[0]) if found else None
 
 
 def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -41,10 +41,11 @@ from ..comm.quantize import fp8_supported
 from ..config import Config
 from ..errors import ConfigError
 from ..mesh import Mesh
+from ..models.moe import moe_modules
 from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
 from .data import DataParallelReducer, parallelize_data
-from .expert import ExpertParallelSync, shard_experts
+from .expert import ExpertParallelSync, sequence_parallel_experts, shard_experts
 from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
 from .materialise import materialise
@@ -66,8 +67,12 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # once the parameters have storage)
     shards = shard_tensor(model, mesh, comm, spec.plan(mesh.size("tp")), cfg.parallel.sequence_parallel)
     placements = shards.placements
-    # 1b. expert parallelism: this rank's experts (a split of the stacked expert weights over ep)
+    # 1b. expert parallelism: this rank's experts (a split of the stacked expert weights over ep);
+    # under sequence parallelism the routers see this tp rank's part of each sequence
+    routers = bool(moe_modules(model))
     expert_names = shard_experts(model, mesh, comm, placements)
+    if routers and cfg.parallel.sequence_parallel and mesh.size("tp") > 1:
+        shards.partial += sequence_parallel_experts(model, comm)
     # 2. pipeline: keep this rank's stages. Names stay global; a weight tied between the first and
     # last stage is held by both, replicated over pp (counted once, at pp coordinate 0).
     split = None
@@ -92,19 +97,29 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                                                                         split is not None, expert_names)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
-                             after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic)
+                             after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
+                             routers=routers)
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel
 
 
-def _expert_sync(named, expert_names: set[str], placements, comm: Comm, cfg: Config, wire, pipelined: bool):
-    """Step 5 with ep > 1: dense parameters over dp, experts over edp, each plain or ZeRO-1/2."""
+def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, comm: Comm, cfg: Config, wire,
+                 pipelined: bool):
+    """Step 5 with ep > 1: dense parameters over dp, experts over edp, each plain or ZeRO-1/2/3."""
     stage, p = cfg.parallel.zero, cfg.parallel
     dense = [(n, q) for n, q in named if n not in expert_names]
     experts = [(n, q) for n, q in named if n in expert_names]
     replicated = {name: place.replicated("edp" if name in expert_names else "dp")
                   for name, place in placements.items()}
+    if stage == 3:  # dense parameters sharded over dp, experts over edp: two ZeRO-3s on the one model
+        zero3 = {"wire_dtype": wire, "stage_passes": pipelined, "weight_comm": p.zero_weight_comm,
+                 "grad_comm": p.zero_grad_comm}
+        syncs = (Zero3(model, comm, **zero3, only={id(q) for _, q in dense}),
+                 Zero3(model, comm, axis="edp", **zero3, only={id(q) for _, q in experts}))
+        pieces = syncs[0].pieces(placements) + syncs[1].pieces(placements)
+        return (ExpertParallelSync(*syncs, [q for _, q in experts]),
+                syncs[1].placements(syncs[0].placements(placements)), pieces, None)
     if stage == 0:
         syncs = (DataParallelReducer([q for _, q in dense], comm, p.bucket_mb),
                  DataParallelReducer([q for _, q in experts], comm, p.bucket_mb, axis="edp"))
@@ -130,8 +145,11 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
         wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    if stage == 3 and p.zero_weight_comm == "fp8" and not fp8_supported(mesh.device):
+        raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "
+                          "use parallel.zero_weight_comm=int8")
     if expert_names:
-        return (*_expert_sync(named, expert_names, placements, comm, cfg, wire, pipelined), None)
+        return (*_expert_sync(model, named, expert_names, placements, comm, cfg, wire, pipelined), None)
     periodic = None
     if stage == 0:
         hook_wire = wire if wire != precision.compute_dtype else None
@@ -151,9 +169,6 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         placements = {name: place.replicated("dp") for name, place in placements.items()}
         return grad_sync, placements, pieces, grad_sync.gather_params, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
-    if p.zero_weight_comm == "fp8" and not fp8_supported(mesh.device):
-        raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "
-                          "use parallel.zero_weight_comm=int8")
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
                       grad_comm=p.zero_grad_comm)
     pieces = grad_sync.pieces(placements)

@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed
 from torch import nn
 
 from ..comm import Comm
-from ..comm.autograd import all_to_all_rows
+from ..comm.autograd import all_to_all_rows, reduce_from_group
 from ..mesh import Mesh
 from ..models.moe import Experts, moe_modules
 from ..sharding import Placement
@@ -125,32 +126,73 @@ class ExpertParallelSync(HooklessSync):
         return self.dense.weight_tensors() + self.experts.weight_tensors()
 
     def gather_for(self, params: list[nn.Parameter]) -> None:
-        """Nothing to gather: every rank holds its parameters whole (ZeRO-3 is not combined with ep)."""
+        """Whole weights for a hook-less backward (ZeRO-3: dense ones over dp, experts over edp)."""
+        self.dense.gather_for(params)
+        self.experts.gather_for(params)
 
 
+class TensorSequenceShards:
+    """The `SequenceShards` (models/moe.py) of sequence parallelism: the tp ranks hold the parts of
+    every sequence. `sum` is an all-reduce with an identity backward (each holder differentiates
+    the replicated auxiliary loss through its own part; the router's and experts' gradient parts
+    are then summed over tp like the norms'); `gather` all-gathers the capacity counts."""
 
-def router_metrics(module: nn.Module, comm: Comm) -> dict | None:
-    """Metrics of the routers since the last call, over the whole global batch (summed over dp):
-    tokens per expert (min / mean / max over every sparse block's experts, kept assignments),
-    assignments dropped by the capacity, and `aux_loss`, the weighted auxiliary losses the logged
-    loss includes (balance: mean over sequences, z-loss: mean over tokens; summed over blocks).
-    None for a model without experts."""
+    def __init__(self, comm: Comm, axis: str = "tp"):
+        self.comm, self.axis = comm, axis
+        self.rank, self.size = comm.mesh.rank(axis), comm.mesh.size(axis)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return reduce_from_group(t, self.comm, self.axis)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        shape = t.shape
+        t = t.reshape(1, -1).contiguous()
+        out = torch.empty((self.size, t.shape[1]), dtype=t.dtype, device=t.device)
+        self.comm.all_gather(out, t, self.axis, tag="moe")
+        return out.view(self.size, *shape)
+
+
+def sequence_parallel_experts(model: nn.Module, comm: Comm) -> list[nn.Parameter]:
+    """Under sequence parallelism: every MoE block routes its tp rank's part of each sequence and
+    sums the statistics of whole sequences over tp; returns its parameters, whose gradients (from
+    this rank's tokens only) are to be summed over tp."""
+    params = []
+    for _, moe in moe_modules(model):
+        moe.sequence = TensorSequenceShards(comm)
+        params += [p for p in moe.parameters() if p.requires_grad]
+    return params
+
+
+def router_metrics(module: nn.Module, comm: Comm, pipelined: bool = False) -> dict | None:
+    """Metrics of the routers since the last call, over the whole global batch (summed over dp, and
+    over the pipeline stages when `pipelined`): tokens per expert (min / mean / max over every
+    sparse block's experts, kept assignments), assignments dropped by the capacity, and `aux_loss`,
+    the weighted auxiliary losses the logged loss includes (balance: mean over sequences, z-loss:
+    mean over tokens; summed over blocks). None for a model without experts (every stage of a
+    pipeline calls it: its stages without experts too)."""
     mods = moe_modules(module)
-    if not mods:
+    if not mods and not pipelined:
+        return None  # (a pipeline of a model without experts does not call it)
+    device = comm.mesh.device
+    # per rank: [-min kept, max kept] and [kept sum, expert count, dropped, aux, balance, z]
+    extremes = torch.full((2,), -float("inf"), dtype=torch.float64, device=device)
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    if mods:
+        table = torch.stack([moe.take_tally().row(moe.num_experts, device) for _, moe in mods])
+        comm.all_reduce(table, "dp", tag="moe")
+        kept, (dropped, balance, z, sequences, tokens) = table[:, :-5], table[:, -5:].unbind(1)
+        weights = torch.tensor([[moe.aux_weight, moe.z_weight] for _, moe in mods], dtype=torch.float64,
+                               device=device)
+        balance_mean, z_mean = balance / sequences.clamp(min=1), z / tokens.clamp(min=1)
+        aux = (weights[:, 0] * balance_mean + weights[:, 1] * z_mean).sum()
+        extremes = torch.stack([-kept.min(), kept.max()])
+        sums = torch.stack([kept.sum(), torch.tensor(float(kept.numel()), dtype=torch.float64, device=device),
+                            dropped.sum(), aux, balance_mean.sum(), z_mean.sum()])
+    if pipelined:
+        comm.all_reduce(extremes, "pp", op=torch.distributed.ReduceOp.MAX, tag="moe")
+        comm.all_reduce(sums, "pp", tag="moe")
+    (low, high), (kept_sum, count, dropped, aux, balance, z) = extremes.tolist(), sums.tolist()
+    if count == 0:  # a pipeline without experts
         return None
-    rows = []
-    for _, moe in mods:
-        t = moe.take_tally()
-        kept = t.kept.double() if t.kept is not None else torch.zeros(moe.num_experts, dtype=torch.float64)
-        rows.append(torch.cat([kept.cpu(), torch.tensor([t.dropped, t.balance_sum, t.z_sum, t.sequences, t.tokens],
-                                                        dtype=torch.float64)]))
-    table = torch.stack(rows).to(comm.mesh.device)
-    comm.all_reduce(table, "dp", tag="moe")
-    table = table.cpu()
-    kept, (dropped, balance, z, sequences, tokens) = table[:, :-5], table[:, -5:].unbind(1)
-    aux = sum(moe.aux_weight * float(b) / max(float(s), 1) + moe.z_weight * float(zz) / max(float(n), 1)
-              for (_, moe), b, zz, s, n in zip(mods, balance, z, sequences, tokens))
-    return {"tokens_per_expert": {"min": int(kept.min()), "mean": float(kept.mean()), "max": int(kept.max())},
-            "dropped": int(dropped.sum()), "aux_loss": aux,
-            "balance_loss": float((balance / sequences.clamp(min=1)).sum()),
-            "z_loss": float((z / tokens.clamp(min=1)).sum())}
+    return {"tokens_per_expert": {"min": int(-low), "mean": kept_sum / count, "max": int(high)},
+            "dropped": int(dropped), "aux_loss": aux, "balance_loss": balance, "z_loss": z}

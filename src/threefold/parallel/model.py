@@ -109,6 +109,7 @@ class ParallelModel:
     spec: object | None = None  # the models.spec.ModelSpec it was built from
     materialised_bytes: int = 0  # model-tensor bytes this rank allocated while starting (meta build)
     periodic: PeriodicSync | None = None  # local SGD / DiLoCo / EASGD (train.sync_every...): when replicas meet
+    routers: bool = False  # the model (any stage of it) has mixture-of-experts routers
     _meter: SavedTensorMeter | None = None
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -163,7 +164,9 @@ class ParallelModel:
         """The `moe` metrics of the step (parallel/expert.py), None without experts."""
         from .expert import router_metrics
 
-        return router_metrics(self.module, comm)
+        if not self.routers:
+            return None
+        return router_metrics(self.module, comm, pipelined=self.pipeline is not None)
 
     # ------------------------------------------------------------ checkpoint state
 

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import RematConfig
 from ..errors import ConfigError
+from ..models.forwards import recomputing
 
 BLOCK = re.compile(r"(?:.*\.)?blocks\.(\d+)")
 
@@ -44,10 +45,26 @@ def checkpointed(fn):
         # non-reentrant: the inputs are saved through autograd's saved-tensor mechanism (so
         # activation accounting sees exactly what is kept), and the region may use autograd
         # hooks of other strategies (ZeRO-3) during the recomputation
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_marking_recomputation(fn), *args, use_reentrant=False, **kwargs)
 
     run.__remat_wrapped__ = fn
     return run
+
+
+def _marking_recomputation(fn):
+    """`fn` whose second and later runs (the recomputations) run inside models.forwards.recomputing(),
+    so modules with side effects (the router's tally) do not count them again."""
+    runs = 0
+
+    def region(*args, **kwargs):
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            return fn(*args, **kwargs)
+        with recomputing():
+            return fn(*args, **kwargs)
+
+    return region
 
 
 def blocks_of(model: nn.Module) -> list[tuple[int, str, nn.Module]]:

@@ -37,6 +37,10 @@ stage is then already a reduced shard on both ends; both shard it alike (same si
 so the ends exchange matching shards (`gradient_of`). A split backward's weight half runs no
 module hook: the runtime names the weights it is about to use (`gather_for`).
 
+With expert parallelism two instances share one model (`only`: the parameters each shards):
+the dense parameters over dp, the experts over `edp` (parallel/__init__.py); each hooks only
+the units holding its parameters.
+
 Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
 reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
 """
@@ -120,7 +124,8 @@ class Zero3(HooklessSync):
     kind = "ZeRO-3"
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
-                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none"):
+                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
+                 only: set[int] | None = None):
         self.model, self.comm, self.axis = model, comm, axis
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
@@ -140,13 +145,15 @@ class Zero3(HooklessSync):
         self.units: list[Unit] = []
         self.hooked: list[Hooked] = []
         modules = unit_modules(model)
+        if only is not None:  # the parameters of `only` (ids): expert parallelism shards its experts over edp
+            modules = [(name, m) for name, m in modules if any(id(p) in only for p in m.parameters())]
         for name, module in modules + [("<root>", model)]:
-            params = [p for p in module.parameters() if id(p) not in assigned]
+            params = [p for p in module.parameters() if id(p) not in assigned and (only is None or id(p) in only)]
             unit = self._make_unit(len(self.units), name, [(names[id(p)], p) for p in params], slots)
             self.units.append(unit)
             for sp in unit.params:
                 assigned[id(sp.full)] = unit
-            needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters()))
+            needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters() if id(p) in assigned))
             self.hooked.append(Hooked(name, module, needs if module is not model else [unit]))
         self.root = self.hooked[-1]
         self._by_full = {id(sp.full): (unit, sp) for unit in self.units for sp in unit.params}

@@ -25,6 +25,7 @@ import torch.distributed
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..comm import Comm
+from ..models.moe import routers_aux_loss
 from ..observe.memory import SavedTensorMeter
 from .adapter import PipelineAdapter
 from .schedules import COMM, Schedule
@@ -45,6 +46,7 @@ class MicroState:
 
 class StageCompute(Protocol):
     meter: SavedTensorMeter | None  # activation bytes of the stages in flight (None: not measured)
+    side_loss: torch.Tensor | float  # the step's loss terms of stages before the last (summed into the loss)
 
     def begin(self, global_tokens: int) -> None: ...
     def forward(self, stage: Stage, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, object]:
@@ -65,11 +67,13 @@ class ModuleCompute:
         self.meter = meter
         self.scale = 1
         self.held = 0  # activation bytes held right now
+        self.side_loss: torch.Tensor | float = 0.0  # this step's auxiliary losses of stages without the loss
         self._params = {}
 
     def begin(self, global_tokens: int) -> None:
         self.scale = global_tokens
         self.held = 0
+        self.side_loss = 0.0
 
     def _weights(self, stage: Stage, state: MicroState) -> list[torch.nn.Parameter]:
         """The trainable leaves the stage's graph uses (not its input; the embedding, behind the
@@ -99,11 +103,17 @@ class ModuleCompute:
             inp = x = embed_out.detach().requires_grad_()
         else:
             inp = x.requires_grad_()
-        for i in stage.layers:
-            x = self.module.layer(i)(x)
+        layers = [self.module.layer(i) for i in stage.layers]
+        for layer in layers:
+            x = layer(x)
+        aux = routers_aux_loss(layers)  # the stage's routers' auxiliary losses (models/moe.py), or None
         if stage.last:
             loss_sum = self.adapter.head_loss(self.module, x, targets)
+            loss_sum = loss_sum if aux is None else loss_sum + aux
             return loss_sum.detach(), MicroState(loss_sum / self.scale, inp, embed_out)
+        if aux is not None:  # into this stage's backward (as the loss's share) and the step's loss
+            self.side_loss = self.side_loss + aux.detach().float()
+            x = carry_loss(x, aux / self.scale)
         return x.detach(), MicroState(x, inp, embed_out)
 
     def _sync(self):
@@ -136,6 +146,24 @@ class ModuleCompute:
                 torch.autograd.backward(state.embed_out, state.inp.grad)
         state.groups = []
         self.held -= state.nbytes
+
+
+class _CarryLoss(torch.autograd.Function):
+    """Forward: `x` unchanged; backward: `x`'s gradient, and 1 for `loss` (a term of the loss
+    computed on a stage before the last, e.g. the routers' auxiliary losses)."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        one = torch.ones((), dtype=torch.float32, device=grad.device) if ctx.needs_input_grad[1] else None
+        return grad, one
+
+
+def carry_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    return _CarryLoss.apply(x, loss)
 
 
 def graph_leaves(out: torch.Tensor, exclude: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -251,7 +279,7 @@ class PipelineRuntime:
         assert not (inbox or outbox or local or states), "schedule left work undone"
         if self.tied_grads is not None:
             self.tied_grads()
-        return loss
+        return loss + self.compute.side_loss
 
     def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
         """The input (F) or output gradient (B) of a stage: a local hand-off or a received buffer."""

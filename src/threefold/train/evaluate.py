@@ -20,6 +20,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import TrainConfig
 from ..data.sampler import Batch, Sampler
+from ..models.forwards import evaluating
 
 
 class Evaluator:
@@ -46,8 +47,9 @@ class Evaluator:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
     def _loss_sum(self, mbs: list[Batch], tokens: int) -> torch.Tensor:
-        if self.pipeline_forward is not None:
-            loss = self.pipeline_forward(mbs, tokens).detach().float()
+        if self.pipeline_forward is not None:  # the training schedule: not a training forward for the routers
+            with evaluating():
+                loss = self.pipeline_forward(mbs, tokens).detach().float()
             self.discard_grads()
             return loss
         was_training = self.module.training
