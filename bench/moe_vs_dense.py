@@ -4,7 +4,8 @@
 3.29M active parameters of 9.59M) train on the Python standard library (prepared at the byte
 level, 2% held out) with the same data order, steps and learning rate; the validation loss of
 each is printed at the end. The MoE's logged `loss` includes its auxiliary losses; the
-validation loss compared here is the evaluation's.
+validation loss compared here is the evaluation's. The expert load of the MoE run over training
+(observe/plots.py) is written to `--plot` (default bench/out/expert_load.png).
 
     PYTHONPATH=src python bench/moe_vs_dense.py --steps 150 --out /tmp/moe-vs-dense
 """
@@ -27,6 +28,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--out", default="runs/moe-vs-dense")
+    p.add_argument("--plot", default=str(Path(__file__).parent / "out" / "expert_load.png"))
     a = p.parse_args()
     out = Path(a.out)
     data = out / "data"
@@ -44,6 +46,10 @@ def main() -> None:
         results[model] = last
         print(f"{model}: step {last['step']} train loss {last['loss']:.4f} val loss {last['val_loss']:.4f} "
               f"tokens {a.steps * 16 * 128} {sum(r['step_time_s'] for r in rows):.0f} s", flush=True)
+    from threefold.observe.plots import plot_expert_load, read_metrics
+
+    Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+    print(f"expert load: {plot_expert_load(read_metrics(out / 'small-moe' / 'metrics.jsonl'), Path(a.plot))}")
     gap = results["small"]["val_loss"] - results["small-moe"]["val_loss"]
     print(f"validation loss: dense {results['small']['val_loss']:.4f}, moe {results['small-moe']['val_loss']:.4f} "
           f"(moe lower by {gap:.4f})")

@@ -49,7 +49,9 @@ def train_experts(overrides: list[str], out: str) -> dict:
             "params": {n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()},
             "placements": dict(trainer.parallel.placements), "rank": mesh.global_rank,
             "ep_group": mesh.ranks("ep"), "ep_rank": mesh.rank("ep"),
-            "resumed_from": trainer.resumed_from.name if trainer.resumed_from else None}
+            "resumed_from": trainer.resumed_from.name if trainer.resumed_from else None,
+            "coords": {a: mesh.rank(a) for a in ("pp", "dp", "tp", "ep")},
+            "flight": [r.to_dict() for r in trainer.comm.records if r.op.startswith("all_to_all")][-2:]}
 
 
 def train_many(runs: list[tuple[list[str], str]]) -> list[dict]:

@@ -7,12 +7,16 @@ exactly the routed rows that cross ranks x hidden x 4 bytes; a checkpoint saved 
 under ep=4 and ep=1; bf16 / fp16 compute stays close to fp32.
 """
 
+import json
+
 import pytest
 
 from tests.expert_tasks import train_many
 from tests.helpers import rel_err
 from tests.zero_tasks import assemble
 from threefold.checkpoint.format import step_dir_name
+from threefold.observe.hang_report import build_report, format_report
+from threefold.observe.plots import plot_run, read_metrics
 
 BASE = ["model.preset=tiny-moe", "train.global_batch=8", "train.seq_len=16", "train.lr=1e-3",
         "train.min_lr_ratio=1.0", "train.eps=1e-6", "train.steps=10"]
@@ -55,6 +59,7 @@ def runs(worlds, tmp_path_factory):
              "fp16": BASE + ["precision.compute=fp16"]}
     single = worlds(1).run(train_many, [(o, str(root / f"one{i}")) for i, o in enumerate(alone.values())])[0]
     out.update({name: [r] for name, r in zip(alone, single)})
+    out["root"] = root
     return out
 
 
@@ -123,3 +128,31 @@ def test_half_precision_experts_stay_close_to_fp32(runs, precision, tol):
     for m in got["moe"]:
         assert all(v == v and abs(v) < float("inf") for v in (m["aux_loss"], m["balance_loss"], m["z_loss"]))
     assert all(p.isfinite().all() for p in got["params"].values())
+
+
+def test_expert_load_plot_from_a_run(runs, tmp_path):
+    """A run's own metrics.jsonl ((4,2) with tokens dropped) gives expert_load.png beside the other plots."""
+    metrics = runs["root"] / "c" / "metrics.jsonl"
+    assert sum("moe" in r for r in read_metrics(metrics)) == 10
+    written = {p.name: p for p in plot_run(metrics, tmp_path)}
+    assert "expert_load.png" in written and written["expert_load.png"].stat().st_size > 1000
+
+
+def test_flight_record_names_the_all_to_all_a_rank_never_joined(tmp_path, runs):
+    """The dispatch's all-to-all is in every rank's flight record (op, ep axis, its group); a hang
+    report built from those records - all but one member of an ep group in flight in their last
+    all-to-all, the last one elsewhere - names the all-to-all and the member that never joined."""
+    results = {r["rank"]: r for r in runs["(4,4)"]}
+    group = results[0]["ep_group"]
+    for rank in group:
+        r = results[rank]
+        last = r["flight"][-1]
+        assert last["op"] == "all_to_all" and last["axis"] == "ep" and list(last["group"]) == group
+        in_flight = [dict(last, in_flight_s=12.0)] if rank != group[-1] else []
+        dump = {"rank": rank, "step": 10, "coords": r["coords"], "in_flight": in_flight,
+                "last_completed": r["flight"][0], "stack": ["trainer.py:50 in run"]}
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(dump))
+    report = build_report(tmp_path, len(group), timeout_s=10)
+    (wait,) = report["waits"]
+    assert wait["op"] == "all_to_all" and wait["axis"] == "ep" and wait["never_joined"] == [group[-1]]
+    assert "wait in all_to_all on ep" in format_report(report)

@@ -4,6 +4,8 @@
     throughput.png   tokens / s per step
     memory.png       bytes held by the writing rank: parameters, gradients, optimizer, activations, peak
     ranks.png        per-rank median compute / communication / idle seconds per step (debug.stats)
+    expert_load.png  mixtures of experts: tokens per expert (min, mean, max over every sparse
+                     block's experts) per step, the max / mean imbalance, and the dropped tokens
 """
 
 from __future__ import annotations
@@ -75,7 +77,32 @@ def plot_run(metrics_path: Path, out: Path) -> list[Path]:
         ax.set_xticks(range(n))
         ax.legend(fontsize="small")
         written.append(_save(plt, fig, out / "ranks.png"))
+    if any("moe" in r for r in rows):
+        written.append(plot_expert_load(rows, out / "expert_load.png"))
     return written
+
+
+def plot_expert_load(rows: list[dict], path: Path) -> Path:
+    """Expert load over training from the `moe` field of metrics rows: the band of tokens per expert
+    between the least and the most loaded expert, the mean (perfect balance), the imbalance max /
+    mean on a second axis, and the assignments dropped by the capacity where any were."""
+    plt = _pyplot()
+    rows = [r for r in rows if "moe" in r]
+    steps = [r["step"] for r in rows]
+    load = [r["moe"]["tokens_per_expert"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.fill_between(steps, [x["min"] for x in load], [x["max"] for x in load], alpha=0.3, color="tab:blue",
+                    label="min - max")
+    ax.plot(steps, [x["mean"] for x in load], color="tab:blue", label="mean")
+    dropped = [r["moe"]["dropped"] for r in rows]
+    if any(dropped):
+        ax.plot(steps, dropped, color="tab:red", linewidth=1, label="dropped")
+    ax.set(xlabel="step", ylabel="tokens per expert (per step)", title="expert load")
+    ax.legend(loc="upper left", fontsize="small")
+    twin = ax.twinx()
+    twin.plot(steps, [x["max"] / x["mean"] if x["mean"] else 0.0 for x in load], color="tab:gray", linewidth=1)
+    twin.set_ylabel("max / mean", color="tab:gray")
+    return _save(plt, fig, Path(path))
 
 
 def _save(plt, fig, path: Path) -> Path:
