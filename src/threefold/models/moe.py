@@ -220,8 +220,9 @@ class MoE(nn.Module):
         if self.sequence is not None:
             packed = torch.cat([routed.flatten(), prob_sum.flatten(), z, counts.float(), dropped.float().reshape(1)])
             packed = self.sequence.sum(packed)
-            routed, prob_sum, z = packed[: b * e].view(b, e), packed[b * e: 2 * b * e].view(b, e), packed[2 * b * e:][:b]
-            counts, dropped = packed[2 * b * e + b: -1].round().long(), packed[-1].round().long()
+            routed, prob_sum = packed[: b * e].view(b, e), packed[b * e: 2 * b * e].view(b, e)
+            z, counts, dropped = (packed[2 * b * e: 2 * b * e + b], packed[2 * b * e + b: -1].round().long(),
+                                  packed[-1].round().long())
         balance = e * ((routed / (seq * self.top_k)) * (prob_sum / seq)).sum(-1)  # (b,)
         training = torch.is_grad_enabled() and not is_evaluating()
         self.aux_sum = seq * self.aux_weight * balance.sum() + self.z_weight * z.sum()
