@@ -62,10 +62,14 @@ RUNS = [
 # software of 2021-2022 (Megatron-LM/DeepSpeed, metaseq): the attention kernel computed the whole s x s
 # scores; Llama 3 and torchtitan ran fused causal (flash) kernels, as threefold does
 DENSE_ATTENTION = ("MT-NLG", "BLOOM", "OPT")
+# Megatron-LM / DeepSpeed pipelines of 2021-22 reduced gradients after the pipeline flush (DeepSpeed's
+# TrainSchedule: ReduceGrads after the last micro-batch); metaseq's FSDP (OPT) overlapped, as torchtitan does
+AFTER_FLUSH = ("MT-NLG", "BLOOM")
 
 
 def workload(name, m, batch, seq):
-    return Workload(m, batch, seq, attention="dense" if name.startswith(DENSE_ATTENTION) else "flash")
+    return Workload(m, batch, seq, attention="dense" if name.startswith(DENSE_ATTENTION) else "flash",
+                    grad_overlap=not name.startswith(AFTER_FLUSH))
 
 
 def predict(run):
