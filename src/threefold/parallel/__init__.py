@@ -154,7 +154,7 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         if pipelined:  # the schedule runs stage modules out of order: the gather is waited for after the step
             return grad_sync, placements, pieces, grad_sync.gather_params, None
         grad_sync.overlap_gather(model)  # the next forward waits for each segment it needs (zero.py)
-        return grad_sync, placements, pieces, grad_sync.launch_param_gather, None
+        return grad_sync, placements, pieces, grad_sync.defer_param_gather, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
     if p.zero_weight_comm == "fp8" and not fp8_supported(mesh.device):
         raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "

@@ -66,6 +66,7 @@ from ..sharding import Placement
 from .buckets import Bucket, GradientBuckets
 
 GATHER_SEGMENTS = 4  # per bucket: the forward waits for the segment a module needs, not the whole bucket
+SEGMENT_MIN_BYTES = 2**20  # smaller buckets stay one segment (a collective's fixed cost would dominate)
 from .master import Piece
 from .model import HooklessSync
 
@@ -82,9 +83,10 @@ def _allocated(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
 
-def segments(numel: int, n: int, count: int = GATHER_SEGMENTS) -> list[tuple[int, int]]:
-    """[lo, hi) ranges cutting a bucket of `numel` elements (a multiple of n) into at most `count`
-    contiguous pieces, each a multiple of n long."""
+def segments(numel: int, n: int, element_size: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges cutting a bucket of `numel` elements (a multiple of n) into at most
+    `GATHER_SEGMENTS` contiguous pieces of at least `SEGMENT_MIN_BYTES`, each a multiple of n long."""
+    count = max(1, min(GATHER_SEGMENTS, numel * element_size // max(1, SEGMENT_MIN_BYTES)))
     size = -(-numel // (count * n)) * n or n
     return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)] or [(0, 0)]
 
@@ -118,8 +120,9 @@ class ZeroReducer(HooklessSync):
                                        complete=self._complete, pad_to=self.n)
         self.param_flats: list[torch.Tensor] = []  # the parameters, bucket layout; params are views
         self.grad_shards: list[torch.Tensor] = []  # stage 2: this rank's summed gradient shard per bucket
-        self.segments = [segments(b.numel(), self.n) for b in self.buckets.buckets]
+        self.segments = [segments(b.numel(), self.n, b.buffer.element_size()) for b in self.buckets.buckets]
         self._gathers: dict[tuple[int, int], object] = {}  # (bucket, segment) -> all-gather in flight
+        self._gather_due = False  # the optimizer stepped; the all-gathers start with the next forward
         for b in self.buckets.buckets:
             flat = torch.zeros(b.numel(), dtype=b.buffer.dtype, device=b.buffer.device)
             for p, off in zip(b.params, b.offsets):
@@ -260,10 +263,18 @@ class ZeroReducer(HooklessSync):
 
     # ------------------------------------------------------------ the parameters after the step
 
+    def defer_param_gather(self) -> None:
+        """After the optimizer step: the all-gathers start when the next forward does (or `settle()`).
+
+        Not at once: the step's own small collectives that follow (the logged loss) would queue
+        behind them on the same communicator and wait for the whole gather."""
+        self._gather_due = True
+
     @torch.no_grad()
     def launch_param_gather(self) -> None:
-        """After the optimizer step: start every segment's all-gather over dp (this rank's updated
-        range to every replica), in the order the forward needs them; nothing waits here."""
+        """Start every segment's all-gather over dp (this rank's updated range to every replica),
+        in the order the forward needs them; nothing waits here."""
+        self._gather_due = False
         for b in reversed(self.buckets.buckets):  # the first layers are in the last bucket, at its end
             flat = self.param_flats[b.index]
             for i in reversed(range(len(self.segments[b.index]))):
@@ -272,7 +283,9 @@ class ZeroReducer(HooklessSync):
                                                                    self.axis, async_op=True)
 
     def settle(self) -> None:
-        """Wait for every parameter all-gather still in flight: the parameters are whole after it."""
+        """Wait for every parameter all-gather still due or in flight: the parameters are whole after it."""
+        if self._gather_due:
+            self.launch_param_gather()
         for key in list(self._gathers):
             self._gathers.pop(key).wait()
 
@@ -297,7 +310,12 @@ class ZeroReducer(HooklessSync):
                 keys += [(index, i) for i, (lo, hi) in enumerate(self.segments[index]) if lo < end and start < hi]
             if keys:
                 sub.register_forward_pre_hook(functools.partial(self._wait_for, list(dict.fromkeys(keys))))
+        module.register_forward_pre_hook(self._start_due, prepend=True)
         module.register_forward_hook(lambda *_: self.settle())
+
+    def _start_due(self, module, args) -> None:
+        if self._gather_due:
+            self.launch_param_gather()
 
     def _wait_for(self, keys: list[tuple[int, int]], module, args) -> None:
         for key in keys:
