@@ -8,12 +8,15 @@ per micro-batch instead of one per weight:
 * **Analysis.** The nodes from which the stage input is reachable form the input's path.
   Where a weight's branch leaves that path (a node of the path with a child off the path),
   that node is an *intermediate*. Intermediates whose branches share a node form one group.
-* **I.** One autograd call computes the input's gradient only. A pre-hook on every
-  intermediate keeps the gradients arriving there (its output gradients).
+* **I.** One autograd call computes the input's gradient and the gradients of the vector
+  weights (biases, norm scales: cheap to compute, but each group would cost W a call of its
+  own). A pre-hook on every intermediate keeps the gradients arriving there (its output
+  gradients) for the matrices' groups.
 * **W.** Per group, one autograd call starts from those kept gradients at the intermediates
   and asks only for the group's weights, so the engine runs the intermediate for its weight
   outputs and walks the weight branches, nothing of the input's path. The results are added
-  into `.grad` as a full backward would.
+  into `.grad` as a full backward would (the same values: every node computes what it would in
+  one backward, only at another time).
 """
 
 from __future__ import annotations
@@ -96,6 +99,15 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     """I: the gradient of `inp` (`out`'s gradient `grad`; None when `out` is the scalar loss) and
     what W needs (the groups hold the graph's nodes they need until W)."""
     groups = _analyse(out, inp)
+    vectors, leaves = [], []
+    for group in groups:
+        keep = [(w, leaf) for w, leaf in zip(group.weights, group.leaves) if w.dim() >= 2]
+        for w, leaf in zip(group.weights, group.leaves):
+            if w.dim() < 2:
+                vectors.append(w)
+                leaves.append(GradientEdge(leaf, 0))
+        group.weights, group.leaves = [w for w, _ in keep], [leaf for _, leaf in keep]
+    groups = [g for g in groups if g.weights]
     handles = []
     for group in groups:
         group.grads = [None] * len(group.nodes)
@@ -104,15 +116,16 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
                 group.grads[i] = grad_outputs
             handles.append(node.register_prehook(keep))
     try:
-        (dinp,) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+        dinp, *dvectors = torch.autograd.grad(out, [inp, *leaves], grad, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    _accumulate(vectors, dvectors)
     return dinp, groups
 
 
 def backward_weight(groups: list[WeightGroup]) -> None:
-    """W: add every group's weight gradients into `.grad`; frees the graph as it goes."""
+    """W: add every group's weight gradients into `.grad`; the groups then let go of the graph."""
     for group in groups:
         edges, grads = [], []
         for node, kept in zip(group.nodes, group.grads):
@@ -126,16 +139,23 @@ def backward_weight(groups: list[WeightGroup]) -> None:
                        for node, kept in zip(group.nodes, group.grads)]
         try:
             if edges:
+                # retain_graph: a group's call may pass through another group's node (a weight used at
+                # two places of the path); the graph goes with the last reference to it, after W
                 dweights = torch.autograd.grad(edges, [GradientEdge(leaf, 0) for leaf in group.leaves], grads,
-                                               allow_unused=True)
-                for weight, dw in zip(group.weights, dweights):
-                    if dw is None:
-                        continue
-                    if weight.grad is None:
-                        weight.grad = dw
-                    else:
-                        weight.grad += dw
+                                               retain_graph=True, allow_unused=True)
+                _accumulate(group.weights, dweights)
         finally:
             for h in handles:
                 h.remove()
         group.nodes, group.grads = [], []
+
+
+def _accumulate(weights: list[torch.Tensor], grads) -> None:
+    """Add into `.grad` as autograd's accumulation does (the first gradient is taken as it is)."""
+    for weight, dw in zip(weights, grads):
+        if dw is None:
+            continue
+        if weight.grad is None:
+            weight.grad = dw
+        else:
+            weight.grad += dw
