@@ -72,9 +72,10 @@ class ModuleCompute:
         self.held = 0
 
     def _weights(self, stage: Stage, state: MicroState) -> list[torch.nn.Parameter]:
-        """The trainable leaves a split stage's graph uses (not its input). Read from the graph rather than from the
-        modules: a strategy may hold other objects in the modules between uses (ZeRO-3's shards
-        while the graph refers to the whole parameters). The same objects serve every micro-batch."""
+        """The trainable leaves a split stage's graph uses (not its input). Read from the graph
+        rather than from the modules: a strategy may hold other objects in the modules between uses
+        (ZeRO-3's shards while the graph refers to the whole parameters). The same objects serve
+        every micro-batch."""
         if stage.index not in self._params:
             self._params[stage.index] = graph_leaves(state.out, exclude=state.inp)
         return self._params[stage.index]
