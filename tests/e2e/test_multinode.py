@@ -110,8 +110,9 @@ def test_two_nodes_match_one_process(tmp_path, one_process, how, layout):
 
 # ---------------------------------------------------------------- elastic shrink and grow
 
+# ZeRO-1: every rank writes a file of its optimizer shard, so node 1's files are needed after the loss
 ELASTIC = ["--rdzv-last-call", "1", "--max-restarts", "2", "--resume", "auto", "--save-every", "3",
-           "--peer-checkpoint"]
+           "--peer-checkpoint", "--zero", "1"]
 LOSE_AT = 6  # node rank 1 loses its launcher at the start of step 6; the newest checkpoint is step 3
 WAIT_S = 600  # upper bounds only: every wait below ends on an event, on a loaded machine too
 
@@ -148,7 +149,7 @@ def step_rows(out, world: int):
 
 def test_elastic_shrink_and_grow(tmp_path, one_process):
     """--nnodes 1:2: node 1's launcher dies at step 6 (its workers with it), the job goes on with
-    node 0 from checkpoint 3 under dp=2 x 2 micro-batches (the same global batch), read from the
+    node 0 from checkpoint 3 (ZeRO-1) under dp=2 x 2 micro-batches (the same global batch), read from the
     launchers' memory (node 0 keeps node 1's files), bitwise equal to a one-node run resumed from
     that checkpoint on storage; node 1 joins again and the job finishes on both."""
     port, out, hold = free_port(), tmp_path / "run", tmp_path / "hold"
@@ -194,10 +195,12 @@ def test_elastic_shrink_and_grow(tmp_path, one_process):
     text = output(node0, tail=None)
     loaded = [line for line in text.splitlines() if line.startswith("threefold: loaded step-00000003")]
     assert loaded and loaded[0].endswith(" from peer memory, 0 from storage"), text[-3000:]
+    files = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    assert len(files) == 4, files  # node 1's two files were among them
     assert "warning: checkpoint.peer_copy" not in text
     resumed = tmp_path / "resumed"
-    done = threefold("train", *RUN, "--nproc", "2", "--dp", "2", "--microbatches", "2", "--resume", str(checkpoint),
-                     "--out", str(resumed))  # one node of 2 processes, the shrunk layout, from storage
+    done = threefold("train", *RUN, "--nproc", "2", "--dp", "2", "--microbatches", "2", "--zero", "1", "--resume",
+                     str(checkpoint), "--out", str(resumed))  # one node of 2 processes, the shrunk layout, from storage
     assert done.returncode == 0, done.stderr
     assert [(r["step"], r["loss"]) for r in shrunk] == [(r["step"], r["loss"]) for r in rows(resumed)[:2]]
     final = rows(out)
