@@ -70,7 +70,7 @@ class Checkpointer:
         t[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
         for axis in ("tp", "dp", "pp"):
             self.comm.all_reduce(t, axis, tag="checkpoint")
-        return [bytes(v for v in row if v).decode() for row in t.cpu().tolist()]
+        return [bytes(v for v in row if v).decode(errors="replace") for row in t.cpu().tolist()]
 
     # ------------------------------------------------------------------ save
 
@@ -225,17 +225,18 @@ class Checkpointer:
         return manifest
 
     def _report_sources(self, ckpt: Path, memory: MemoryFiles) -> None:
-        """One line (rank 0) on where the files came from; one warning line (the first rank that
-        had to) when an in-memory copy could not be used."""
+        """Rank 0 says where the files came from and, when an in-memory copy could not be used,
+        gives one warning line for the world (the first such file of the lowest rank that had one)."""
         counts = torch.tensor([memory.from_memory, memory.from_storage, len(memory.fallbacks)], dtype=torch.int64,
                               device=self.mesh.device)
         for axis in ("tp", "dp", "pp"):
             self.comm.all_reduce(counts, axis, tag="checkpoint")
         from_memory, from_storage, fallbacks = counts.tolist()
-        first = self._agree(self.rank if memory.fallbacks else self.world_size)
-        if self.rank == first:
+        reasons = [r for r in self._gather_text(memory.fallbacks[0] if memory.fallbacks else "") if r] \
+            if fallbacks else []
+        if self.rank == 0 and reasons:
             more = f" (and {fallbacks - 1} more)" if fallbacks > 1 else ""
-            print(f"threefold: warning: checkpoint.peer_copy: the in-memory copy of {memory.fallbacks[0]}{more}; "
+            print(f"threefold: warning: checkpoint.peer_copy: the in-memory copy of {reasons[0]}{more}; "
                   "read from storage instead", file=sys.stderr, flush=True)
         if self.rank == 0:
             print(f"threefold: loaded {ckpt.name}: {from_memory} file reads from peer memory, {from_storage} from "
