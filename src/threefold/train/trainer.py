@@ -111,6 +111,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def training_state(self) -> TrainingState:
+        self.parallel.settle()  # ZeRO-1/2: the parameter all-gathers of the last step are complete
         return TrainingState(list(self.parallel.module.named_parameters()), self.parallel.placements,
                              self.optimizer, self.stateful, rank_state=self.parallel.rank_state,
                              rank=self.mesh.global_rank, layout=self._checkpoint_meta()["layout"])
@@ -311,6 +312,7 @@ class Trainer:
                     continue
                 records.append(self.finish_step(launched))
                 self._complete(records[-1], log)
+            self.parallel.settle()  # the parameters are whole when the run returns
             if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()
             self.observer.finish()
