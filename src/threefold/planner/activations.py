@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..models.loss import piece_tokens
+from .moe import sparse_mlp_saved_bytes
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,23 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
     }
 
 
-def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False) -> float:
+def sparse_block_items(m: ModelConfig, x: Shape, ep: int = 1, hf: bool = False) -> dict[str, float]:
+    """A sparse block (planner/moe.py): the dense block's items with the MLP replaced by the mixture
+    of experts, which reads the norm's output once (the sequence-local shard under SP)."""
+    items = block_items(m, x, hf)
+    consumers = 2 if m.mlp == "swiglu" else 1
+    items["norms"] += (x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)
+                       - linear_inputs(m, x, consumers))
+    items["mlp"] = sparse_mlp_saved_bytes(m, x.b, x.s, x.c, x.t, x.sp, ep)
+    return items
+
+
+def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse: bool = False,
+                ep: int = 1) -> float:
     """Bytes a block keeps until its backward under a checkpointing policy ('none', 'selective', 'full')."""
     if policy == "full":
         return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
-    items = block_items(m, x, hf)
+    items = sparse_block_items(m, x, ep, hf) if sparse else block_items(m, x, hf)
     if policy == "selective":  # the core's log-sum-exp goes; so does its output when RoPE copies it for o
         items.pop("attention_core")
         if m.position == "rope" and not hf:
@@ -123,13 +136,19 @@ def checkpointed_layers(layers: range, policy: str, every: int) -> int:
     return 0
 
 
-def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False) -> float:
+def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False,
+                 ep: int = 1) -> float:
     """The saved bytes of a run of blocks under `policy` (none | selective | full | every-k)."""
     k = checkpointed_layers(layers, policy, every) if policy in ("full", "every-k") else 0
     tables = rope_tables(m, x, hf) if len(layers) > k else 0  # one cached pair, if a block outside remat saves it
     if policy in ("full", "every-k"):
-        return k * block_bytes(m, x, "full", hf) + (len(layers) - k) * block_bytes(m, x, "none", hf) + tables
-    return len(layers) * block_bytes(m, x, policy, hf) + tables
+        kept = [i for i in layers if not (policy == "full" or i % max(1, every) == 0)]
+        sparse = sum(m.is_moe_block(i) for i in kept)
+        return (k * block_bytes(m, x, "full", hf) + (len(kept) - sparse) * block_bytes(m, x, "none", hf)
+                + sparse * block_bytes(m, x, "none", hf, True, ep) + tables)
+    sparse = sum(m.is_moe_block(i) for i in layers)
+    return ((len(layers) - sparse) * block_bytes(m, x, policy, hf)
+            + (sparse * block_bytes(m, x, policy, hf, True, ep) if sparse else 0.0) + tables)
 
 
 def rope_tables(m: ModelConfig, x: Shape, hf: bool = False) -> float:
