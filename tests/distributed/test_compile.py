@@ -4,8 +4,8 @@ inside the compiled blocks: graph breaks, docs/gpu.md).
 
 The default test compiles with the `aot_eager` backend (dynamo's capture and AOT autograd's joint
 graph, no code generation), which is what can go wrong in threefold's own code: hooks, remat and
-the tensor-parallel regions being traced. Inductor's code generation costs 30+ s per block on a
-loaded 2-core machine, so that run is opt-in: THREEFOLD_SLOW=1."""
+the tensor-parallel regions being traced. Inductor's C++ code generation takes ~30 s for the dp
+case alone on a loaded 2-core machine, so that run is opt-in: THREEFOLD_SLOW=1."""
 
 import os
 
