@@ -101,7 +101,8 @@ class Trainer:
         # objects with state_dict() / load_state_dict() of plain JSON values.
         self.stateful: dict[str, object] = dict(self.parallel.stateful)
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.mesh, self.comm, cfg.checkpoint.keep,
-                                         cfg.checkpoint.async_save, cfg.run.collective_timeout_s)
+                                         cfg.checkpoint.async_save, cfg.run.collective_timeout_s,
+                                         cfg.checkpoint.peer_copy)
         self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
         self.resumed_from: Path | None = None
         self._restore()
