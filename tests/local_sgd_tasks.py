@@ -105,6 +105,14 @@ def _meet(t, params, optims, outer, centre, outer_opt) -> None:
                     s.copy_(mean)
 
 
+def _hpz_peak(trainer) -> int:
+    """Elements of the hpZ node-local copy at its largest (0 without hpZ)."""
+    from threefold.parallel.zero3 import Zero3
+
+    sync = trainer.parallel.grad_sync
+    return sync.hpz.peak_numel if isinstance(sync, Zero3) and sync.hpz is not None else 0
+
+
 def train_runs(runs: list[tuple[list[str], str]], local_world_size: int = 0) -> list[dict]:
     """Train each (overrides, out); with `local_world_size` the launcher's nodes are that many processes."""
     from threefold.train.trainer import Trainer
@@ -122,7 +130,8 @@ def train_runs(runs: list[tuple[list[str], str]], local_world_size: int = 0) -> 
                         "comm": [r["comm"] for r in records], "rank": trainer.mesh.global_rank,
                         "replica": trainer.mesh.rank("dp_inter" if trainer.mesh.has_node_axes() else "dp"),
                         "leader": not trainer.mesh.has_node_axes() or trainer.mesh.rank("dp_intra") == 0,
-                        "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}})
+                        "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()},
+                        "placements": dict(trainer.parallel.placements), "hpz_peak": _hpz_peak(trainer)})
     finally:
         if saved is not None:
             os.environ["LOCAL_WORLD_SIZE"] = saved

@@ -53,6 +53,7 @@ from torch import nn
 from ..comm import Comm
 from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..sharding import Placement
+from .hpz import SecondaryPartition
 from .master import Piece
 from .model import HooklessSync
 
@@ -120,8 +121,10 @@ class Zero3(HooklessSync):
     kind = "ZeRO-3"
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
-                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none"):
+                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
+                 hpz: SecondaryPartition | None = None):
         self.model, self.comm, self.axis = model, comm, axis
+        self.hpz = hpz  # backward re-gathers from a node-local copy (parallel/hpz.py)
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
@@ -216,7 +219,9 @@ class Zero3(HooklessSync):
             return
         buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
         # all-gather over dp: every rank's chunks of this unit, rank-major
-        if self.weight_comm != "none":  # 8 bits and a scale per block on the wire
+        if self.hpz is not None and self._in_backward and self.hpz.ready(unit.index, unit.shard_flat):
+            handle = self.hpz.gather(unit.index, buffer)  # the forward's values, over dp_intra only
+        elif self.weight_comm != "none":  # 8 bits and a scale per block on the wire
             handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
         else:
             handle = self.comm.all_gather(buffer, unit.shard_flat, self.axis, async_op=True)
@@ -225,12 +230,15 @@ class Zero3(HooklessSync):
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
 
     @torch.no_grad()
-    def _unshard(self, unit: Unit) -> None:
+    def _unshard(self, unit: Unit, keep: bool = False) -> None:
+        """Make `unit` whole; with `keep` (a forward that a backward follows) also keep its hpZ slice."""
         if unit.state == "whole" or not unit.params:
             return
         self._start_gather(unit)
         buffer, handle = unit.gather
         handle.wait()
+        if keep and self.hpz is not None:
+            self.hpz.keep(unit.index, unit.shard_flat, buffer)
         rows = buffer.view(self.n, -1)
         for sp in unit.params:
             full = sp.full
@@ -257,8 +265,9 @@ class Zero3(HooklessSync):
     # ------------------------------------------------------------ forward and backward hooks
 
     def _pre_forward(self, hooked: Hooked, module, args) -> None:
+        keep = not self._in_backward and torch.is_grad_enabled()
         for unit in hooked.needs:
-            self._unshard(unit)
+            self._unshard(unit, keep)
         if self._in_backward or hooked is self.root:  # recomputation inside backward: already whole
             return
         self._order_now.append(hooked)
@@ -313,6 +322,8 @@ class Zero3(HooklessSync):
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's whole gradients over dp; this rank keeps the sum of its chunks."""
         unit.reduced = True
+        if self.hpz is not None and not self.stage_passes:  # not gathered again in this pass
+            self.hpz.drop(unit.index)
         if unit.grad_flat.numel() == 0:
             return
         dtype = self.wire_dtype or unit.grad_flat.dtype
@@ -359,6 +370,8 @@ class Zero3(HooklessSync):
             self._complete_one()
         for unit in self.units:
             self._reshard(unit)
+        if self.hpz is not None and not self.stage_passes:
+            self.hpz.clear()
         if self._order_now:
             self._order = list(self._order_now)
         self._in_backward = False
