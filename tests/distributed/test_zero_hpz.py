@@ -37,9 +37,10 @@ def test_hpz_keeps_the_backward_gather_inside_the_node(worlds, tmp_path, capsys)
     # the backward re-gathers exactly the values the forward gathered: bit for bit ZeRO-3 (also in 8 bits)
     for r in per_rank:
         for plain, hpz in ((0, 1), (2, 3)):
-            assert r[hpz]["losses"] == r[plain]["losses"], (r["rank"], runs[hpz])
+            rank = r[plain]["rank"]
+            assert r[hpz]["losses"] == r[plain]["losses"], (rank, runs[hpz], r[hpz]["losses"], r[plain]["losses"])
             for k, v in r[plain]["params"].items():
-                assert torch.equal(r[hpz]["params"][k], v), f"rank {r['rank']} {runs[hpz]}: {k} differs"
+                assert torch.equal(r[hpz]["params"][k], v), f"rank {rank} {runs[hpz]}: {k} differs"
     loss, norm, (param, worst) = errors([r[1] for r in per_rank], reference_run(BASE))
     line = f"hpZ against the plain PyTorch loop: loss {loss:.1e} grad norm {norm:.1e} params {param:.1e} ({worst})"
     assert loss <= 1e-5 and norm <= 1e-5 and param <= 1e-5, line

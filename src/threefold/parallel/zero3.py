@@ -38,7 +38,8 @@ so the ends exchange matching shards (`gradient_of`). A split backward's weight 
 module hook: the runtime names the weights it is about to use (`gather_for`).
 
 Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
-reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
+reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G. With hpZ
+(`hpz`, parallel/hpz.py) the backward's gather runs over dp_intra from a node-local copy.
 """
 
 from __future__ import annotations
