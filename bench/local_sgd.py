@@ -104,8 +104,8 @@ def report(args, base: list[str]) -> None:
     for name, res in results.items():
         sent, loss = sum(res["bytes"]), final(res["losses"], args.window)
         kind = name.split("-")[0]
-        row = {"run": name, "label": res["label"], "overrides": res["overrides"], "dp_bytes": sent, "bytes_ratio": dense_bytes / sent,
-               "final_loss": loss, "loss_change_pct": 100 * (loss - dense_loss) / dense_loss,
+        row = {"run": name, "label": res["label"], "overrides": res["overrides"], "dp_bytes": sent,
+               "bytes_ratio": dense_bytes / sent, "final_loss": loss, "loss_change_pct": 100 * (loss - dense_loss) / dense_loss,
                "target_pct": TARGET_PCT.get(kind), "seconds": res["seconds"], "load": res["load"]}
         row["within_target"] = None if kind == "dense" else abs(row["loss_change_pct"]) <= TARGET_PCT[kind]
         table.append(row)
