@@ -120,10 +120,11 @@ def _meet(t, params, optims, outer, centre, outer_opt) -> None:
 
 def _hpz_peak(trainer) -> int:
     """Elements of the hpZ node-local copy at its largest (0 without hpZ)."""
+    from threefold.parallel.hpz import SecondaryPartition
     from threefold.parallel.zero3 import Zero3
 
     sync = trainer.parallel.grad_sync
-    return sync.hpz.peak_numel if isinstance(sync, Zero3) and sync.hpz is not None else 0
+    return sync.hpz.peak_numel if isinstance(sync, Zero3) and isinstance(sync.hpz, SecondaryPartition) else 0
 
 
 def train_runs(runs: list[tuple[list[str], str]], local_world_size: int = 0) -> list[dict]:

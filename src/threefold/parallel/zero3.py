@@ -6,7 +6,11 @@ top-level child with parameters (embed, norm, head); parameters directly on the 
 root unit. Every parameter is flattened, padded to a multiple of N and cut into N equal
 chunks; rank r keeps chunk r as its (1-D) parameter, so `named_parameters()` lists flat shards
 under the original names and `Placement.flat_shard` describes each. A unit's chunks sit in one
-flat buffer, so gathering a unit is one all-gather over dp.
+flat shard buffer. Gathering a unit is one coalesced all-gather over dp
+(`Comm.all_gather_many`: one all-gather per parameter, one group call on NCCL) straight into the
+storage of each whole parameter - N * chunk elements, of which the parameter is the first numel -
+so there is no staging buffer and no copy (with `zero_weight_comm` int8/fp8 the gathered bytes
+are dequantized into a staging buffer and copied, as they must be).
 
     forward   before a unit runs: wait for its all-gather (normally prefetched), put the whole
               parameters in the modules, and start the all-gather of the unit that comes next in
@@ -24,8 +28,14 @@ more). `peak_whole_numel` records it and the tests assert it.
 
 Whole parameters keep their identity between gathers: the storage of each original
 `nn.Parameter` is resized to zero when released and re-allocated when gathered (the autograd
-graph and the checkpointing recompute see the same objects). The copy into it does not bump the
-tensor's version counter, which autograd would otherwise read as an in-place modification.
+graph and the checkpointing recompute see the same objects). The all-gather writes through the
+padded tensor over that storage, whose version counter is not the parameter's, so autograd does
+not read a re-gather as an in-place modification (the quantized path's copy preserves the
+counter explicitly).
+
+Not done: a separate CUDA stream for the prefetched gathers. Gathers and reduce-scatters share
+the dp communicator, whose collectives NCCL runs on one stream in issue order; a second stream
+would need a second dp communicator from the Mesh.
 
 Under pipeline parallelism (`stage_passes=True`, set by `parallelize`) the schedule runs each
 (stage, micro-batch) backward - or its input and weight halves - as a pass of its own, with
@@ -38,8 +48,7 @@ so the ends exchange matching shards (`gradient_of`). A split backward's weight 
 module hook: the runtime names the weights it is about to use (`gather_for`).
 
 Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
-reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G. With hpZ
-(`hpz`, parallel/hpz.py) the backward's gather runs over dp_intra from a node-local copy.
+reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from torch import nn
 from ..comm import Comm
 from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..sharding import Placement
-from .hpz import SecondaryPartition
+from .hpz import NO_HPZ, NoPartition
 from .master import Piece
 from .model import HooklessSync
 
@@ -68,6 +77,7 @@ class ShardedParam:
     offset: int  # in the unit's shard buffer
     grad_offset: int | None  # in the unit's gradient shard buffer; None when frozen
     slots: list[tuple[nn.Module, str]]  # every (module, attribute) holding this parameter
+    padded: torch.Tensor  # (N * chunk,) over the whole form's storage: the all-gather's output
 
     @property
     def numel(self) -> int:
@@ -111,11 +121,6 @@ def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _storage_exact(p: nn.Parameter) -> bool:
-    return (p.is_contiguous() and p.storage_offset() == 0
-            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
-
-
 class Zero3(HooklessSync):
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
 
@@ -123,9 +128,8 @@ class Zero3(HooklessSync):
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
-                 hpz: SecondaryPartition | None = None):
-        self.model, self.comm, self.axis = model, comm, axis
-        self.hpz = hpz  # backward re-gathers from a node-local copy (parallel/hpz.py)
+                 hpz: NoPartition = NO_HPZ):
+        self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
@@ -194,11 +198,13 @@ class Zero3(HooklessSync):
                     goff = grad_offset
                     shard.grad = grad_flat[goff: goff + c]
                     grad_offset += c
-                if not _storage_exact(p):  # the whole form must own exactly its storage to be released
-                    p.data = p.data.clone(memory_format=torch.contiguous_format)
+                # the whole form is the first numel elements of an N * chunk storage of its own, which
+                # the all-gather fills directly (no staging buffer, no copy)
+                padded = torch.empty(n * c, dtype=dtype, device=device)
+                p.data = padded[: p.numel()].view(p.shape)
                 p.grad = None
                 p.untyped_storage().resize_(0)
-                params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)]))
+                params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)], padded))
                 offset += c
         return Unit(index, name, params, shard_flat, grad_flat)
 
@@ -218,35 +224,34 @@ class Zero3(HooklessSync):
     def _start_gather(self, unit: Unit) -> None:
         if unit.state != "sharded" or not unit.params:
             return
-        buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
-        # all-gather over dp: every rank's chunks of this unit, rank-major
-        if self.hpz is not None and self._in_backward and self.hpz.ready(unit.index, unit.shard_flat):
-            handle = self.hpz.gather(unit.index, buffer)  # the forward's values, over dp_intra only
-        elif self.weight_comm != "none":  # 8 bits and a scale per block on the wire
+        if not (from_copy := self._in_backward and self.hpz.ready(unit)) and self.weight_comm != "none":
+            buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
             handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
-        else:
-            handle = self.comm.all_gather(buffer, unit.shard_flat, self.axis, async_op=True)
+        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage (hpZ's
+            buffer = None  # backward: the forward's values from the node-local copy, over dp_intra only)
+            for sp in unit.params:
+                sp.full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
+            handle = self.hpz.gather(unit) if from_copy else self.comm.all_gather_many(
+                [sp.padded for sp in unit.params], [sp.shard.detach() for sp in unit.params], self.axis)
         unit.gather, unit.state = (buffer, handle), "gathering"
         self.whole_numel += self.unit_numel(unit)
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
 
     @torch.no_grad()
-    def _unshard(self, unit: Unit, keep: bool = False) -> None:
-        """Make `unit` whole; with `keep` (a forward that a backward follows) also keep its hpZ slice."""
+    def _unshard(self, unit: Unit) -> None:
         if unit.state == "whole" or not unit.params:
             return
         self._start_gather(unit)
         buffer, handle = unit.gather
         handle.wait()
-        if keep and self.hpz is not None:
-            self.hpz.keep(unit.index, unit.shard_flat, buffer)
-        rows = buffer.view(self.n, -1)
-        for sp in unit.params:
-            full = sp.full
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            values = rows[:, sp.offset: sp.offset + sp.chunk].reshape(-1)[: full.numel()]
-            with torch.autograd._unsafe_preserve_version_counter(full):
-                full.view(-1).copy_(values)
+        if buffer is not None:  # the quantized path: dequantized rank-major chunks, copied in place
+            rows = buffer.view(self.n, -1)
+            for sp in unit.params:
+                full = sp.full
+                full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
+                values = rows[:, sp.offset: sp.offset + sp.chunk].reshape(-1)[: full.numel()]
+                with torch.autograd._unsafe_preserve_version_counter(full):
+                    full.view(-1).copy_(values)
         unit.gather, unit.state = None, "whole"
         self._use(unit, whole=True)
 
@@ -258,19 +263,19 @@ class Zero3(HooklessSync):
             unit.gather = None
         else:
             self._use(unit, whole=False)
-            for sp in unit.params:
-                sp.full.untyped_storage().resize_(0)
+        for sp in unit.params:
+            sp.full.untyped_storage().resize_(0)
         unit.state = "sharded"
         self.whole_numel -= self.unit_numel(unit)
 
     # ------------------------------------------------------------ forward and backward hooks
 
     def _pre_forward(self, hooked: Hooked, module, args) -> None:
-        keep = not self._in_backward and torch.is_grad_enabled()
         for unit in hooked.needs:
-            self._unshard(unit, keep)
+            self._unshard(unit)
         if self._in_backward or hooked is self.root:  # recomputation inside backward: already whole
             return
+        self.hpz.keep(hooked.needs, torch.is_grad_enabled())  # hpZ: for the backward's gather
         self._order_now.append(hooked)
         if self.prefetch and hooked in self._order:
             position = self._order.index(hooked)
@@ -323,8 +328,6 @@ class Zero3(HooklessSync):
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's whole gradients over dp; this rank keeps the sum of its chunks."""
         unit.reduced = True
-        if self.hpz is not None and not self.stage_passes:  # not gathered again in this pass
-            self.hpz.drop(unit.index)
         if unit.grad_flat.numel() == 0:
             return
         dtype = self.wire_dtype or unit.grad_flat.dtype
@@ -371,8 +374,6 @@ class Zero3(HooklessSync):
             self._complete_one()
         for unit in self.units:
             self._reshard(unit)
-        if self.hpz is not None and not self.stage_passes:
-            self.hpz.clear()
         if self._order_now:
             self._order = list(self._order_now)
         self._in_backward = False
