@@ -62,6 +62,11 @@ def _validate(c: Config, world_size: int) -> Config:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
+    if m.loss_chunk < 0:
+        raise ConfigError("model.loss_chunk", f"must be at least 0 (0: the whole logits at once), got {m.loss_chunk}")
+    if m.loss_chunk and m.preset.startswith("hf:"):
+        raise ConfigError("model.loss_chunk", "applies to threefold's own decoder; a Hugging Face model (hf:DIR) "
+                          "computes its loss whole: set model.loss_chunk=0")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
     _validate_tensor_parallel(p, m, t)
@@ -95,6 +100,9 @@ def _validate(c: Config, world_size: int) -> Config:
         if value != "none" and p.zero != 3:
             raise ConfigError(key, f"{value} quantizes ZeRO-3's weight all-gathers and gradient reduce-scatters; "
                               f"set parallel.zero=3 (got zero={p.zero}), or {key}=none")
+    if p.zero_hpz and p.zero != 3:
+        raise ConfigError("parallel.zero_hpz", f"hpZ keeps a node-local copy of ZeRO-3's weight shards; set "
+                          f"parallel.zero=3 (got zero={p.zero}), or parallel.zero_hpz=false")
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")

@@ -47,10 +47,6 @@ stage is then already a reduced shard on both ends; both shard it alike (same si
 so the ends exchange matching shards (`gradient_of`). A split backward's weight half runs no
 module hook: the runtime names the weights it is about to use (`gather_for`).
 
-With expert parallelism two instances share one model (`only`: the parameters each shards):
-the dense parameters over dp, the experts over `edp` (parallel/__init__.py); each hooks only
-the units holding its parameters.
-
 Communication per micro-batch: two all-gathers of the parameters ((N-1)/N W each) and one
 reduce-scatter of the gradients ((N-1)/N G): 1.5x plain DP's 2 (N-1)/N G when W = G.
 """
@@ -67,6 +63,7 @@ from torch import nn
 from ..comm import Comm
 from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..sharding import Placement
+from .hpz import NO_HPZ, NoPartition
 from .master import Piece
 from .model import HooklessSync
 
@@ -131,8 +128,8 @@ class Zero3(HooklessSync):
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
-                 only: set[int] | None = None):
-        self.model, self.comm, self.axis = model, comm, axis
+                 hpz: NoPartition = NO_HPZ, only: set[int] | None = None):
+        self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
@@ -151,7 +148,7 @@ class Zero3(HooklessSync):
         self.units: list[Unit] = []
         self.hooked: list[Hooked] = []
         modules = unit_modules(model)
-        if only is not None:  # the parameters of `only` (ids): expert parallelism shards its experts over edp
+        if only is not None:  # ids of the parameters to shard (ep: dense over dp, experts over edp, docs/moe.md)
             modules = [(name, m) for name, m in modules if any(id(p) in only for p in m.parameters())]
         for name, module in modules + [("<root>", model)]:
             params = [p for p in module.parameters() if id(p) not in assigned and (only is None or id(p) in only)]
@@ -229,15 +226,15 @@ class Zero3(HooklessSync):
     def _start_gather(self, unit: Unit) -> None:
         if unit.state != "sharded" or not unit.params:
             return
-        if self.weight_comm != "none":  # 8 bits and a scale per block on the wire, into a staging buffer
+        if not (from_copy := self._in_backward and self.hpz.ready(unit)) and self.weight_comm != "none":
             buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
             handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
-        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage
-            buffer = None
+        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage (hpZ's
+            buffer = None  # backward: the forward's values from the node-local copy, over dp_intra only)
             for sp in unit.params:
                 sp.full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
-            handle = self.comm.all_gather_many([sp.padded for sp in unit.params],
-                                               [sp.shard.detach() for sp in unit.params], self.axis)
+            handle = self.hpz.gather(unit) if from_copy else self.comm.all_gather_many(
+                [sp.padded for sp in unit.params], [sp.shard.detach() for sp in unit.params], self.axis)
         unit.gather, unit.state = (buffer, handle), "gathering"
         self.whole_numel += self.unit_numel(unit)
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
@@ -280,6 +277,7 @@ class Zero3(HooklessSync):
             self._unshard(unit)
         if self._in_backward or hooked is self.root:  # recomputation inside backward: already whole
             return
+        self.hpz.keep(hooked.needs, torch.is_grad_enabled())  # hpZ: for the backward's gather
         self._order_now.append(hooked)
         if self.prefetch and hooked in self._order:
             position = self._order.index(hooked)
