@@ -2,7 +2,10 @@
 
 Plain JSON, no torch and no `transformers`: the config (validation, `threefold plan --model
 hf:DIR`, the data pipeline's vocabulary) learns a directory's sizes from here, and the model
-families (models/hf_causal.py, models/hf_gpt2.py) check the directory with the same reader.
+families (models/hf_causal.py, models/hf_gpt2.py, models/hf_moe.py) check the directory with the
+same reader. A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) sets the `model.*` expert keys
+(`MoEShape`), so expert parallelism and the pp / sequence-parallel refusals are checked as for the
+reference decoder; what the adapter does not build is refused here with one line.
 """
 
 from __future__ import annotations

@@ -3,12 +3,15 @@
 In (`HFWeights`, `pretrained`): a directory with config.json and `model.safetensors`, or
 sharded `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Each rank fills
 its local tensors from the boxes its placements hold, read with safetensors' `get_slice`
-straight from the memory-mapped files (reader.py): no rank reads or holds the whole model.
+straight from the memory-mapped files (reader.py): no rank reads or holds the whole model. A
+stacked parameter whose checkpoint keeps one tensor per row (`ROW` in its key: Mixtral's and
+Qwen-MoE's experts) is read row by row, each rank reading only its own experts' tensors.
 
 Out (`export_hf`): a checkpoint's model tensors as the family's `spec.hf` describes them (Hugging
 Face names; for the reference decoder also reordered / fused / transposed: models/reference_hf.py),
 in shards of at most `shard_bytes` with their index, the config.json (with the written dtype)
 and the source's tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it.
+Stacked parameters are written one tensor per row, as the library's save_pretrained writes them.
 """
 
 from __future__ import annotations
