@@ -102,9 +102,11 @@ def test_hf_moe_config_fields_and_refusals(moe_dirs, tmp_path):
     from tests.helpers import make_config
 
     mixtral, qwen2 = model_fields(moe_dirs["mixtral"]), model_fields(moe_dirs["qwen2_moe"])
-    assert (mixtral["experts"], mixtral["experts_top_k"], mixtral["expert_ffn_hidden"], mixtral["moe_every"]) == (4, 2, 48, 1)
-    assert (mixtral["router_aux_weight"], mixtral["router_z_weight"], mixtral["expert_capacity"]) == (0.02, 0.0, 0.0)
-    assert (qwen2["moe_every"], qwen2["moe_start"], qwen2["shared_experts"], qwen2["expert_ffn_hidden"]) == (2, 1, 2, 24)
+    keys = ("experts", "experts_top_k", "expert_ffn_hidden", "moe_every", "router_aux_weight", "router_z_weight",
+            "expert_capacity")
+    assert tuple(mixtral[k] for k in keys) == (4, 2, 48, 1, 0.02, 0.0, 0.0)
+    qwen2_keys = ("moe_every", "moe_start", "shared_experts", "expert_ffn_hidden")
+    assert tuple(qwen2[k] for k in qwen2_keys) == (2, 1, 2, 24)
     base = [f"model.preset=hf:{moe_dirs['mixtral']}", *TRAIN]
     with pytest.raises(ConfigError, match="parallel.pp.*mixture of experts"):
         make_config(base + ["parallel.pp=2"], str(tmp_path / "pp")).validate(2)
