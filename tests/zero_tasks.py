@@ -9,10 +9,15 @@ import torch
 from tests.helpers import make_config
 
 
-def train_stages(runs: list[list[str]], out: str) -> list[dict]:
-    """Train once per override list; report what the ZeRO tests check, per run."""
+def train_stages(runs: list[list[str]], out: str, segment_min_bytes: int | None = None) -> list[dict]:
+    """Train once per override list; report what the ZeRO tests check, per run.
+
+    `segment_min_bytes`: ZeRO-1/2 cut even small buckets into segments (zero.py) when 0."""
+    from threefold.parallel import zero
     from threefold.train.trainer import Trainer
 
+    if segment_min_bytes is not None:
+        zero.SEGMENT_MIN_BYTES = segment_min_bytes
     reports = []
     for overrides in runs:
         trainer = Trainer(make_config(overrides, out))
@@ -26,6 +31,8 @@ def train_stages(runs: list[list[str]], out: str) -> list[dict]:
             "placements": dict(trainer.parallel.placements),
             "dtypes": {p.dtype for p in trainer.parallel.module.parameters()},
         }
+        if hasattr(sync, "segments"):
+            report["segments"] = [len(s) for s in sync.segments]
         if hasattr(sync, "peak_whole_numel"):
             report["peak_whole"] = sync.peak_whole_numel
             report["units"] = {u.name: sync.unit_numel(u) for u in sync.units}
@@ -49,3 +56,61 @@ def assemble(per_rank: list[dict], placements: list[dict]) -> dict[str, torch.Te
                 full[tuple(slice(o, o + s) for o, s in zip(off, shape))] = flat[index: index + n].view(shape)
                 index += n
     return out
+
+
+def overlapped_gather(overrides: list[str], out: str) -> dict:
+    """ZeRO-1/2 with every bucket in 4 segments: one step, then what the next forward waits for."""
+    from threefold.parallel import zero
+    from threefold.train.trainer import Trainer
+
+    zero.SEGMENT_MIN_BYTES = 0
+    trainer = Trainer(make_config(overrides, out))
+    trainer.train_one_step()
+    sync = trainer.parallel.grad_sync
+    due_after_step = sync._gather_due
+    in_flight = []  # segments whose all-gather has not been waited for when a module's forward begins
+    names = {id(m): n for n, m in trainer.parallel.module.named_modules()}
+    for name, module in trainer.parallel.module.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            module.register_forward_pre_hook(lambda m, a: in_flight.append((names[id(m)], len(sync._gathers))))
+    trainer.train_one_step()
+    records = trainer.run()  # to the configured steps; the parameters are whole when it returns
+    return {"due_after_step": due_after_step, "in_flight": in_flight, "segments": [len(s) for s in sync.segments],
+            "left": len(sync._gathers), "loss": records[-1]["loss"]}
+
+
+def zero3_gathers_in_place(overrides: list[str], out: str) -> dict:
+    """ZeRO-3: every all-gather's outputs are the whole parameters' own storages, and no copy
+    writes into a whole parameter (counted by a dispatch mode over the whole run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from threefold.train.trainer import Trainer
+
+    trainer = Trainer(make_config(overrides, out))
+    sync, comm = trainer.parallel.grad_sync, trainer.comm
+    fulls = [sp.full for unit in sync.units for sp in unit.params]
+    outputs, foreign = [], []
+    gather_many = comm.all_gather_many
+
+    def spy(outs, ins, axis):
+        storages = {p.untyped_storage().data_ptr(): p for p in fulls if p.untyped_storage().nbytes()}
+        for o in outs:
+            p = storages.get(o.untyped_storage().data_ptr())
+            outputs.append(p is not None and p.data_ptr() == o.data_ptr())
+        return gather_many(outs, ins, axis)
+
+    comm.all_gather_many = spy
+
+    class CopiesIntoWeights(TorchDispatchMode):
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                target = args[0].untyped_storage()
+                if target.nbytes() and any(p.untyped_storage().data_ptr() == target.data_ptr() for p in fulls):
+                    CopiesIntoWeights.copies += 1
+            return func(*args, **(kwargs or {}))
+
+    with CopiesIntoWeights():
+        records = trainer.run()
+    return {"outputs": outputs, "copies": CopiesIntoWeights.copies, "loss": records[-1]["loss"]}

@@ -4,7 +4,7 @@ import math
 
 
 from tests.helpers import make_config, rel_err
-from tests.zero_tasks import assemble, train_stages
+from tests.zero_tasks import assemble, overlapped_gather, train_stages, zero3_gathers_in_place
 from threefold.comm import ring_chunk
 from threefold.models.decoder import build_model
 
@@ -29,10 +29,10 @@ def sizes(overrides: list[str], n: int) -> dict:
             "G3": sum(n * -(-p.numel() // n) for p in trainable)}
 
 
-def check_stages(worlds, tmp_path, n: int, extra: list[str], micro: int):
+def check_stages(worlds, tmp_path, n: int, extra: list[str], micro: int, segment_min_bytes: int | None = None):
     overrides = BASE + extra + [f"train.microbatches={micro}"]
     runs = [overrides + [f"parallel.zero={z}"] for z in range(4)]
-    reports = worlds(n).run(train_stages, runs, str(tmp_path))  # reports[rank][stage]
+    reports = worlds(n).run(train_stages, runs, str(tmp_path), segment_min_bytes)  # reports[rank][stage]
     dp = assemble([r[0]["params"] for r in reports], [r[0]["placements"] for r in reports])
     assert any(norm > 0.5 for norm in reports[0][0]["norms"]), "clipping never active: the test would not cover it"
     for stage in (1, 2, 3):
@@ -48,16 +48,16 @@ def check_stages(worlds, tmp_path, n: int, extra: list[str], micro: int):
     s = sizes(overrides, n)
     for rank, r in enumerate(reports):
         for stage, report in enumerate(r):
-            for comm in report["comm"]:
+            for step, comm in enumerate(report["comm"]):
                 dp_bytes = comm["dp"]
                 if stage == 0:
                     assert dp_bytes["all_reduce"] == 2 * (s["G"] - ring_chunk(s["G"], n, rank)) * ELT
                     continue
-                rs, ag = dp_bytes["reduce_scatter"], dp_bytes["all_gather"]
+                rs, ag = dp_bytes["reduce_scatter"], dp_bytes.get("all_gather", 0)
                 per_pass = {1: 1, 2: micro, 3: micro}[stage]
-                if stage in (1, 2):
+                if stage in (1, 2):  # a step's parameter gathers are issued by the next step's forward
                     assert rs == per_pass * (n - 1) * s["G_bucket"] // n * ELT
-                    assert ag == (n - 1) * s["G_bucket"] // n * ELT
+                    assert ag == (n - 1) * s["G_bucket"] // n * ELT if step > 0 else ag == 0
                 else:
                     assert rs == micro * (n - 1) * s["G3"] // n * ELT
                     assert ag == micro * 2 * (n - 1) * s["W3"] // n * ELT
@@ -65,7 +65,7 @@ def check_stages(worlds, tmp_path, n: int, extra: list[str], micro: int):
     # stages 1 and 2 move what plain DP moves: 2 (n-1)/n of the gradient bytes, up to bucket padding
     dp_total = sum(r[0]["comm"][0]["dp"]["all_reduce"] for r in reports)
     for stage in (1, 2):
-        total = sum(c["dp"]["reduce_scatter"] + c["dp"]["all_gather"] for r in reports for c in r[stage]["comm"][:1])
+        total = sum(c["dp"]["reduce_scatter"] + c["dp"]["all_gather"] for r in reports for c in r[stage]["comm"][1:2])
         if micro == 1 or stage == 1:
             assert total == dp_total + 2 * (n - 1) * (s["G_bucket"] - s["G"]) * ELT
     # stage 3: peak whole parameters are the running unit and the prefetched one, plus the embedding
@@ -81,13 +81,33 @@ def check_stages(worlds, tmp_path, n: int, extra: list[str], micro: int):
 
 
 def test_zero_stages_match_dp_on_2_ranks_with_accumulation(worlds, tmp_path):
-    check_stages(worlds, tmp_path, 2, [], micro=2)
+    """ZeRO-1/2's buckets cut into 4 segments (reduce-scattered and all-gathered one by one, the
+    gathers overlapping the next forward): same parameters and bytes as plain DP."""
+    reports = check_stages(worlds, tmp_path, 2, [], micro=2, segment_min_bytes=0)
+    assert reports[0][1]["segments"] == reports[0][2]["segments"] == [4]
+
+
+def test_zero_param_gather_overlaps_the_next_forward(worlds, tmp_path):
+    """After the step the all-gathers are due, not done; the first module's forward waits for one
+    segment only, the others are still in flight; every gather is done when the run returns."""
+    r = worlds(2).run(overlapped_gather, BASE + ["train.steps=3", "parallel.zero=1"], str(tmp_path))[0]
+    assert r["segments"] == [4] and r["due_after_step"] and r["left"] == 0
+    first, waiting = r["in_flight"][0]
+    assert first.startswith("embed") and waiting == 3, r["in_flight"]
 
 
 def test_zero_stages_match_dp_on_4_ranks_uneven_shapes(worlds, tmp_path):
     reports = check_stages(worlds, tmp_path, 4, UNEVEN, micro=1)
     s = sizes(BASE + UNEVEN, 4)
     assert s["G"] % 4 and s["W3"] > sum(math.prod(p.global_shape) for p in reports[0][0]["placements"].values())
+
+
+def test_zero3_gathers_straight_into_the_parameters(worlds, tmp_path):
+    """No staging buffer: each all-gather writes into the whole parameters' own storage, and no copy
+    ever writes a whole parameter (parity with plain DP: the tests above)."""
+    r = worlds(2).run(zero3_gathers_in_place, BASE + ["train.steps=2", "parallel.zero=3"], str(tmp_path))[0]
+    assert r["outputs"] and all(r["outputs"]), r["outputs"]
+    assert r["copies"] == 0
 
 
 def test_zero_composes_with_tensor_parallelism_and_checkpointing(worlds, tmp_path):

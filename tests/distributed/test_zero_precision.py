@@ -45,6 +45,7 @@ def overflow_run(overrides: list[str], out: str, poison_step: int, steps: int) -
     records, snapshots, scales = [], [], []
     for _ in range(steps):
         records.append(trainer.train_one_step())
+        trainer.parallel.settle()  # ZeRO-1's parameter gathers would otherwise overlap the next forward
         snapshots.append({n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()})
         scales.append(trainer.step_fn.scaler.scale)
     return {"skipped": [r["skipped"] for r in records], "used_scale": [r["loss_scale"] for r in records],

@@ -289,6 +289,22 @@ class Comm:
         work = _all_gather(output, input, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
 
+    def all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], axis: str):
+        """Several all-gathers (`all_gather` of each pair) issued as one coalesced operation
+        (`torch.distributed._coalescing_manager`: one group call on NCCL; gloo runs them as one
+        work); asynchronous, one handle for all, one record with their summed bytes."""
+        if self._trivial(axis):
+            for output, input in zip(outputs, inputs):
+                output.copy_(input)
+            return _DONE
+        nbytes = sum((o.numel() - i.numel()) * i.element_size() for o, i in zip(outputs, inputs))
+        record = self._start("all_gather", axis, outputs[0], nbytes)
+        group = self.mesh.group(axis)
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for output, input in zip(outputs, inputs):
+                _all_gather(output, input, group=group, async_op=True)
+        return Handle(_Coalesced(cm.works), record, self._completion)
+
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
         """From the member with coordinate `src` along `axis` to all others, in place."""
         if self._trivial(axis):

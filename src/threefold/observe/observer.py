@@ -135,6 +135,7 @@ class Observer:
         if self.gathering:
             extra.update(self._gather(step, t1 - self._t0, loss_sum, grad_norm, local_tokens))
         if d.replica_check_every and step % d.replica_check_every == 0:
+            self.parallel.settle()
             named = [(self.parallel.placements[n].name, p) for n, p in
                      replicated_params(self.parallel.module.named_parameters(), self.parallel.placements)]
             check_replicas(self.comm, named, step)

@@ -93,6 +93,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic)
+    if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
+        parallel.settle_weights = grad_sync.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
     return parallel
@@ -149,7 +151,10 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=pipelined)
         pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
         placements = {name: place.replicated("dp") for name, place in placements.items()}
-        return grad_sync, placements, pieces, grad_sync.gather_params, None
+        if pipelined:  # the schedule runs stage modules out of order: the gather is waited for after the step
+            return grad_sync, placements, pieces, grad_sync.gather_params, None
+        grad_sync.overlap_gather(model)  # the next forward waits for each segment it needs (zero.py)
+        return grad_sync, placements, pieces, grad_sync.defer_param_gather, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
     if p.zero_weight_comm == "fp8" and not fp8_supported(mesh.device):
         raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "

@@ -109,7 +109,14 @@ class ParallelModel:
     spec: object | None = None  # the models.spec.ModelSpec it was built from
     materialised_bytes: int = 0  # model-tensor bytes this rank allocated while starting (meta build)
     periodic: PeriodicSync | None = None  # local SGD / DiLoCo / EASGD (train.sync_every...): when replicas meet
+    settle_weights: Callable[[], None] | None = None  # ZeRO-1/2: wait for that all-gather (it overlaps the forward)
     _meter: SavedTensorMeter | None = None
+
+    def settle(self) -> None:
+        """Make the parameters whole before reading them outside a forward (checkpoints, replica
+        checks, the end of a run): ZeRO-1/2's parameter all-gathers overlap the next forward."""
+        if self.settle_weights is not None:
+            self.settle_weights()
 
     def named_trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]

@@ -38,6 +38,18 @@ two ends lay out their buckets differently, so their shards would not match). Wh
 then live during the step only; between steps a rank holds its gradient shards, as without
 pipelining.
 
+Segments. Each bucket is cut into up to `GATHER_SEGMENTS` contiguous segments (each a multiple
+of N long); rank r owns the r-th 1/N of every segment, and each segment is reduce-scattered and
+all-gathered on its own (the same bytes as one collective per bucket). The all-gather after the
+optimizer step is thereby split in pieces the next forward can wait for one by one (Megatron's
+overlap_param_gather): `launch_param_gather()` starts every segment's all-gather - the segments
+the forward needs first (the first layers sit at the end of the last bucket) first - and a forward
+pre-hook on each module with parameters waits only for the segments holding that module's
+parameters, so the gathers of later layers overlap the forward of earlier ones. Every other
+reader of the parameters (checkpoints, replica checks, the end of a run) calls `settle()` first
+(`ParallelModel.settle`); `finish()` settles too. Segment boundaries do not depend on the rank,
+so every rank issues the same collectives in the same order.
+
 Stage 3 (zero3.py) shards the parameters too.
 """
 
@@ -52,6 +64,9 @@ from torch import nn
 from ..comm import Comm
 from ..sharding import Placement
 from .buckets import Bucket, GradientBuckets
+
+GATHER_SEGMENTS = 4  # per bucket: the forward waits for the segment a module needs, not the whole bucket
+SEGMENT_MIN_BYTES = 2**20  # smaller buckets stay one segment (a collective's fixed cost would dominate)
 from .master import Piece
 from .model import HooklessSync
 
@@ -66,6 +81,25 @@ def _constant(t: torch.Tensor):
 
 def _allocated(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
+
+
+def segments(numel: int, n: int, element_size: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges cutting a bucket of `numel` elements (a multiple of n) into at most
+    `GATHER_SEGMENTS` contiguous pieces of at least `SEGMENT_MIN_BYTES`, each a multiple of n long."""
+    count = max(1, min(GATHER_SEGMENTS, numel * element_size // max(1, SEGMENT_MIN_BYTES)))
+    size = -(-numel // (count * n)) * n or n
+    return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)] or [(0, 0)]
+
+
+class _All:
+    """The handles of one bucket's segments, waited together."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
 
 
 class ZeroReducer(HooklessSync):
@@ -86,6 +120,9 @@ class ZeroReducer(HooklessSync):
                                        complete=self._complete, pad_to=self.n)
         self.param_flats: list[torch.Tensor] = []  # the parameters, bucket layout; params are views
         self.grad_shards: list[torch.Tensor] = []  # stage 2: this rank's summed gradient shard per bucket
+        self.segments = [segments(b.numel(), self.n, b.buffer.element_size()) for b in self.buckets.buckets]
+        self._gathers: dict[tuple[int, int], object] = {}  # (bucket, segment) -> all-gather in flight
+        self._gather_due = False  # the optimizer stepped; the all-gathers start with the next forward
         for b in self.buckets.buckets:
             flat = torch.zeros(b.numel(), dtype=b.buffer.dtype, device=b.buffer.device)
             for p, off in zip(b.params, b.offsets):
@@ -101,9 +138,14 @@ class ZeroReducer(HooklessSync):
     def shard_len(self, bucket: Bucket) -> int:
         return bucket.numel() // self.n
 
-    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
-        length = self.shard_len(bucket)
-        return self.rank * length, (self.rank + 1) * length
+    def owned(self, bucket: Bucket) -> list[tuple[int, int, int]]:
+        """(lo, hi, offset in the shard) of this rank's range of every segment of `bucket`."""
+        out, offset = [], 0
+        for lo, hi in self.segments[bucket.index]:
+            length = (hi - lo) // self.n
+            out.append((lo + self.rank * length, lo + (self.rank + 1) * length, offset))
+            offset += length
+        return out
 
     # ------------------------------------------------------------ during backward
 
@@ -138,8 +180,10 @@ class ZeroReducer(HooklessSync):
             src = src.to(self.wire_dtype)
         out = torch.empty(self.shard_len(bucket), dtype=src.dtype, device=src.device)
         bucket.state.update(src=src, out=out)
-        # reduce-scatter over dp: this rank receives the sum over ranks of its shard of the bucket
-        return self.comm.reduce_scatter(out, src, self.axis, async_op=True)
+        # reduce-scatter over dp, per segment: this rank receives the sum over ranks of its shard
+        return _All([self.comm.reduce_scatter(out[off: off + (hi - lo) // self.n], src[lo:hi], self.axis,
+                                              async_op=True)
+                     for (lo, hi), (_, _, off) in zip(self.segments[bucket.index], self.owned(bucket))])
 
     def _complete(self, bucket: Bucket) -> None:
         out = bucket.state.pop("out", None)
@@ -147,8 +191,8 @@ class ZeroReducer(HooklessSync):
             return
         bucket.state.pop("src", None)
         if self.stage == 1:
-            lo, hi = self.shard_range(bucket)
-            bucket.buffer[lo:hi].copy_(out)
+            for lo, hi, off in self.owned(bucket):
+                bucket.buffer[lo:hi].copy_(out[off: off + hi - lo])
         else:
             self.grad_shards[bucket.index].add_(out)
             self._release(bucket)
@@ -168,6 +212,7 @@ class ZeroReducer(HooklessSync):
             self.buckets.flush()
 
     def finish(self) -> None:
+        self.settle()
         self.buckets.flush()
 
     def zero_grad(self) -> None:
@@ -202,26 +247,78 @@ class ZeroReducer(HooklessSync):
         """For every bucket, the parts of its parameters inside this rank's shard."""
         out = []
         for b, flat in zip(self.buckets.buckets, self.param_flats):
-            lo, hi = self.shard_range(b)
-            for p, off in zip(b.params, b.offsets):
-                start, end = max(off, lo), min(off + p.numel(), hi)
-                if start >= end:
-                    continue
-                name = self.names[id(p)]
-                if self.stage == 1:
-                    grad = b.buffer[start:end]
-                else:
-                    grad = self.grad_shards[b.index][start - lo: end - lo]
-                out.append(Piece(name, placements[name].flat_shard(start - off, end - off), flat[start:end],
-                                 _constant(grad), p.dim() >= 2, start - off))
+            for lo, hi, shard_off in self.owned(b):
+                for p, off in zip(b.params, b.offsets):
+                    start, end = max(off, lo), min(off + p.numel(), hi)
+                    if start >= end:
+                        continue
+                    name = self.names[id(p)]
+                    if self.stage == 1:
+                        grad = b.buffer[start:end]
+                    else:
+                        grad = self.grad_shards[b.index][shard_off + start - lo: shard_off + end - lo]
+                    out.append(Piece(name, placements[name].flat_shard(start - off, end - off), flat[start:end],
+                                     _constant(grad), p.dim() >= 2, start - off))
         return out
+
+    # ------------------------------------------------------------ the parameters after the step
+
+    def defer_param_gather(self) -> None:
+        """After the optimizer step: the all-gathers start when the next forward does (or `settle()`).
+
+        Not at once: the step's own small collectives that follow (the logged loss) would queue
+        behind them on the same communicator and wait for the whole gather."""
+        self._gather_due = True
+
+    @torch.no_grad()
+    def launch_param_gather(self) -> None:
+        """Start every segment's all-gather over dp (this rank's updated range to every replica),
+        in the order the forward needs them; nothing waits here."""
+        self._gather_due = False
+        for b in reversed(self.buckets.buckets):  # the first layers are in the last bucket, at its end
+            flat = self.param_flats[b.index]
+            for i in reversed(range(len(self.segments[b.index]))):
+                (lo, hi), (own_lo, own_hi, _) = self.segments[b.index][i], self.owned(b)[i]
+                self._gathers[(b.index, i)] = self.comm.all_gather(flat[lo:hi], flat[own_lo:own_hi].clone(),
+                                                                   self.axis, async_op=True)
+
+    def settle(self) -> None:
+        """Wait for every parameter all-gather still due or in flight: the parameters are whole after it."""
+        if self._gather_due:
+            self.launch_param_gather()
+        for key in list(self._gathers):
+            self._gathers.pop(key).wait()
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """After the optimizer step: every rank's updated shard to every replica (all-gather over dp)."""
-        handles = []
-        for b, flat in zip(self.buckets.buckets, self.param_flats):
-            lo, hi = self.shard_range(b)
-            handles.append(self.comm.all_gather(flat, flat[lo:hi].clone(), self.axis, async_op=True))
-        for handle in handles:
-            handle.wait()
+        """After the optimizer step: every rank's updated shard to every replica, waited for at once."""
+        self.launch_param_gather()
+        self.settle()
+
+    def overlap_gather(self, module: nn.Module) -> None:
+        """Let `module`'s forward wait for each parameter's segments just before the first module
+        holding it runs (instead of `gather_params` waiting for all after the step); the root's
+        forward ends by settling the rest (a parameter read without being registered anywhere)."""
+        where = {id(p): (b.index, off, off + p.numel()) for b in self.buckets.buckets
+                 for p, off in zip(b.params, b.offsets)}
+        for sub in module.modules():
+            keys = []
+            for p in sub.parameters(recurse=False):
+                if id(p) not in where:
+                    continue
+                index, start, end = where[id(p)]
+                keys += [(index, i) for i, (lo, hi) in enumerate(self.segments[index]) if lo < end and start < hi]
+            if keys:
+                sub.register_forward_pre_hook(functools.partial(self._wait_for, list(dict.fromkeys(keys))))
+        module.register_forward_pre_hook(self._start_due, prepend=True)
+        module.register_forward_hook(lambda *_: self.settle())
+
+    def _start_due(self, module, args) -> None:
+        if self._gather_due:
+            self.launch_param_gather()
+
+    def _wait_for(self, keys: list[tuple[int, int]], module, args) -> None:
+        for key in keys:
+            handle = self._gathers.pop(key, None)
+            if handle is not None:
+                handle.wait()

@@ -6,7 +6,11 @@ top-level child with parameters (embed, norm, head); parameters directly on the 
 root unit. Every parameter is flattened, padded to a multiple of N and cut into N equal
 chunks; rank r keeps chunk r as its (1-D) parameter, so `named_parameters()` lists flat shards
 under the original names and `Placement.flat_shard` describes each. A unit's chunks sit in one
-flat buffer, so gathering a unit is one all-gather over dp.
+flat shard buffer. Gathering a unit is one coalesced all-gather over dp
+(`Comm.all_gather_many`: one all-gather per parameter, one group call on NCCL) straight into the
+storage of each whole parameter - N * chunk elements, of which the parameter is the first numel -
+so there is no staging buffer and no copy (with `zero_weight_comm` int8/fp8 the gathered bytes
+are dequantized into a staging buffer and copied, as they must be).
 
     forward   before a unit runs: wait for its all-gather (normally prefetched), put the whole
               parameters in the modules, and start the all-gather of the unit that comes next in
@@ -24,8 +28,14 @@ more). `peak_whole_numel` records it and the tests assert it.
 
 Whole parameters keep their identity between gathers: the storage of each original
 `nn.Parameter` is resized to zero when released and re-allocated when gathered (the autograd
-graph and the checkpointing recompute see the same objects). The copy into it does not bump the
-tensor's version counter, which autograd would otherwise read as an in-place modification.
+graph and the checkpointing recompute see the same objects). The all-gather writes through the
+padded tensor over that storage, whose version counter is not the parameter's, so autograd does
+not read a re-gather as an in-place modification (the quantized path's copy preserves the
+counter explicitly).
+
+Not done: a separate CUDA stream for the prefetched gathers. Gathers and reduce-scatters share
+the dp communicator, whose collectives NCCL runs on one stream in issue order; a second stream
+would need a second dp communicator from the Mesh.
 
 Under pipeline parallelism (`stage_passes=True`, set by `parallelize`) the schedule runs each
 (stage, micro-batch) backward - or its input and weight halves - as a pass of its own, with
@@ -66,6 +76,7 @@ class ShardedParam:
     offset: int  # in the unit's shard buffer
     grad_offset: int | None  # in the unit's gradient shard buffer; None when frozen
     slots: list[tuple[nn.Module, str]]  # every (module, attribute) holding this parameter
+    padded: torch.Tensor  # (N * chunk,) over the whole form's storage: the all-gather's output
 
     @property
     def numel(self) -> int:
@@ -107,11 +118,6 @@ def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         elif next(child.parameters(), None) is not None:
             out.append((name, child))
     return out
-
-
-def _storage_exact(p: nn.Parameter) -> bool:
-    return (p.is_contiguous() and p.storage_offset() == 0
-            and p.untyped_storage().nbytes() == p.numel() * p.element_size())
 
 
 class Zero3(HooklessSync):
@@ -190,11 +196,13 @@ class Zero3(HooklessSync):
                     goff = grad_offset
                     shard.grad = grad_flat[goff: goff + c]
                     grad_offset += c
-                if not _storage_exact(p):  # the whole form must own exactly its storage to be released
-                    p.data = p.data.clone(memory_format=torch.contiguous_format)
+                # the whole form is the first numel elements of an N * chunk storage of its own, which
+                # the all-gather fills directly (no staging buffer, no copy)
+                padded = torch.empty(n * c, dtype=dtype, device=device)
+                p.data = padded[: p.numel()].view(p.shape)
                 p.grad = None
                 p.untyped_storage().resize_(0)
-                params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)]))
+                params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)], padded))
                 offset += c
         return Unit(index, name, params, shard_flat, grad_flat)
 
@@ -214,12 +222,15 @@ class Zero3(HooklessSync):
     def _start_gather(self, unit: Unit) -> None:
         if unit.state != "sharded" or not unit.params:
             return
-        buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
-        # all-gather over dp: every rank's chunks of this unit, rank-major
-        if self.weight_comm != "none":  # 8 bits and a scale per block on the wire
+        if self.weight_comm != "none":  # 8 bits and a scale per block on the wire, into a staging buffer
+            buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
             handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
-        else:
-            handle = self.comm.all_gather(buffer, unit.shard_flat, self.axis, async_op=True)
+        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage
+            buffer = None
+            for sp in unit.params:
+                sp.full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
+            handle = self.comm.all_gather_many([sp.padded for sp in unit.params],
+                                               [sp.shard.detach() for sp in unit.params], self.axis)
         unit.gather, unit.state = (buffer, handle), "gathering"
         self.whole_numel += self.unit_numel(unit)
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
@@ -231,13 +242,14 @@ class Zero3(HooklessSync):
         self._start_gather(unit)
         buffer, handle = unit.gather
         handle.wait()
-        rows = buffer.view(self.n, -1)
-        for sp in unit.params:
-            full = sp.full
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            values = rows[:, sp.offset: sp.offset + sp.chunk].reshape(-1)[: full.numel()]
-            with torch.autograd._unsafe_preserve_version_counter(full):
-                full.view(-1).copy_(values)
+        if buffer is not None:  # the quantized path: dequantized rank-major chunks, copied in place
+            rows = buffer.view(self.n, -1)
+            for sp in unit.params:
+                full = sp.full
+                full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
+                values = rows[:, sp.offset: sp.offset + sp.chunk].reshape(-1)[: full.numel()]
+                with torch.autograd._unsafe_preserve_version_counter(full):
+                    full.view(-1).copy_(values)
         unit.gather, unit.state = None, "whole"
         self._use(unit, whole=True)
 
@@ -249,8 +261,8 @@ class Zero3(HooklessSync):
             unit.gather = None
         else:
             self._use(unit, whole=False)
-            for sp in unit.params:
-                sp.full.untyped_storage().resize_(0)
+        for sp in unit.params:
+            sp.full.untyped_storage().resize_(0)
         unit.state = "sharded"
         self.whole_numel -= self.unit_numel(unit)
 

@@ -95,6 +95,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def training_state(self) -> TrainingState:
+        self.parallel.settle()  # ZeRO-1/2: the parameter all-gathers of the last step are complete
         return TrainingState(list(self.parallel.module.named_parameters()), self.parallel.placements,
                              self.optimizer, self.stateful, rank_state=self.parallel.rank_state,
                              rank=self.mesh.global_rank, layout=self._checkpoint_meta()["layout"])
@@ -251,6 +252,7 @@ class Trainer:
                     log.write(record)
                 if self._save_due():
                     self._save()
+            self.parallel.settle()  # the parameters are whole when the run returns
             if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()
             self.observer.finish()
