@@ -35,6 +35,13 @@ CASES = {  # world size -> {id: config overrides}
         "llama-gqa-m2": ["model.preset=tiny-llama", "train.global_batch=4", "train.seq_len=64", "train.microbatches=2"],
         "small-bf16-every-k": ["model.preset=small", "train.global_batch=2", "train.seq_len=64", "precision.compute=bf16",
                                "remat.policy=every-k", "remat.every=3"],
+        # mixtures of experts (dropless: every assignment kept, so the saved bytes are known in advance)
+        "moe": ["model.preset=tiny-moe", "train.global_batch=4", "train.seq_len=32"],
+        "moe-shared-top1-bf16-m2": ["model.preset=tiny-moe", "train.global_batch=4", "train.seq_len=32",
+                                    "model.shared_experts=1", "model.experts_top_k=1", "precision.compute=bf16",
+                                    "train.microbatches=2"],
+        "moe-every-2-remat-every-k": ["model.preset=tiny-moe", "model.layers=4", "model.moe_every=2",
+                                      "train.global_batch=4", "train.seq_len=32", "remat.policy=every-k"],
     },
     2: {
         "dp2-m2": [*TINY, "train.microbatches=2"],
@@ -53,6 +60,8 @@ CASES = {  # world size -> {id: config overrides}
         "llama-tp2-sp-bf16": [*LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true", "precision.compute=bf16"],
         "llama-tp2-sp-selective": [*LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true",
                                    "remat.policy=selective"],
+        "moe-dp2-ep2-zero1": ["model.preset=tiny-moe", "train.global_batch=8", "train.seq_len=32", "parallel.ep=2",
+                              "parallel.zero=1"],
         "pp2-1f1b": PP,
         "pp2-gpipe": [*PP, "pipeline.schedule=gpipe"],
         "pp2-zb-h1": [*PP, "pipeline.schedule=zb-h1"],

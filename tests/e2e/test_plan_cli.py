@@ -121,3 +121,20 @@ def test_the_efficiency_axis_fits_its_values():
     assert 105 <= efficiency_axis_top([{"gpus": 8, "fits": True, "efficiency": 1.0, "mfu": 0.4}]) <= 110
     assert efficiency_axis_top([{"gpus": 8, "fits": True, "efficiency": 1.24, "mfu": 0.4},
                                 {"gpus": 4, "fits": False}]) > 124
+
+
+def test_expert_parallelism_and_a_slow_network_in_the_json(capsys):
+    code, out, _ = plan(capsys, "--model", "tiny-moe", "--gpus", "8", "--global-batch", "64", "--seq-len", "64",
+                        "--json", "--inter-gbps", "10")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["model"]["experts"] == 4 and doc["model"]["active_params"] < doc["model"]["params"]
+    assert {c["ep"] for c in doc["candidates"]} >= {1, 2, 4}
+    assert "ep_comm_s" in doc["candidates"][0]["step_breakdown_s"]
+    assert "slow_links" not in doc  # one node: no data-parallel group crosses the network
+    code, out, _ = plan(capsys, "--model", "llama-7b", "--gpus", "32", "--global-batch", "256", "--inter-gbps", "10")
+    assert code == 0 and "slow links:" in out and "would be" in out and "Loss risk: DiLoCo" in out
+    assert main(["plan", "--model", "tiny", "--ep", "2"]) == 2
+    assert "ep=2 needs a mixture of experts" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--inter-gbps", "0"]) == 2
+    assert "--inter-gbps" in capsys.readouterr().err

@@ -40,7 +40,8 @@ MEGATRON = [
 @pytest.mark.parametrize("what,heads,hidden,layers,tp,pp,gpus,batch,reported", MEGATRON, ids=[r[0] for r in MEGATRON])
 def test_published_megatron_runs_fit_and_throughput_within_25_percent(what, heads, hidden, layers, tp, pp, gpus,
                                                                       batch, reported):
-    w = Workload(gpt(heads, hidden, layers), batch, 2048, attention="dense")  # Megatron-LM of 2021: no flash
+    # Megatron-LM of 2021: no flash attention; gradients all-reduced after the pipeline flush
+    w = Workload(gpt(heads, hidden, layers), batch, 2048, attention="dense", grad_overlap=False)
     dp = gpus // (tp * pp)
     st = Strategy(dp=dp, tp=tp, pp=pp, microbatches=batch // dp, remat="full", precision="bf16")
     assert rank_memory(w, st, A100).total <= A100.memory_bytes

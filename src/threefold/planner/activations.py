@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .moe import sparse_mlp_saved_bytes
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,23 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
     }
 
 
-def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False) -> float:
+def sparse_block_items(m: ModelConfig, x: Shape, ep: int = 1, hf: bool = False) -> dict[str, float]:
+    """A sparse block (planner/moe.py): the dense block's items with the MLP replaced by the mixture
+    of experts, which reads the norm's output once (the sequence-local shard under SP)."""
+    items = block_items(m, x, hf)
+    consumers = 2 if m.mlp == "swiglu" else 1
+    items["norms"] += (x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)
+                       - linear_inputs(m, x, consumers))
+    items["mlp"] = sparse_mlp_saved_bytes(m, x.b, x.s, x.c, x.t, x.sp, ep)
+    return items
+
+
+def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse: bool = False,
+                ep: int = 1) -> float:
     """Bytes a block keeps until its backward under a checkpointing policy ('none', 'selective', 'full')."""
     if policy == "full":
         return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
-    items = block_items(m, x, hf)
+    items = sparse_block_items(m, x, ep, hf) if sparse else block_items(m, x, hf)
     if policy == "selective":  # the core's log-sum-exp goes; so does its output when RoPE copies it for o
         items.pop("attention_core")
         if m.position == "rope" and not hf:
@@ -120,12 +133,18 @@ def checkpointed_layers(layers: range, policy: str, every: int) -> int:
     return 0
 
 
-def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False) -> float:
+def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False,
+                 ep: int = 1) -> float:
     """The saved bytes of a run of blocks under `policy` (none | selective | full | every-k)."""
     if policy in ("full", "every-k"):
         k = checkpointed_layers(layers, policy, every)
-        return k * block_bytes(m, x, "full", hf) + (len(layers) - k) * block_bytes(m, x, "none", hf)
-    return len(layers) * block_bytes(m, x, policy, hf)
+        kept = [i for i in layers if not (policy == "full" or i % max(1, every) == 0)]
+        sparse = sum(m.is_moe_block(i) for i in kept)
+        return (k * block_bytes(m, x, "full", hf) + (len(kept) - sparse) * block_bytes(m, x, "none", hf)
+                + sparse * block_bytes(m, x, "none", hf, True, ep))
+    sparse = sum(m.is_moe_block(i) for i in layers)
+    return ((len(layers) - sparse) * block_bytes(m, x, policy, hf)
+            + (sparse * block_bytes(m, x, policy, hf, True, ep) if sparse else 0.0))
 
 
 def embedding_bytes(m: ModelConfig, x: Shape, rank_rows: int, hf: bool = False) -> float:

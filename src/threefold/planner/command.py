@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from ..config import load_config
 from ..errors import ConfigError, UserError
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import GiB, PRESETS, load_gpu
 from .search import PlanResult, search, shortfall, slower
-from .workload import Workload, total_parameters
+from .slow_links import advise as slow_link_advice
+from .workload import Workload, active_parameters, total_parameters
 
-FIXABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
+FIXABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "microbatches": "microbatches",
            "activation_checkpointing": "remat", "schedule": "schedule", "virtual_stages": "virtual_stages"}
 DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step when --global-batch is not given (at least a sequence per GPU)
 # Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 H100,
@@ -38,7 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, help="sequences per step (default: ~4M tokens)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    for opt in ("dp", "tp", "pp", "zero", "microbatches", "virtual_stages"):
+    p.add_argument("--inter-gbps", type=float, metavar="GB/S",
+                   help="inter-node bandwidth per GPU in Gb/s (bits), replacing the GPU kind's, e.g. 25 for a slow "
+                        "network: the plan then says whether periodic sync or ZeRO++ options pay")
+    for opt in ("dp", "tp", "pp", "ep", "zero", "microbatches", "virtual_stages"):
         p.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int, metavar="N", help=f"fix {opt}")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "full", "every-k"], help="fix the policy")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], help="fix the pipeline schedule")
@@ -89,7 +94,7 @@ def _tokens(n: int) -> str:
 
 def _fixed(args) -> dict:
     fixed = {key: getattr(args, opt) for opt, key in FIXABLE.items() if getattr(args, opt) is not None}
-    for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+    for key in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
         if key in fixed and fixed[key] < 1:
             raise ConfigError("--" + key.replace("_", "-"), f"must be at least 1, got {fixed[key]}")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
@@ -107,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ConfigError("--gpus", f"must be at least 1, got {args.gpus}")
     gpu = load_gpu(args.gpu)
+    if args.inter_gbps is not None:
+        if args.inter_gbps <= 0:
+            raise ConfigError("--inter-gbps", f"must be positive, got {args.inter_gbps}")
+        gpu = replace(gpu, inter_bytes_per_s=args.inter_gbps / 8 * 1e9, infiniband=f"{args.inter_gbps:g} Gb/s")
     w, assumed = _workload(args)
     fixed = _fixed(args)
     explain = parse_layout(args.explain) if args.explain else None
@@ -119,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no layout of {args.gpus} GPUs matches the options: {'; '.join(problems)}")
     extra = {"assumed": assumed}
     if result.feasible:
+        extra["slow_links"] = slow_link_advice(result)
         extra["checkpoint"] = checkpoint_advice(result.best, args.gpus, args.mtbf_hours, args.save_seconds,
                                                 args.restart_seconds, args.write_gbps)
     if explain is not None:
@@ -163,9 +173,12 @@ def _explain(w: Workload, args, gpu, knobs: dict, result: PlanResult) -> dict:
 
 def model_summary(w: Workload) -> dict:
     m = w.model
-    return {"preset": m.preset, "params": total_parameters(m), "layers": m.layers, "hidden": m.hidden,
-            "heads": m.heads, "kv_heads": m.kv_heads, "ffn_hidden": m.ffn_hidden, "vocab": m.vocab,
-            "mlp": m.mlp, "position": m.position}
+    out = {"preset": m.preset, "params": total_parameters(m), "layers": m.layers, "hidden": m.hidden,
+           "heads": m.heads, "kv_heads": m.kv_heads, "ffn_hidden": m.ffn_hidden, "vocab": m.vocab,
+           "mlp": m.mlp, "position": m.position}
+    if m.experts:
+        out.update(experts=m.experts, experts_top_k=m.experts_top_k, active_params=active_parameters(m))
+    return out
 
 
 def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None = None) -> dict:
@@ -182,6 +195,8 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
     }
     if "checkpoint" in extra:
         out["checkpoint"] = extra["checkpoint"][0].as_dict()
+    if extra.get("slow_links") is not None:
+        out["slow_links"] = extra["slow_links"].as_dict()
     if "explain" in extra:
         out["explain"] = {k: v for k, v in extra["explain"].items() if k != "lines"}
     if scaling is not None:
@@ -197,14 +212,14 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
     if extra.get("assumed"):
         lines.append(extra["assumed"])
     lines.append("")
-    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>11} " \
+    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>11} " \
              f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'tokens/s':>10} {'MFU':>5}"
     lines += [header, "-" * len(header)]
     for i, c in enumerate(r.candidates[:top], 1):
         st = c.strategy
         sched = (st.schedule + (f"x{st.virtual_stages}" if st.schedule == "interleaved" else "")) if st.pp > 1 else "-"
         step = f"{c.time.total_s:8.3g}" if c.time else f"{'-':>8}"
-        lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
+        lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3} {st.ep:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
                      f"{sched:>11} {c.memory.total / GiB:>8.1f} {'yes' if c.fits else 'no':>4} {step} "
                      f"{c.tokens_per_s:>10,.0f} {c.mfu:>5.1%}")
     lines.append("")
@@ -215,6 +230,8 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
         lines += breakdown(best, g)
         if "checkpoint" in extra:
             lines.append(extra["checkpoint"][1])
+        if extra.get("slow_links") is not None:
+            lines.append(extra["slow_links"].describe(best))
         lines.append("why the others lose:")
         for i, c in enumerate(r.candidates[1:top], 2):
             lines.append(f"  #{i} {c.strategy.label()}: {c.why}")

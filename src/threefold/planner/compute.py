@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
+from .moe import dense_mlp_flops_per_token, sparse_blocks, sparse_mlp_flops_per_token
 from .workload import Strategy, Workload
 
 
@@ -39,8 +40,18 @@ def executed_attention_share(attention: str) -> float:
     return 0.5 if attention == "flash" else 1.0
 
 
-def block_forward_flops_per_token(m: ModelConfig, seq_len: int, attention_share: float = 1.0) -> float:
-    return 2 * block_matmul_params(m) + attention_share * attention_flops_per_token(m, seq_len)
+def block_forward_flops_per_token(m: ModelConfig, seq_len: int, attention_share: float = 1.0,
+                                  sparse: bool = False) -> float:
+    """A block's forward per token; a sparse block's MLP is its router, kept experts and shared experts."""
+    flops = 2 * block_matmul_params(m) + attention_share * attention_flops_per_token(m, seq_len)
+    return flops + (sparse_mlp_flops_per_token(m, seq_len) - dense_mlp_flops_per_token(m) if sparse else 0.0)
+
+
+def blocks_forward_flops_per_token(m: ModelConfig, seq_len: int, layers: int, sparse: int = 0,
+                                   attention_share: float = 1.0) -> float:
+    """`layers` blocks of which `sparse` are mixtures of experts."""
+    return ((layers - sparse) * block_forward_flops_per_token(m, seq_len, attention_share)
+            + sparse * block_forward_flops_per_token(m, seq_len, attention_share, True))
 
 
 def head_forward_flops_per_token(m: ModelConfig) -> float:
@@ -48,11 +59,14 @@ def head_forward_flops_per_token(m: ModelConfig) -> float:
 
 
 def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str, layers: int, every: int = 2,
-                                       attention_share: float = 1.0) -> float:
+                                       attention_share: float = 1.0, sparse: int = 0) -> float:
+    """Forward work redone in backward; `sparse` of the `layers` blocks are mixtures of experts (every-k
+    redoes their average block)."""
+    whole = blocks_forward_flops_per_token(m, seq_len, layers, sparse, attention_share)
     if policy == "full":
-        return layers * block_forward_flops_per_token(m, seq_len, attention_share)
+        return whole
     if policy == "every-k":
-        return math.ceil(layers / max(1, every)) * block_forward_flops_per_token(m, seq_len, attention_share)
+        return math.ceil(layers / max(1, every)) * whole / max(1, layers)
     if policy == "selective":
         return layers * attention_share * attention_flops_per_token(m, seq_len)
     return 0.0
@@ -60,14 +74,15 @@ def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str
 
 def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Forward + backward of the whole model, no recomputation."""
-    return 3 * (m.layers * block_forward_flops_per_token(m, seq_len) + head_forward_flops_per_token(m))
+    return 3 * (blocks_forward_flops_per_token(m, seq_len, m.layers, sparse_blocks(m)) + head_forward_flops_per_token(m))
 
 
 def step_flops(w: Workload, st: Strategy, hardware: bool = True) -> float:
     """FLOPs of one optimizer step over all GPUs (with recomputation when `hardware`)."""
     per_token = model_flops_per_token(w.model, w.seq_len)
     if hardware:
-        per_token += recomputed_forward_flops_per_token(w.model, w.seq_len, st.remat, w.model.layers, st.remat_every)
+        per_token += recomputed_forward_flops_per_token(w.model, w.seq_len, st.remat, w.model.layers, st.remat_every,
+                                                        sparse=sparse_blocks(w.model))
     return per_token * w.tokens
 
 

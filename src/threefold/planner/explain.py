@@ -2,7 +2,7 @@
 explicit layout is impossible, and the checkpoint-interval advice.
 
 A LAYOUT is the label the table prints, or any part of it: "dp=4 tp=4 pp=4 zero=1 m=256
-ckpt=selective zb-h1" (keys dp, tp, pp, zero, m, ckpt, every, schedule, v; a bare schedule name,
+ckpt=selective zb-h1" (keys dp, tp, pp, ep, zero, m, ckpt, every, schedule, v; a bare schedule name,
 "interleavedx2" included). Knobs it leaves out are searched as usual.
 """
 
@@ -16,7 +16,8 @@ from .hardware import GiB, Gpu
 from .search import Candidate, components
 from .workload import Workload
 
-KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "m": "microbatches", "microbatches": "microbatches",
+KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "m": "microbatches",
+        "microbatches": "microbatches",
         "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 POLICIES = ("none", "selective", "full", "every-k")
@@ -81,6 +82,13 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
             out.append(f"tp={tp} does not divide the MLP width {m.ffn_hidden}")
         if tp > gpu.gpus_per_node:
             out.append(f"tp={tp} is more than the {gpu.gpus_per_node} GPUs of a node")
+    ep = fixed.get("ep")
+    if ep and ep > 1 and not m.experts:
+        out.append(f"ep={ep} needs a mixture of experts (model.experts is 0)")
+    elif ep and m.experts % ep:
+        out.append(f"ep={ep} does not divide the {m.experts} experts")
+    if ep and dp and dp % ep:
+        out.append(f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of dp)")
     if pp and pp > m.layers:
         out.append(f"pp={pp} is more than the {m.layers} layers")
     if tp and pp and gpus % (tp * pp):

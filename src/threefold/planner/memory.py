@@ -72,14 +72,28 @@ def bytes_per_param(precision: str) -> tuple[int, int, int]:
     return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
 
 
-def model_state_bytes(count: ParamCount, precision: str, zero: int, dp: int) -> tuple[float, float, float]:
-    """Bytes of parameters, gradients and optimizer states on one rank (ZeRO over dp ranks)."""
+def model_state_bytes(count: ParamCount, precision: str, zero: int, dp: int, ep: int = 1) -> tuple[float, float, float]:
+    """Bytes of parameters, gradients and optimizer states on one rank (ZeRO over dp ranks; routed
+    experts' over the dp / ep ranks holding the same experts)."""
     p_bytes, g_bytes, o_bytes = bytes_per_param(precision)
-    trainable = count.trainable
-    params = count.total * p_bytes / (dp if zero >= 3 else 1)
-    grads = trainable * g_bytes / (dp if zero >= 2 else 1)
-    optim = trainable * o_bytes / (dp if zero >= 1 else 1)
+    edp = dp // ep
+    dense, dense_trainable, expert = count.total - count.expert, count.trainable - count.expert, count.expert
+    params = dense * p_bytes / (dp if zero >= 3 else 1) + expert * p_bytes / (edp if zero >= 3 else 1)
+    grads = dense_trainable * g_bytes / (dp if zero >= 2 else 1) + expert * g_bytes / (edp if zero >= 2 else 1)
+    optim = dense_trainable * o_bytes / (dp if zero >= 1 else 1) + expert * o_bytes / (edp if zero >= 1 else 1)
     return params, grads, optim
+
+
+OUTER_BYTES_PER_PARAM = 8  # DiLoCo: fp32 outer parameters and outer momentum (parallel/local_sgd.py)
+
+
+def slow_link_state_bytes(count: ParamCount, st: Strategy, dp_intra: int) -> float:
+    """State the slow-link options keep beyond the model states: DiLoCo's outer parameters and momentum;
+    hpZ's secondary weight partition (compute dtype, sharded over the dp ranks of a node)."""
+    extra = OUTER_BYTES_PER_PARAM * count.trainable if st.sync_every > 1 and st.outer == "nesterov" else 0.0
+    if st.hpz and st.zero >= 3:
+        extra += count.total * compute_bytes(st.precision) / max(1, dp_intra)
+    return extra
 
 
 # ------------------------------------------------------------------ activations
@@ -98,7 +112,7 @@ def chunk_bytes(w: Workload, st: Strategy, chunk: Chunk, rows_seen: bool = False
     """Bytes one micro-batch's forward through `chunk` saves (one meter window)."""
     m, x, hf = w.model, micro_shape(w, st), w.implementation == "hf-llama"
     rows = w.global_batch // st.dp
-    total = blocks_bytes(m, x, chunk.layers, st.remat, st.remat_every, hf)
+    total = blocks_bytes(m, x, chunk.layers, st.remat, st.remat_every, hf, st.ep)
     if chunk.first:
         total += embedding_bytes(m, x, rows, hf)
     if chunk.last:
@@ -154,8 +168,9 @@ def in_flight(st: Strategy, stage: int) -> float:
 def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> MemoryBreakdown:
     """Memory of a rank at pipeline coordinate `stage`."""
     v = st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
-    count = rank_parameters(w.model, st.tp, st.pp, stage, v)
-    params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.dp)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, v, st.ep)
+    params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.dp, st.ep)
+    optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
     acts = peak_activations(w, st, stage)
     if gpu is CPU:
         return MemoryBreakdown(params, grads, optim, acts, stage=stage)
@@ -164,8 +179,9 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     layers = sum(len(c.layers) for c in chunks)
     hf = w.implementation == "hf-llama"
     transient = 0.0
+    sparse = any(w.model.is_moe_block(i) for c in chunks for i in c.layers)  # the larger block, when any
     if st.remat in ("full", "every-k") and layers:
-        transient += block_bytes(w.model, x, "none", hf)  # the block being recomputed
+        transient += block_bytes(w.model, x, "none", hf, sparse, st.ep)  # the block being recomputed
     elif st.remat == "selective" and layers:
         transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, "selective", hf)
     if any(c.last for c in chunks):
@@ -181,6 +197,11 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     used = params + grads + optim + acts + transient + buffers
     return MemoryBreakdown(params, grads, optim, acts, transient, buffers, ALLOCATOR_MARGIN * used + RESERVED_BYTES,
                            stage=stage)
+
+
+def dp_per_node(st: Strategy, gpu: Gpu) -> int:
+    """dp ranks inside one node (the mesh puts tp innermost, then dp): dp_intra of the node axes."""
+    return max(1, min(st.dp, gpu.gpus_per_node // st.tp))
 
 
 def rank_memory(w: Workload, st: Strategy, gpu: Gpu = CPU) -> MemoryBreakdown:

@@ -2,14 +2,15 @@
 
 The space: tp over divisors of the GPU count that fit in a node and divide the heads (and kv
 heads, and the MLP width); pp over divisors of what is left, at most the layer count; dp the
-rest, dividing the global batch; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
+rest, dividing the global batch; for a mixture of experts ep over the divisors of dp that divide
+the expert count; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
 checkpointing none / selective / every-k (one block in two) / full - the fastest that fits wins,
 so full recomputation is chosen only when nothing cheaper fits; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
 interleaved (2 virtual stages when the layers divide). Sequence parallelism is on whenever
 tp > 1 (same traffic as plain tensor parallelism, less memory). Any knob fixed by the caller
 is not searched.
 
-The answer names the best strategy and, for every other (dp, tp, pp, zero) family, its best
+The answer names the best strategy and, for every other (dp, tp, pp, ep, zero) family, its best
 member with the reason it loses: memory short by how much, or slower by how much and where
 the time goes (bubble, tensor-parallel or data-parallel communication, recomputation).
 """
@@ -44,7 +45,7 @@ class Candidate:
         st = self.strategy
         mem = self.memory.as_dict()
         return {
-            "dp": st.dp, "tp": st.tp, "pp": st.pp, "zero": st.zero, "microbatches": st.microbatches,
+            "dp": st.dp, "tp": st.tp, "pp": st.pp, "ep": st.ep, "zero": st.zero, "microbatches": st.microbatches,
             "activation_checkpointing": st.remat, "schedule": st.schedule if st.pp > 1 else None,
             "virtual_stages": st.virtual_stages, "sequence_parallel": st.sequence_parallel,
             "precision": st.precision,
@@ -83,8 +84,9 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None,
                          precision: str = "bf16") -> list[Strategy]:
-    """Every strategy of the space for `gpus` GPUs; `fixed` pins knobs (dp, tp, pp, zero,
-    microbatches, remat, schedule, virtual_stages, sequence_parallel)."""
+    """Every strategy of the space for `gpus` GPUs; `fixed` pins knobs (dp, tp, pp, ep, zero,
+    microbatches, remat, schedule, virtual_stages, sequence_parallel). ep (a mixture of experts only)
+    runs over the divisors of dp that divide the expert count."""
     fixed = fixed or {}
     m = w.model
     out = []
@@ -102,7 +104,9 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                 continue
             per_rank = w.global_batch // dp
             zeros = fixed["zero"] if "zero" in fixed else (range(4) if dp > 1 else [0])
-            for zero in [zeros] if isinstance(zeros, int) else zeros:
+            eps = [e for e in _divisors(dp) if m.experts and m.experts % e == 0] or [1]
+            eps = [e for e in eps if e == fixed["ep"]] if "ep" in fixed else eps
+            for zero, ep in product([zeros] if isinstance(zeros, int) else zeros, eps):
                 if "microbatches" in fixed:
                     mbs = [fixed["microbatches"]] if per_rank % fixed["microbatches"] == 0 else []
                 else:
@@ -118,7 +122,7 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                     out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
                                         schedule=schedule, virtual_stages=v,
                                         sequence_parallel=fixed.get("sequence_parallel", tp > 1),
-                                        precision=precision, remat_every=fixed.get("remat_every", 2)))
+                                        precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep))
     return out
 
 
@@ -149,9 +153,10 @@ def shortfall(c: Candidate, gpu: Gpu) -> str:
 
 def components(t: StepTime) -> dict[str, float]:
     """The step time split into the terms of the "why" column (they add up to the step time)."""
-    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s - t.recompute_s - t.pp_comm_s
+    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s - t.recompute_s - t.pp_comm_s - t.ep_comm_s
     return {"compute": compute, "recomputation": t.recompute_s, "pipeline bubble": t.bubble_s,
             "tensor-parallel communication": t.tp_comm_s, "pipeline communication": t.pp_comm_s,
+            "expert-parallel all-to-all": t.ep_comm_s,
             "exposed data-parallel/ZeRO communication": t.dp_exposed_s, "optimizer update": t.optimizer_s}
 
 
@@ -179,7 +184,7 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
     for st in strategies:
         mem = rank_memory(w, st, gpu)
         fits = mem.total <= gpu.memory_bytes
-        key = (st.dp, st.tp, st.pp, st.zero)
+        key = (st.dp, st.tp, st.pp, st.ep, st.zero)
         held = families.get(key)
         if not fits:  # keep the smallest non-fitting member until a fitting one shows up
             if held is None or (not held.fits and mem.total < held.memory.total):

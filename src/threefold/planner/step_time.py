@@ -15,12 +15,11 @@ The pipeline's makespan comes from `threefold.pipeline.simulate` when that modul
     interleaved   m (F + B) + (p - 1) (F + B) / v
     zb-h1         m (F + B) + (p - 1) (F + B - 2 W)       W = weight-gradient half of B
 
-Data parallelism: gradients (in the precision's gradient bytes) are all-reduced bucket by bucket
-during the last micro-batch's backward, so only what exceeds that backward is exposed. ZeRO-1
-reduce-scatters the same way and all-gathers the updated parameters after the step (exposed);
-ZeRO-2 must reduce-scatter after every micro-batch (its gradients are sharded), each hidden
-behind that micro-batch's backward; ZeRO-3 also all-gathers each layer's parameters before its
-forward and its backward (prefetched, hidden behind compute when compute is longer).
+Mixtures of experts (planner/moe.py): a sparse block's MLP work (replicated over tp without
+sequence parallelism) and, under expert parallelism, its all-to-alls on the critical path.
+
+Data-parallel and ZeRO traffic, and how much of it is exposed: planner/dp_comm.py (also local
+SGD / DiLoCo meetings, quantized ZeRO-3 communication and hpZ).
 The optimizer update is memory-bound: ~32 bytes per local parameter over HBM bandwidth.
 """
 
@@ -30,11 +29,13 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from . import comm
-from .compute import (block_forward_flops_per_token, executed_attention_share, head_forward_flops_per_token,
+from .compute import (blocks_forward_flops_per_token, executed_attention_share, head_forward_flops_per_token,
                       recomputed_forward_flops_per_token, step_flops)
+from .dp_comm import data_parallel
 from .hardware import Gpu
-from .memory import bytes_per_param, compute_bytes
-from .workload import Strategy, Workload, rank_parameters, stage_layers
+from .memory import compute_bytes
+from .moe import all_to_all_seconds, routed_rows, sparse_mlp_flops_per_token
+from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # Adam: read master, m, v, grad; write master, m, v, compute copy
 
@@ -53,6 +54,7 @@ class StepTime:
     optimizer_s: float
     total_s: float
     simulated: bool  # pipeline makespan from the schedule simulator
+    ep_comm_s: float = 0.0  # per step on the critical stage: expert-parallel all-to-all (dispatch, combine)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,20 +105,40 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float,
 # ------------------------------------------------------------------ one step
 
 
+def _sparse_layers(w: Workload, st: Strategy, stage: int) -> int:
+    return sum(w.model.is_moe_block(i) for c in rank_chunks(w.model, st.pp, stage, _chunks(st)) for i in c.layers)
+
+
 def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float, float, float]:
     """(forward, backward, weight-gradient part of backward, recomputation part of backward) compute
-    seconds of one micro-batch."""
+    seconds of one micro-batch. A sparse block's MLP is whole on every tp rank: without sequence
+    parallelism each tp rank computes it for all its tokens (planner/moe.py)."""
     m, s = w.model, w.seq_len
     layers = stage_layers(m, st.pp, _chunks(st))[stage]
+    sparse = _sparse_layers(w, st, stage)
     tokens = st.micro_batch_size(w) * s
     share = executed_attention_share(w.attention)  # what the attention kernel really computes
-    fwd = layers * block_forward_flops_per_token(m, s, share)
+    fwd = blocks_forward_flops_per_token(m, s, layers, sparse, share)
     if stage == st.pp - 1:
         fwd += head_forward_flops_per_token(m)
-    recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every, share)
-    rate = gpu.flops(st.precision) * gpu.compute_efficiency * st.tp
-    f = tokens * fwd / rate
-    return f, tokens * (2 * fwd + recompute) / rate, tokens * fwd / rate, tokens * recompute / rate
+    recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every, share, sparse)
+    rate = gpu.flops(st.precision) * gpu.compute_efficiency
+    replicated = sparse * sparse_mlp_flops_per_token(m, s) if st.tp > 1 and not st.sequence_parallel else 0.0
+    f = tokens * ((fwd - replicated) / st.tp + replicated) / rate
+    per_flop = f / (tokens * fwd)  # seconds per counted FLOP of this stage
+    return f, tokens * (2 * fwd + recompute) * per_flop, f, tokens * recompute * per_flop
+
+
+def _ep_comm(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float]:
+    """Expert-parallel all-to-all seconds of one micro-batch's (forward, backward) on a stage: dispatch
+    and combine per sparse block, again for a recomputed forward."""
+    sparse = _sparse_layers(w, st, stage)
+    if st.ep == 1 or not sparse:
+        return 0.0, 0.0
+    rows = routed_rows(w.model, st.micro_batch_size(w), w.seq_len, st.tp, st.sequence_parallel)
+    one = all_to_all_seconds(rows, w.model, compute_bytes(st.precision), st.ep, st.tp, gpu)
+    redo = {"full": 1.0, "every-k": 1 / max(1, st.remat_every)}.get(st.remat, 0.0)
+    return 2 * sparse * one, (2 + 2 * redo) * sparse * one
 
 
 def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, float]:
@@ -142,32 +164,6 @@ def _p2p(w: Workload, st: Strategy, gpu: Gpu) -> float:
     return v * comm.point_to_point(nbytes, link)
 
 
-def _data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,
-                   forward_s: float) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
-    if st.dp == 1:
-        return 0.0, 0.0
-    count = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st))
-    _, grad_bytes, _ = bytes_per_param(st.precision)
-    param_bytes = compute_bytes(st.precision)
-    link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)
-    grads = count.trainable * grad_bytes
-    params = count.total * param_bytes
-    m = st.microbatches
-    if st.zero == 0:
-        t = comm.all_reduce(grads, st.dp, link)
-        return t, max(0.0, t - backward_s)
-    rs = comm.reduce_scatter(grads, st.dp, link)
-    ag = comm.all_gather(params, st.dp, link)
-    if st.zero == 1:
-        return rs + ag, max(0.0, rs - backward_s) + ag
-    if st.zero == 2:
-        return m * rs + ag, m * max(0.0, rs - backward_s) + ag
-    # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
-    exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag + rs - backward_s))
-    return m * (2 * ag + rs), exposed
-
-
 def _chunks(st: Strategy) -> int:
     return st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
 
@@ -179,22 +175,25 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     for stage in sorted({0, heaviest, st.pp - 1}):  # the embedding, the most blocks, the head
         f, b, wgrad, redo = _stage_compute(w, st, gpu, stage)
         layers = stage_layers(w.model, st.pp, _chunks(st))[stage]
-        tp_f, tp_b = _tp_comm(w, st, gpu, layers)
+        tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage))  # a replicated MoE: no MLP all-reduce
+        ep_f, ep_b = _ep_comm(w, st, gpu, stage)
         p2p = _p2p(w, st, gpu)
-        fwd, bwd = f + tp_f + p2p, b + tp_b + p2p
-        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, 2 * p2p)
+        fwd, bwd = f + tp_f + ep_f + p2p, b + tp_b + ep_b + p2p
+        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, 2 * p2p, ep_f + ep_b)
         best = candidate if best is None or candidate[0] > best[0] else best
-    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p = best
+    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep = best
     v = st.virtual_stages if st.schedule == "interleaved" else 1
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
-    dp_total, dp_exposed = _data_parallel(w, st, gpu, stage, b, f)
-    local = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st)).trainable / (st.dp if st.zero >= 1 else 1)
+    dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st), st.ep)
+    local = ((count.trainable - count.expert) / (st.dp if st.zero >= 1 else 1)
+             + count.expert / (st.edp if st.zero >= 1 else 1))
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s
     total = makespan + dp_exposed + optimizer
     m = st.microbatches
     return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, optimizer, total,
-                    simulated)
+                    simulated, m * ep)
 
 
 def hardware_tflops_per_gpu(w: Workload, st: Strategy, seconds: float) -> float:

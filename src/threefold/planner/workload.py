@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import Config, ModelConfig
-from .moe import expert_parameters, sparse_block_extra, sparse_blocks
+from .moe import expert_parameters, sparse_block_extra, sparse_block_rank_extra, sparse_blocks
 
 IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
 # the attention kernel's work: "flash" (SDPA's fused causal kernels on a GPU skip the masked half of
@@ -29,6 +29,9 @@ class Workload:
     seq_len: int
     implementation: str = "threefold"
     attention: str = "flash"  # ATTENTION_KERNELS: what the attention core executes (time, not model FLOPs)
+    # whether the data-parallel gradient reduction overlaps the last backward (threefold, torch DDP/FSDP,
+    # Megatron-core since 2023) or runs after the pipeline flush (Megatron-LM / DeepSpeed of 2021-22)
+    grad_overlap: bool = True
 
     @property
     def tokens(self) -> int:
@@ -49,10 +52,22 @@ class Strategy:
     precision: str = "bf16"  # fp32 | bf16 | fp16
     remat_every: int = 2
     bucket_mb: float = 25.0
+    ep: int = 1  # expert parallelism, carved out of dp (mixtures of experts only)
+    # slow links (planner/slow_links.py): periodic synchronisation and ZeRO++-style ZeRO-3 communication
+    sync_every: int = 1  # H: replicas meet every H steps (local SGD / DiLoCo); needs zero = 0
+    outer: str = "none"  # none (local SGD) | nesterov (DiLoCo: outer parameters and momentum kept)
+    weight_comm: str = "none"  # ZeRO-3 weight all-gathers: none (compute dtype) | int8 | fp8
+    grad_comm: str = "none"  # ZeRO-3 gradient reduce-scatter: none | int8
+    hpz: bool = False  # ZeRO-3: a secondary weight partition inside the node for the backward all-gather
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """The dp ranks holding the same experts (dp / ep)."""
+        return self.dp // self.ep
 
     def micro_batch_size(self, w: Workload) -> int:
         return w.global_batch // (self.dp * self.microbatches)
@@ -64,6 +79,14 @@ class Strategy:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.schedule == "interleaved" else ""))
         if self.sequence_parallel:
             parts.append("sp")
+        if self.ep > 1:
+            parts.insert(3, f"ep={self.ep}")
+        if self.sync_every > 1:
+            parts.append(f"H={self.sync_every}" + (" diloco" if self.outer == "nesterov" else ""))
+        if self.weight_comm != "none" or self.grad_comm != "none":
+            parts.append(f"qw={self.weight_comm} qg={self.grad_comm}")
+        if self.hpz:
+            parts.append("hpz")
         return " ".join(parts)
 
 
@@ -84,7 +107,9 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
     strategy = Strategy(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, microbatches=cfg.train.microbatches,
                         remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,
                         virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=p.sequence_parallel,
-                        precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb)
+                        precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb, ep=p.ep,
+                        sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
+                        weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm)
     return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len), strategy
 
 
@@ -93,17 +118,19 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters one rank holds: `total` of them, `frozen` not trained (no grads/optimizer)."""
+    """Parameters one rank holds: `total` of them, `frozen` not trained (no grads/optimizer), `expert`
+    of them routed-expert weights (sharded over ep, reduced and ZeRO-sharded over edp = dp / ep)."""
 
     total: float
     frozen: float = 0.0
+    expert: float = 0.0
 
     @property
     def trainable(self) -> float:
         return self.total - self.frozen
 
     def __add__(self, other: "ParamCount") -> "ParamCount":
-        return ParamCount(self.total + other.total, self.frozen + other.frozen)
+        return ParamCount(self.total + other.total, self.frozen + other.frozen, self.expert + other.expert)
 
 
 def _norm_params(m: ModelConfig) -> int:
@@ -208,11 +235,16 @@ def stage_layers(m: ModelConfig, pp: int, v: int = 1) -> list[int]:
     return [sum(len(c.layers) for c in rank_chunks(m, pp, r, v)) for r in range(pp)]
 
 
-def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int, v: int = 1) -> ParamCount:
-    """Parameters held by pipeline rank `stage` (tp shards of every matrix)."""
+def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int, v: int = 1, ep: int = 1) -> ParamCount:
+    """Parameters held by pipeline rank `stage` (tp shards of every matrix; a sparse block's router,
+    shared experts and its experts / ep whole on every tp rank, as parallel/expert.py places them)."""
     chunks = rank_chunks(m, pp, stage, v)
     layers = sum(len(c.layers) for c in chunks)
+    sparse = sum(m.is_moe_block(i) for c in chunks for i in c.layers)
     count = ParamCount(layers * layer_parameters(m, tp).total, layers * layer_parameters(m, tp).frozen)
+    if sparse:
+        extra, expert = sparse_block_rank_extra(m, tp, ep)
+        count = count + ParamCount(sparse * extra, 0.0, sparse * expert)
     if any(c.first for c in chunks):
         count = count + embedding_parameters(m, tp)
     if any(c.last for c in chunks):

@@ -1,0 +1,92 @@
+"""Data-parallel and ZeRO traffic of one step, and what of it is exposed (not hidden behind compute).
+
+Gradients (in the precision's gradient bytes) are all-reduced bucket by bucket during the last
+micro-batch's backward, so only what exceeds that backward is exposed - unless the workload's
+software reduces after the pipeline flush (`Workload.grad_overlap = False`: Megatron-LM and
+DeepSpeed of 2021-22, below), where all of it is. ZeRO-1 reduce-scatters the same way and
+all-gathers the updated parameters after the step (exposed); ZeRO-2 must reduce-scatter after
+every micro-batch (its gradients are sharded), each hidden behind that micro-batch's backward;
+ZeRO-3 also all-gathers each layer's parameters before its forward and its backward (prefetched,
+hidden behind compute when compute is longer).
+
+Mixture of experts: the routed experts' gradients go over edp = dp / ep ranks (1/ep of their
+bytes on each), the dense ones over dp; both on the same port, one after the other.
+
+Slow links (planner/slow_links.py recommends them):
+- `sync_every` H > 1 (local SGD / DiLoCo, parallel/local_sgd.py): no gradient crosses dp between
+  meetings; a meeting is one fp32 all-reduce of the trainable parameters, not overlapped, so a step
+  carries 1/H of it, exposed.
+- ZeRO-3 `weight_comm` int8/fp8 and `grad_comm` int8 (comm/quantize.py, docs/zero.md): 1 byte per
+  value plus one fp32 scale per 256, for the all-gathers and the reduce-scatter (an all-to-all and
+  a local fp32 sum: the same bytes per rank as a reduce-scatter).
+- hpZ: the backward all-gather reads a secondary partition sharded over the dp ranks of one node
+  (ZeRO++, Wang et al. 2023), so it runs on NVLink among them (nothing to gather when a node holds
+  one dp rank); the forward all-gather and the gradient reduce-scatter still cross the network.
+
+Why `grad_overlap = False` for 2021-22 runs: DeepSpeed's pipeline engine issues ReduceTiedGrads,
+ReduceGrads and OptimizerStep after the last micro-batch of its TrainSchedule
+(deepspeed/runtime/pipe/schedule.py), and Megatron-LM's train_step of that time called the local
+DDP's allreduce_gradients after forward_backward_func returned; overlapping the reduction with the
+pipeline's last backward came with Megatron-core's `overlap_grad_reduce` (2023).
+"""
+
+from __future__ import annotations
+
+from . import comm
+from .hardware import Gpu
+from .memory import bytes_per_param, compute_bytes, dp_per_node
+from .workload import Strategy, Workload, rank_parameters
+
+QUANTIZED_BYTES = 1 + 4 / 256  # an 8-bit value and its share of the block's fp32 scale
+MEETING_BYTES = 4  # a local SGD / DiLoCo meeting all-reduces fp32 masters (or deltas)
+
+
+def _chunks(st: Strategy) -> int:
+    return st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
+
+
+def _groups(st: Strategy, dense: float, expert: float) -> list[tuple[float, int]]:
+    """(values, ranks) per reduction group: dense over dp, experts (when any) over edp."""
+    return [(dense, st.dp), (expert, st.edp)] if expert else [(dense, st.dp)]
+
+
+def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,
+                  forward_s: float) -> tuple[float, float]:
+    """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
+    if st.dp == 1:
+        return 0.0, 0.0
+    count = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st), st.ep)
+    _, grad_bytes, _ = bytes_per_param(st.precision)
+    link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)  # an edp group spans the same nodes
+    dense_trainable, expert = count.trainable - count.expert, count.expert
+    trainable = _groups(st, dense_trainable, expert)
+    if st.sync_every > 1:  # periodic meetings: nothing per step, one fp32 all-reduce every H steps
+        t = sum(comm.all_reduce(n * MEETING_BYTES, g, link) for n, g in trainable) / st.sync_every
+        return t, t
+    m = st.microbatches
+    hide = backward_s if w.grad_overlap else 0.0
+    if st.zero == 0:
+        t = sum(comm.all_reduce(n * grad_bytes, g, link) for n, g in trainable)
+        return t, max(0.0, t - hide)
+    wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
+    wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes
+    params = _groups(st, count.total - expert, expert)
+    rs = sum(comm.reduce_scatter(n * (wire_g if st.zero >= 3 else grad_bytes), g, link) for n, g in trainable)
+    ag = sum(comm.all_gather(n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)), g, link)
+             for n, g in params)
+    if st.zero == 1:
+        return rs + ag, max(0.0, rs - hide) + ag
+    if st.zero == 2:
+        return m * rs + ag, m * max(0.0, rs - hide) + ag
+    # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
+    ag_b = _hpz_gather(st, gpu, params) if st.hpz else ag
+    exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag_b + rs - backward_s))
+    return m * (ag + ag_b + rs), exposed
+
+
+def _hpz_gather(st: Strategy, gpu: Gpu, params: list[tuple[float, int]]) -> float:
+    """The backward all-gather from hpZ's secondary partition: over the dp ranks of a node, on NVLink,
+    in the compute dtype (ZeRO++ keeps the secondary copy in 16 bits)."""
+    inside = dp_per_node(st, gpu)
+    link = comm.intra_link(gpu)
+    return sum(comm.all_gather(n * compute_bytes(st.precision), min(g, inside), link) for n, g in params)
