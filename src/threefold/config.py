@@ -198,6 +198,9 @@ class CheckpointConfig:
     resume: str = "none"  # none | auto (newest checkpoint that verifies) | a checkpoint or run directory
     keep: int = 3  # newest checkpoints kept; 0 keeps all
     init_from: str = ""  # a safetensors file of whole model tensors to start from (when not resuming)
+    # also keep each checkpoint's files in the memory of this node's launcher and a peer node's, and
+    # resume from there (checkpoint/peer.py); needs threefold's launcher (--nproc / --nnodes)
+    peer_copy: bool = False
 
 
 @dataclass(frozen=True)
