@@ -69,7 +69,7 @@ class Trainer:
         set_tf32(device, cfg.precision.tf32)
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
-        node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
+        node_size = local_world_size() if cfg.compress.hierarchical or p.zero_hpz else 0  # dp_intra / dp_inter
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
