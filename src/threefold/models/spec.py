@@ -82,6 +82,12 @@ class WeightSource(Protocol):
     def load(self, named_params: list[tuple[str, nn.Parameter]], placements: dict) -> None: ...
 
 
+# In a Hugging Face key (`HFFormat.key_of`), ROW stands for the row index along dimension 0: our
+# parameter is the stack of one checkpoint tensor per row (experts stored one by one, e.g.
+# Mixtral's `experts.{row}.w1.weight`); loading reads those tensors, exporting writes them.
+ROW = "{row}"
+
+
 @dataclass(frozen=True)
 class HFTensor:
     """One tensor of a Hugging Face checkpoint made from parameters of ours (whole, by global name)."""
@@ -89,6 +95,7 @@ class HFTensor:
     key: str
     sources: tuple[str, ...]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # None: the one source as it is
+    row: int | None = None  # the tensor is row `row` (along dimension 0) of its one source
 
 
 @dataclass(frozen=True)
