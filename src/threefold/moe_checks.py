@@ -31,6 +31,9 @@ def validate_experts(c: "Config", dp: int) -> None:
                           f"got {m.experts_top_k}")
     if p.ep < 1:
         raise ConfigError("parallel.ep", f"must be at least 1, got {p.ep}")
+    if m.experts and m.preset.startswith("hf:") and p.pp > 1:  # the reference decoder's experts do run pipelined
+        raise ConfigError("parallel.pp", "a Hugging Face mixture of experts does not run under pipeline parallelism "
+                          "(its load-balancing loss is computed over the whole model, not per stage); use pp=1")
     if p.ep == 1:
         return
     if not m.experts:
