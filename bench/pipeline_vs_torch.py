@@ -5,7 +5,7 @@ stage split, same p and m, same schedule, same micro-batches and initial weights
 median forward+backward time of one step for each and the ratio, and checks that both
 produce the same loss and gradients. A schedule that PyTorch cannot run here prints its error.
 
-    PYTHONPATH=src python bench/pipeline_vs_torch.py [--pp 2] [--microbatches 4] [--steps 5]
+    PYTHONPATH=src python bench/pipeline_vs_torch.py [--pp 2] [--microbatches 4] [--steps 15]
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=7, help="alternating rounds (one step of each side each)")
+    parser.add_argument("--steps", type=int, default=15, help="alternating rounds (one step of each side each)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     args = parser.parse_args()
     from threefold.world import World

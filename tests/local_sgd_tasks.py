@@ -25,19 +25,23 @@ def _lr(step: int, t) -> float:
     return t.lr * t.min_lr_ratio + t.lr * (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def reference_run(overrides: list[str], replicas: int) -> dict:
+def reference_run(overrides: list[str], replicas: int, resume_at: int = 0, resumed_replicas: int = 0) -> dict:
     """`replicas` copies of the model, each with its own AdamW on its slice of the global batch;
-    every-step gradient averaging during train.sync_warmup_steps, then the outer algorithm every H steps."""
+    every-step gradient averaging during train.sync_warmup_steps, then the outer algorithm every H steps.
+    With `resume_at`: after that step, `resumed_replicas` replicas go on, each a copy of replica 0 (its
+    parameters and AdamW state), the outer state kept: a resume under another dp."""
     cfg = make_config(overrides, "unused")
     t = cfg.train
     base = build_model(cfg.model, t.seed)
     sampler = Sampler(load_tokens(cfg.data.source, cfg.model.vocab, t.seed), t.seq_len, t.global_batch, t.seed)
     models = [copy.deepcopy(base) for _ in range(replicas)]
     params = [[p for p in m.parameters() if p.requires_grad] for m in models]
-    optims = [torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": t.weight_decay},
-                                 {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps) for ps in params]
     outer = centre = outer_opt = None
+
+    def make_optimizer(ps: list) -> torch.optim.AdamW:
+        return torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": t.weight_decay},
+                                  {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
+                                 lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
     def start_outer():
         nonlocal outer, centre, outer_opt
@@ -45,9 +49,18 @@ def reference_run(overrides: list[str], replicas: int) -> dict:
         centre = [p.detach().clone() for p in params[0]]
         outer_opt = torch.optim.SGD(outer, lr=t.outer_lr, momentum=t.outer_momentum, nesterov=True)
 
+    optims = [make_optimizer(ps) for ps in params]
     start_outer()
     losses, norms = [], []
     for step in range(1, t.steps + 1):
+        if step == resume_at + 1 and resume_at:  # every new replica starts from replica 0
+            state = optims[0].state_dict()
+            replicas = resumed_replicas
+            models = [copy.deepcopy(models[0]) for _ in range(replicas)]
+            params = [[p for p in m.parameters() if p.requires_grad] for m in models]
+            optims = [make_optimizer(ps) for ps in params]
+            for optim in optims:
+                optim.load_state_dict(copy.deepcopy(state))  # each its own moments
         step_losses = []
         for r, model in enumerate(models):
             batch = sampler.step_batch(step - 1, r, replicas)
@@ -105,6 +118,15 @@ def _meet(t, params, optims, outer, centre, outer_opt) -> None:
                     s.copy_(mean)
 
 
+def _hpz_peak(trainer) -> int:
+    """Elements of the hpZ node-local copy at its largest (0 without hpZ)."""
+    from threefold.parallel.hpz import SecondaryPartition
+    from threefold.parallel.zero3 import Zero3
+
+    sync = trainer.parallel.grad_sync
+    return sync.hpz.peak_numel if isinstance(sync, Zero3) and isinstance(sync.hpz, SecondaryPartition) else 0
+
+
 def train_runs(runs: list[tuple[list[str], str]], local_world_size: int = 0) -> list[dict]:
     """Train each (overrides, out); with `local_world_size` the launcher's nodes are that many processes."""
     from threefold.train.trainer import Trainer
@@ -122,7 +144,8 @@ def train_runs(runs: list[tuple[list[str], str]], local_world_size: int = 0) -> 
                         "comm": [r["comm"] for r in records], "rank": trainer.mesh.global_rank,
                         "replica": trainer.mesh.rank("dp_inter" if trainer.mesh.has_node_axes() else "dp"),
                         "leader": not trainer.mesh.has_node_axes() or trainer.mesh.rank("dp_intra") == 0,
-                        "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}})
+                        "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()},
+                        "placements": dict(trainer.parallel.placements), "hpz_peak": _hpz_peak(trainer)})
     finally:
         if saved is not None:
             os.environ["LOCAL_WORLD_SIZE"] = saved

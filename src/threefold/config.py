@@ -82,6 +82,7 @@ class ParallelConfig:
     # ZeRO-3 communication in 8 bits with a scale per 256 values (comm/quantize.py, docs/zero.md)
     zero_weight_comm: Literal["none", "int8", "fp8"] = "none"  # the weight all-gathers (fp8: e4m3)
     zero_grad_comm: Literal["none", "int8"] = "none"  # the gradient reduce-scatter, as all-to-all + local sum
+    zero_hpz: bool = False  # ZeRO-3's backward re-gathers from a copy sharded inside the node (parallel/hpz.py)
     offload: Literal["none", "optimizer"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
     # the world size dp and train.microbatches are written for; 0 = the actual world. In a smaller
     # world dp shrinks and accumulation grows to keep the global batch (set by --nnodes MIN:MAX)
@@ -198,6 +199,9 @@ class CheckpointConfig:
     resume: str = "none"  # none | auto (newest checkpoint that verifies) | a checkpoint or run directory
     keep: int = 3  # newest checkpoints kept; 0 keeps all
     init_from: str = ""  # a safetensors file of whole model tensors to start from (when not resuming)
+    # also keep each checkpoint's files in the memory of this node's launcher and a peer node's, and
+    # resume from there (checkpoint/peer.py); needs threefold's launcher (--nproc / --nnodes)
+    peer_copy: bool = False
 
 
 @dataclass(frozen=True)

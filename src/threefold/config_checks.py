@@ -95,6 +95,9 @@ def _validate(c: Config, world_size: int) -> Config:
         if value != "none" and p.zero != 3:
             raise ConfigError(key, f"{value} quantizes ZeRO-3's weight all-gathers and gradient reduce-scatters; "
                               f"set parallel.zero=3 (got zero={p.zero}), or {key}=none")
+    if p.zero_hpz and p.zero != 3:
+        raise ConfigError("parallel.zero_hpz", f"hpZ keeps a node-local copy of ZeRO-3's weight shards; set "
+                          f"parallel.zero=3 (got zero={p.zero}), or parallel.zero_hpz=false")
     _validate_debug(c)
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")

@@ -75,7 +75,7 @@ def free_port() -> int:
 
 def launch_local(nproc: int, argv: list[str], port: int | None = None, max_restarts: int = 0,
                  hang_report: Path | None = None, out: Path | None = None, verbose: bool = False,
-                 resume: str = "none", nodes: Nodes | None = None) -> int:
+                 resume: str = "none", nodes: Nodes | None = None, peer_copy: bool = False) -> int:
     """Run `python -m threefold *argv` on `nproc` local processes; returns the exit code.
 
     With `nodes`, this node's agent joins the agents of the other nodes in a c10d rendezvous
@@ -88,6 +88,10 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     and its error on one line and where its log is. A worker that exited with 2 (a user error
     found late, e.g. in a checkpoint) gives 2 and the error's one line. When the hang watchdog
     stopped the world, its report (`hang_report`, written during this launch) follows.
+
+    With `peer_copy`, this launcher holds in memory the checkpoint files its workers and a peer
+    node's workers send it (checkpoint/peer.py: a keeper thread, gone with this process), and
+    tells its workers where (`THREEFOLD_PEER_KEEPER`).
     """
     started = time.time()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -123,6 +127,7 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     if nodes is not None:
         config = _node_config(config, nodes)
     watcher = _AgentWatcher(max_restarts, log_dir, out, resume, quiet=not verbose)
+    keeper = _start_keeper(nodes) if peer_copy else None
     try:
         with watcher:
             elastic_launch(config, entrypoint=sys.executable)("-m", "threefold", *argv)
@@ -149,7 +154,18 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         if hang_report is not None and hang_report.exists() and hang_report.stat().st_mtime >= started - 1:
             print(hang_report.read_text().rstrip(), file=sys.stderr)
         return 1
+    finally:
+        if keeper is not None:
+            keeper.close()
     return 0
+
+
+def _start_keeper(nodes: Nodes | None):
+    from .checkpoint.peer import KEEPER_ENV, start_keeper
+
+    keeper = start_keeper(nodes is None or nodes.on_loopback)
+    os.environ[KEEPER_ENV] = keeper.address
+    return keeper
 
 
 def _node_config(config, nodes: Nodes):

@@ -33,13 +33,13 @@ def run(out: str, deterministic: bool) -> dict:
         before = torch.are_deterministic_algorithms_enabled()
         trainer = Trainer(make_config(RUN + [f"train.deterministic={str(deterministic).lower()}"], out))
         seen = []
-        one_step = trainer.train_one_step
+        one_step = trainer.launch_step
 
         def probed_step():
             seen.append(_mode_in_force())
             return one_step()
 
-        trainer.train_one_step = probed_step
+        trainer.launch_step = probed_step
         records = trainer.run()
         return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
                 "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()},

@@ -9,6 +9,8 @@ from threefold.comm import Comm, ring_chunk
 from threefold.mesh import Layout, Mesh
 from threefold.models.decoder import build_model
 from threefold.parallel.data import parallelize_data
+from threefold.sharding import Placement
+from threefold.train.step import global_grad_norm
 
 BASE = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32", "train.steps=4", "train.eps=1e-6"]
 
@@ -50,6 +52,39 @@ def unused_parameter_on_one_rank() -> list:
         model.loss(model.head(model.norm(x)), tokens).backward()
     reducer.finish()
     return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def norm_of_replicated_gradients() -> dict:
+    """The global norm after a dense sum, computed by each replica alone and summed over dp."""
+    mesh = Mesh(Layout(dp=2), torch.device("cpu"))
+    comm = Comm(mesh)
+    model = build_model(make_config(["model.preset=tiny"], "unused").model, seed=0)
+    reducer = parallelize_data(model, comm)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(mesh.rank("dp")))
+    reducer.zero_grad()
+    with reducer.micro_batch(last=True):
+        (model(tokens, tokens) / 64).backward()
+    reducer.finish()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    placements = [Placement.whole(n, p.shape).replicated("dp") for n, p in named]
+    comm.traffic.take_window()
+    local = global_grad_norm(params, placements, comm, "dp", replicated=reducer.replicated)
+    local_ops = comm.traffic.take_window().get("dp", {})  # collectives issued (a scalar's ring share may be 0 bytes)
+    summed = global_grad_norm(params, placements, comm, "dp", replicated=False)
+    whole = torch.cat([p.grad.flatten() for p in params]).double().norm()
+    return {"replicated": reducer.replicated, "local": local, "summed": summed, "whole": whole,
+            "local_ops": sorted(local_ops), "summed_ops": sorted(comm.traffic.take_window().get("dp", {}))}
+
+
+def test_replicas_take_the_norm_without_a_collective(worlds):
+    """After a dense sum every replica holds the same gradients: the norm needs no sum over dp
+    (as DDP clips locally), and each replica's own value is bitwise the summed one."""
+    for r in worlds(2).run(norm_of_replicated_gradients):
+        assert r["replicated"]
+        assert r["local_ops"] == [] and r["summed_ops"] == ["all_reduce.grad_norm"]
+        assert torch.equal(r["local"], r["summed"])
+        assert abs(float(r["local"]) / float(r["whole"]) - 1) < 1e-6
 
 
 def test_overlap_and_exact_ring_bytes(worlds):

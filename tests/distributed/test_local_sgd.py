@@ -77,3 +77,18 @@ def test_resume_between_syncs_is_bitwise(worlds, tmp_path):
         assert a[0]["losses"][3:] == b[0]["losses"], (a[0]["losses"], b[0]["losses"])
         for k, v in a[0]["params"].items():
             assert (b[0]["params"][k] == v).all(), f"rank {a[0]['rank']}: {k} differs after resuming at step 3"
+
+
+def test_resume_between_syncs_under_another_dp_matches_the_plain_loop(worlds, tmp_path, capsys):
+    """DiLoCo H=4 saved at dp=4 after step 2 (between syncs), resumed at dp=2: each replica restarts from
+    replica 0's parameters and moments with the outer state kept, as the plain loop does."""
+    diloco = BASE + ["train.sync_every=4", "train.outer_optimizer=nesterov", "checkpoint.save_every=2"]
+    first = worlds(4).run(train_runs, [(diloco, str(tmp_path / "a"))])
+    middle = tmp_path / "a" / "checkpoints" / "step-00000002"
+    resumed = worlds(2).run(train_runs, [(diloco + [f"checkpoint.resume={middle}"], str(tmp_path / "b"))])
+    check_against_reference("dp=4", [r[0] for r in first], reference_run(diloco, 4))
+    ref = reference_run(diloco, 4, resume_at=2, resumed_replicas=2)
+    ref["losses"], ref["norms"] = ref["losses"][2:], ref["norms"][2:]
+    line = check_against_reference("resumed at step 2 under dp=2", [r[0] for r in resumed], ref)
+    with capsys.disabled():
+        print(f"\n  {line}")

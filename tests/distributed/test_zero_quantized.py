@@ -1,8 +1,13 @@
 """ZeRO-3 with 8-bit communication (parallel.zero_weight_comm / zero_grad_comm): bytes counted by Comm,
 and the training stays close to the fp32-wire ZeRO-3 run."""
 
+import os
+import subprocess
+import sys
+
 import torch
 
+from tests.e2e.cli import SRC
 from tests.helpers import rel_err
 from tests.local_sgd_tasks import train_runs
 from threefold.comm.quantize import fp8_supported
@@ -68,3 +73,28 @@ def test_quantized_collectives_are_the_exact_ones_to_the_int8_bound(worlds):
         # each contribution is off by at most max|block| / 254; the sum of two contributions twice that
         assert 0 < r["rs"] <= 2 * 4 * r["rs_scale"] / 254, r
         assert 0 < r["ag"] <= r["ag_scale"] / 254 * 1.0001, r
+
+
+FP8_UNSUPPORTED = """
+import sys
+import threefold.parallel
+threefold.parallel.fp8_supported = lambda device: False  # a device whose torch cannot cast to e4m3
+from threefold.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_fp8_on_a_device_without_it_exits_2_with_one_line(tmp_path):
+    """The capability check is patched (this CPU build casts to fp8); the rest is the real command."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    run = subprocess.run([sys.executable, "-c", FP8_UNSUPPORTED, "train", "--model", "tiny", "--steps", "2",
+                          "--global-batch", "2", "--seq-len", "16", "--no-progress", "--out", str(tmp_path),
+                          "--set", "parallel.zero=3", "--set", "parallel.zero_weight_comm=fp8"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0] == ("threefold: error: parallel.zero_weight_comm: this torch cannot cast to float8_e4m3fn on "
+                        "cpu; use parallel.zero_weight_comm=int8"), lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists()

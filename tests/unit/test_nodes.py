@@ -118,3 +118,37 @@ def test_elastic_launch_without_a_layout_for_min_nodes_is_one_line(tmp_path):
     done = threefold(*RUN, "--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--nproc", "2",
                      "--out", str(tmp_path / "r"))
     assert done.returncode == 2 and "pass --resume auto and --save-every N" in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- in-memory checkpoint copies
+
+def test_keeper_serves_what_it_was_sent_and_keeps_the_two_newest_steps():
+    from threefold.checkpoint import peer
+
+    keeper = peer.Keeper()
+    try:
+        for step in (3, 6, 9):
+            peer.put(keeper.address, step, "rank-00001.safetensors", f"{step:064x}", bytes([step]) * 1000)
+        assert peer.get(keeper.address, 9, "rank-00001.safetensors") == bytes([9]) * 1000
+        assert peer.listing(keeper.address, 6) == {"rank-00001.safetensors": {"sha256": f"{6:064x}", "bytes": 1000}}
+        assert peer.listing(keeper.address, 3) == {} and peer.get(keeper.address, 3, "rank-00001.safetensors") is None
+    finally:
+        keeper.close()
+
+
+def test_peer_copies_form_a_ring_over_the_nodes():
+    from threefold.checkpoint.peer import PeerCopies
+
+    keepers = ["a:1", "a:1", "b:1", "b:1", "c:1", "c:1"]  # 3 nodes of 2 ranks, ordered by lowest rank
+    assert [(PeerCopies(r, keepers).mine, PeerCopies(r, keepers).replica) for r in (0, 2, 5)] == \
+        [("a:1", "c:1"), ("b:1", "a:1"), ("c:1", "b:1")]  # node i keeps node i+1's files
+    assert PeerCopies(1, ["a:1", "a:1"]).replica is None  # one node: no peer
+
+
+def test_peer_copy_without_threefolds_launcher_is_one_line():
+    from threefold.checkpoint.peer import PeerCopies
+    from threefold.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.peer_copy: the in-memory copies are held by threefold's "
+                                          "launcher; start the job with threefold train --nproc"):
+        PeerCopies.local_address({})

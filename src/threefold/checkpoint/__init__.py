@@ -7,6 +7,7 @@
     reader.py        universal load: read only the overlapping slices
     verify.py        checksums, completeness, which checkpoint to resume from
     checkpointer.py  the distributed orchestration (save / resume / load)
+    peer.py          in-memory copies on this node's and a peer node's launcher (checkpoint.peer_copy)
     export.py        one Hugging Face-style safetensors file: export and import
     command.py       `threefold ckpt inspect | verify | export`
 """

@@ -4,10 +4,14 @@ Collectives (small int64 all-reduces over tp, dp and pp in turn, i.e. over the w
 only on the training thread, at save and resume time: a background writer never communicates,
 so it cannot interleave with the training's collectives. Rank 0 learns that the other ranks
 finished writing from their part records on the shared file system.
+
+With `peer_copy`, every written file also goes to the in-memory keepers of this node and of a
+peer node (peer.py), and a resume reads the files they hold from memory rather than storage.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from ..comm import Comm
 from ..mesh import AXES, EXPERT_AXES, Mesh
 from .format import CheckpointError, Manifest, partial_dir_name, read_manifest
+from .peer import MemoryFiles, PeerCopies
 from .reader import load_entries
 from .state import TrainingState, capture_rng, restore_rng
 from .verify import find_checkpoint_dir, verify_files
@@ -27,7 +32,7 @@ from .writer import BackgroundWriter, complete_checkpoints, finalize, remove_par
 
 class Checkpointer:
     def __init__(self, root: Path, mesh: Mesh, comm: Comm, keep: int = 3, async_save: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, peer_copy: bool = False):
         self.root = Path(root)
         self.mesh = mesh
         self.comm = comm
@@ -45,6 +50,11 @@ class Checkpointer:
         self._guarded_states: list = []  # rank states whose in-place updates wait for the snapshot
         self.last_stall_s = 0.0  # how long the last save() held up training
         self.last_write_s = 0.0  # how long the last save's writing took (in the background when async)
+        # checkpoint.peer_copy: the keepers of this world (every rank's node's launcher), and the
+        # in-memory files of the checkpoint the resume chose
+        self.peers = PeerCopies(self.rank, self._gather_text(PeerCopies.local_address(os.environ))) \
+            if peer_copy else None
+        self._memory: MemoryFiles | None = None
 
     def _agree(self, value: int, op=dist.ReduceOp.MIN) -> int:
         """The reduction of `value` over the whole world (also a barrier)."""
@@ -52,6 +62,15 @@ class Checkpointer:
         for axis in ("tp", "dp", "pp"):
             self.comm.all_reduce(t, axis, op=op, tag="checkpoint")
         return int(t.item())
+
+    def _gather_text(self, text: str, width: int = 256) -> list[str]:
+        """Every rank's `text` (at most `width` bytes), by global rank: a sum of one-row tables."""
+        raw = text.encode()[:width]
+        t = torch.zeros(self.world_size, width, dtype=torch.int64, device=self.mesh.device)
+        t[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        for axis in ("tp", "dp", "pp"):
+            self.comm.all_reduce(t, axis, tag="checkpoint")
+        return [bytes(v for v in row if v).decode(errors="replace") for row in t.cpu().tolist()]
 
     # ------------------------------------------------------------------ save
 
@@ -83,6 +102,8 @@ class Checkpointer:
             ready = (self.mesh.device, torch.cuda.Event())
             ready[1].record()
         staging = self._staging if self.async_save else None
+        peers = self.peers
+        copy = None if peers is None else (lambda name, sha256, data: peers.send(step, name, sha256, data))
         rank, world_size, keep, timeout_s, staged = self.rank, self.world_size, self.keep, self.timeout_s, self._staged
 
         def job():
@@ -91,7 +112,7 @@ class Checkpointer:
                 pieces = snapshot(entries, self.coords, staging, ready)
             finally:
                 staged.set()
-            write_rank(partial, rank, pieces, rng, kill_midway)
+            write_rank(partial, rank, pieces, rng, kill_midway, copy)
             if rank == 0:
                 finalize(partial, step, world_size, meta, keep, timeout_s)
             self.last_write_s = time.perf_counter() - begin
@@ -166,19 +187,57 @@ class Checkpointer:
         return None
 
     def _verify_share(self, ckpt: Path) -> tuple[list[str], bool]:
-        """(problems found by this rank, whether every rank finds them: manifest-level)."""
+        """(problems found by this rank, whether every rank finds them: manifest-level). Files
+        that every rank sees in the keepers' memory are verified when they are read instead."""
         try:
             manifest = read_manifest(ckpt)
         except CheckpointError as e:
             return [str(e)], True
-        names = sorted(manifest.files)[self.rank::self.world_size]
-        return verify_files(ckpt, manifest, names), False
+        names = sorted(manifest.files)
+        if self.peers is not None:
+            self._memory = self._agreed_memory(ckpt, manifest)
+            names = [n for n in names if n not in self._memory.where]
+        return verify_files(ckpt, manifest, names[self.rank::self.world_size]), False
+
+    def _agreed_memory(self, ckpt: Path, manifest: Manifest) -> MemoryFiles:
+        """The files the keepers hold, as every rank sees them (the storage check must not miss one)."""
+        memory = self.peers.files_of(ckpt, manifest)
+        names = sorted(manifest.files)
+        held = torch.tensor([int(n in memory.where) for n in names] or [0], dtype=torch.int64,
+                            device=self.mesh.device)
+        for axis in ("tp", "dp", "pp"):
+            self.comm.all_reduce(held, axis, op=dist.ReduceOp.MIN, tag="checkpoint")
+        agreed = {n for n, h in zip(names, held.tolist()) if h}
+        memory.where = {n: a for n, a in memory.where.items() if n in agreed}
+        return memory
 
     def load(self, ckpt: Path, state: TrainingState) -> Manifest:
         """Fill this rank's parameters, optimizer state, RNG and extra state from `ckpt`."""
         manifest = read_manifest(ckpt)
-        load_entries(ckpt, manifest.tensors, state.entries_to_load(manifest))
+        memory, self._memory = self._memory, None
+        memory = memory if memory is not None and memory.ckpt == Path(ckpt) else None
+        load_entries(ckpt, manifest.tensors, state.entries_to_load(manifest), source=memory)
+        if memory is not None:
+            self._report_sources(Path(ckpt), memory)
         if self.rank in manifest.rng:  # ranks that did not exist when it was written keep the seeded RNG
             restore_rng(manifest.rng[self.rank], self.mesh.device)
         state.load_extra(manifest.extra)
         return manifest
+
+    def _report_sources(self, ckpt: Path, memory: MemoryFiles) -> None:
+        """Rank 0 says where the files came from and, when an in-memory copy could not be used,
+        gives one warning line for the world (the first such file of the lowest rank that had one)."""
+        counts = torch.tensor([memory.from_memory, memory.from_storage, len(memory.fallbacks)], dtype=torch.int64,
+                              device=self.mesh.device)
+        for axis in ("tp", "dp", "pp"):
+            self.comm.all_reduce(counts, axis, tag="checkpoint")
+        from_memory, from_storage, fallbacks = counts.tolist()
+        reasons = [r for r in self._gather_text(memory.fallbacks[0] if memory.fallbacks else "") if r] \
+            if fallbacks else []
+        if self.rank == 0 and reasons:
+            more = f" (and {fallbacks - 1} more)" if fallbacks > 1 else ""
+            print(f"threefold: warning: checkpoint.peer_copy: the in-memory copy of {reasons[0]}{more}; "
+                  "read from storage instead", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            print(f"threefold: loaded {ckpt.name}: {from_memory} file reads from peer memory, {from_storage} from "
+                  "storage", file=sys.stderr, flush=True)

@@ -6,13 +6,17 @@ mapped; only the bytes of the overlap are touched) and copy it into the local st
 The layout the checkpoint was written with never matters: only boxes do.
 
 The source is an index {tensor name: TensorInfo} - a checkpoint's manifest, or the header of a
-single Hugging Face-style safetensors file of full tensors (`index_of_file`).
+single Hugging Face-style safetensors file of full tensors (`index_of_file`). A `FileSource`
+may supply some files' tensors from memory (peer.py: the in-memory copies of a checkpoint);
+the others are read from the directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,15 +29,62 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-class SliceReader:
-    """Open safetensors files of one directory on demand; read boxes of stored slices."""
+_DTYPE_CODES = {getattr(torch, name): code for code, name in _SAFETENSORS_DTYPES.items()}
 
-    def __init__(self, directory: Path):
+
+class FileSource(Protocol):
+    """Tensors of a checkpoint file from elsewhere than the directory (verified by the source)."""
+
+    def open(self, name: str) -> Mapping[str, torch.Tensor] | None:
+        """The file's tensors by key, or None: read it from the directory."""
+
+
+class _TensorSlice:
+    """A loaded tensor behind safetensors' slice interface."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        return _DTYPE_CODES.get(self.tensor.dtype, str(self.tensor.dtype))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+class _LoadedFile:
+    """A file's tensors already in memory, behind safetensors' `safe_open` interface."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_slice(self, key: str) -> _TensorSlice:
+        if key not in self.tensors:
+            raise SafetensorError(f"no tensor {key}")
+        return _TensorSlice(self.tensors[key])
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.get_slice(key).tensor
+
+
+class SliceReader:
+    """Open safetensors files of one directory on demand (or take them from `source`); read
+    boxes of stored slices."""
+
+    def __init__(self, directory: Path, source: FileSource | None = None):
         self.directory = Path(directory)
+        self.source = source
         self._stack = contextlib.ExitStack()
         self._open: dict[str, object] = {}
 
     def _handle(self, file: str):
+        if file not in self._open and self.source is not None:
+            tensors = self.source.open(file)
+            if tensors is not None:
+                self._open[file] = _LoadedFile(tensors)
         if file not in self._open:
             path = self.directory / file
             try:
@@ -74,14 +125,15 @@ class SliceReader:
 
 @torch.no_grad()
 def load_entries(directory: Path, index: dict[str, TensorInfo], entries: list[Entry],
-                 missing_ok: tuple[str, ...] = ()) -> list[str]:
+                 missing_ok: tuple[str, ...] = (), source: FileSource | None = None) -> list[str]:
     """Fill every entry from the index; returns the names of entries absent from it.
 
     An entry whose name starts with one of `missing_ok` may be absent (e.g. optimizer state in
     an exported model file); any other absence, or a global shape that differs, is an error.
+    `source` supplies files from memory (the others are read from `directory`).
     """
     absent = []
-    with SliceReader(directory) as reader:
+    with SliceReader(directory, source) as reader:
         for entry in entries:
             info = index.get(entry.name)
             if info is None:

@@ -108,8 +108,11 @@ def _write_json_atomic(path: Path, payload: str) -> None:
 
 
 def write_rank(partial: Path, rank: int, pieces: list[SavedPiece], rng: dict[str, str],
-               kill_midway: Callable[[], None] | None = None) -> None:
-    """Write this rank's file and part record into the partial directory."""
+               kill_midway: Callable[[], None] | None = None,
+               copy: Callable[[str, str, bytes], None] | None = None) -> None:
+    """Write this rank's file and part record into the partial directory. With `copy`, the
+    file is serialized in memory, written, and its bytes handed to `copy(name, sha256, bytes)`
+    (peer.py: the in-memory copies) before the part record marks the file done."""
     record = {"rank": rank, "file": None, "tensors": [], "rng": rng}
     if pieces:
         name = data_file_name(rank)
@@ -122,11 +125,21 @@ def write_rank(partial: Path, rank: int, pieces: list[SavedPiece], rng: dict[str
                 f.flush()
                 os.fsync(f.fileno())
             kill_midway()
-        save_file(tensors, str(path), metadata={"format": "pt"})
-        os.chmod(path, partial.stat().st_mode & 0o666)  # safetensors creates 0600; follow the umask like the rest
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        record["file"] = {"name": name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        if copy is None:
+            save_file(tensors, str(path), metadata={"format": "pt"})
+            os.chmod(path, partial.stat().st_mode & 0o666)  # safetensors creates 0600; follow the umask like the rest
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            sha256 = file_sha256(path)
+        else:
+            blob = save(tensors, metadata={"format": "pt"})  # the same bytes save_file writes
+            with open(path, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            sha256 = hashlib.sha256(blob).hexdigest()
+            copy(name, sha256, blob)
+        record["file"] = {"name": name, "bytes": path.stat().st_size, "sha256": sha256}
         record["tensors"] = [{"name": p.name, "global_shape": list(p.global_shape), "dtype": DTYPE_NAMES[p.data.dtype],
                               "key": piece_key(p.name, p.offsets), "offsets": list(p.offsets),
                               "shape": list(p.data.shape)} for p in pieces]

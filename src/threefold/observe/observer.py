@@ -118,6 +118,13 @@ class Observer:
 
     # ------------------------------------------------------------ steps
 
+    @property
+    def checks_each_step(self) -> bool:
+        """Whether step_end works on the step's own figures and state (the trainer then reads each
+        step before launching the next)."""
+        d = self.cfg.debug
+        return bool(self.gathering or self.trace is not None or d.replica_check_every or d.fingerprint_every)
+
     def step_begin(self, step: int) -> None:
         self.step = step
         self._t0 = time.monotonic()

@@ -45,6 +45,7 @@ from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
 from .data import DataParallelReducer, parallelize_data
 from .expert import ExpertParallelSync, shard_experts
+from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
 from .materialise import materialise
@@ -160,7 +161,7 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "
                           "use parallel.zero_weight_comm=int8")
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
-                      grad_comm=p.zero_grad_comm)
+                      grad_comm=p.zero_grad_comm, hpz=secondary_partition(comm, pipelined) if p.zero_hpz else NO_HPZ)
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None
 

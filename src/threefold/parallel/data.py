@@ -102,6 +102,11 @@ class DataParallelReducer:
         """Nothing to gather: every rank holds its parameters whole."""
 
     @property
+    def replicated(self) -> bool:
+        """Whether every dp rank ends `finish()` with bitwise the same gradients (the dense sum)."""
+        return self.hook.replicated
+
+    @property
     def applies_momentum(self) -> bool:
         """Whether the hook applies the optimizer's momentum before the exchange (DGC's correction)."""
         return self.hook.applies_momentum

@@ -29,6 +29,7 @@ class GradSync(Protocol):
     """Gradient communication over dp: plain data parallelism (data.py) or a ZeRO stage (zero.py, zero3.py)."""
 
     applies_momentum: bool  # the exchange already applied the optimizer's momentum (DGC's correction)
+    replicated: bool  # after finish() every dp rank holds bitwise the same whole gradients
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager: ...  # around one backward
 
@@ -57,6 +58,7 @@ class HooklessSync:
     stages, whose only compression is a 16-bit wire, and expert parallelism)."""
 
     applies_momentum = False
+    replicated = False  # shards (ZeRO) or expert gradients: the norm sums over dp
     kind = "this gradient sync"  # named in the error below
 
     def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

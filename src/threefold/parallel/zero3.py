@@ -63,6 +63,7 @@ from torch import nn
 from ..comm import Comm
 from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..sharding import Placement
+from .hpz import NO_HPZ, NoPartition
 from .master import Piece
 from .model import HooklessSync
 
@@ -126,8 +127,9 @@ class Zero3(HooklessSync):
     kind = "ZeRO-3"
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
-                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none"):
-        self.model, self.comm, self.axis = model, comm, axis
+                 prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
+                 hpz: NoPartition = NO_HPZ):
+        self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
@@ -222,15 +224,15 @@ class Zero3(HooklessSync):
     def _start_gather(self, unit: Unit) -> None:
         if unit.state != "sharded" or not unit.params:
             return
-        if self.weight_comm != "none":  # 8 bits and a scale per block on the wire, into a staging buffer
+        if not (from_copy := self._in_backward and self.hpz.ready(unit)) and self.weight_comm != "none":
             buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
             handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
-        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage
-            buffer = None
+        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage (hpZ's
+            buffer = None  # backward: the forward's values from the node-local copy, over dp_intra only)
             for sp in unit.params:
                 sp.full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
-            handle = self.comm.all_gather_many([sp.padded for sp in unit.params],
-                                               [sp.shard.detach() for sp in unit.params], self.axis)
+            handle = self.hpz.gather(unit) if from_copy else self.comm.all_gather_many(
+                [sp.padded for sp in unit.params], [sp.shard.detach() for sp in unit.params], self.axis)
         unit.gather, unit.state = (buffer, handle), "gathering"
         self.whole_numel += self.unit_numel(unit)
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
@@ -273,6 +275,7 @@ class Zero3(HooklessSync):
             self._unshard(unit)
         if self._in_backward or hooked is self.root:  # recomputation inside backward: already whole
             return
+        self.hpz.keep(hooked.needs, torch.is_grad_enabled())  # hpZ: for the backward's gather
         self._order_now.append(hooked)
         if self.prefetch and hooked in self._order:
             position = self._order.index(hooked)

@@ -22,10 +22,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..comm import Comm
 from ..observe.memory import SavedTensorMeter
+from . import backward_split
 from .adapter import PipelineAdapter
 from .schedules import COMM, Schedule
 from .stage import RankModule, Stage
@@ -36,10 +36,10 @@ from .timeline import COMPUTE_KINDS, Event
 class MicroState:
     """What one (stage, micro-batch) keeps between its forward and its backward."""
 
-    out: torch.Tensor  # stage output (or scaled loss on the last stage), still in the graph
-    inp: torch.Tensor | None  # leaf input whose gradient goes to the previous stage
-    embed_out: torch.Tensor | None = None  # first stage, split backward: embedding output in the graph
+    out: torch.Tensor | None  # stage output (or scaled loss on the last stage), in the graph until its backward
+    inp: torch.Tensor | None  # leaf input whose gradient goes to the previous stage (None: first stage)
     groups: list = field(default_factory=list)  # saved for the weight gradient (split backward)
+    grad: torch.Tensor | None = None  # first stage, split backward: the output gradient W starts from
     nbytes: int = 0  # activation bytes autograd saved for backward
 
 
@@ -72,10 +72,10 @@ class ModuleCompute:
         self.held = 0
 
     def _weights(self, stage: Stage, state: MicroState) -> list[torch.nn.Parameter]:
-        """The trainable leaves the stage's graph uses (not its input; the embedding, behind the
-        detached input, gets its gradient separately). Read from the graph rather than from the
-        modules: a strategy may hold other objects in the modules between uses (ZeRO-3's shards
-        while the graph refers to the whole parameters). The same objects serve every micro-batch."""
+        """The trainable leaves a split stage's graph uses (not its input). Read from the graph
+        rather than from the modules: a strategy may hold other objects in the modules between uses
+        (ZeRO-3's shards while the graph refers to the whole parameters). The same objects serve
+        every micro-batch."""
         if stage.index not in self._params:
             self._params[stage.index] = graph_leaves(state.out, exclude=state.inp)
         return self._params[stage.index]
@@ -93,18 +93,16 @@ class ModuleCompute:
         return self._forward(stage, x, targets)
 
     def _forward(self, stage: Stage, x: torch.Tensor, targets):
-        embed_out = None
-        if stage.first:
-            embed_out = self.adapter.embed(self.module, x)
-            inp = x = embed_out.detach().requires_grad_()
+        if stage.first:  # the embedding stays in the graph: nothing needs the token ids' gradient
+            inp, x = None, self.adapter.embed(self.module, x)
         else:
             inp = x.requires_grad_()
         for i in stage.layers:
             x = self.module.layer(i)(x)
         if stage.last:
             loss_sum = self.adapter.head_loss(self.module, x, targets)
-            return loss_sum.detach(), MicroState(loss_sum / self.scale, inp, embed_out)
-        return x.detach(), MicroState(x, inp, embed_out)
+            return loss_sum.detach(), MicroState(loss_sum / self.scale, inp)
+        return x.detach(), MicroState(x, inp)
 
     def _sync(self):
         # every backward accumulates locally; the gradient sync runs once after the schedule
@@ -113,27 +111,32 @@ class ModuleCompute:
     def backward(self, stage, state: MicroState, grad):
         with self._sync():
             torch.autograd.backward(state.out, grad)
-            if state.embed_out is not None:
-                torch.autograd.backward(state.embed_out, state.inp.grad)
         self.held -= state.nbytes
         return None if stage.first else state.inp.grad
 
     def backward_input(self, stage, state: MicroState, grad):
-        # autograd.grad to the stage input only; the graph pieces the weight gradients need
-        # are kept in `groups` (torch.distributed.pipelining's input/weight split)
+        # the stage input's gradient only; what the weight gradients need is kept in `groups`
+        # (backward_split.py). The first stage sends no input gradient: nothing waits for its I,
+        # so its W runs the whole backward and the split's extra work is skipped (as torch's
+        # schedules do)
+        if stage.first:
+            state.grad = grad
+            return None
         with self._sync():
-            dinputs, state.groups = stage_backward_input(
-                [state.out], None if grad is None else [grad], [state.inp], iter(self._weights(stage, state)))
-        return None if stage.first else dinputs[0]
+            self._weights(stage, state)  # ZeRO-3's gather in W needs them; read while the graph is whole
+            dinput, state.groups = backward_split.backward_input(state.out, grad, state.inp)
+        state.out = None  # the groups keep what W needs of the graph
+        return dinput
 
     def backward_weight(self, stage, state: MicroState) -> None:
+        if stage.first:
+            self.backward(stage, state, state.grad)
+            return
         weights = self._weights(stage, state)
         with self._sync():
             if self.grad_sync is not None:  # ZeRO-3: no module hook runs here, the weights must be whole
                 self.grad_sync.gather_for(weights)
-            stage_backward_weight(iter(weights), state.groups)
-            if state.embed_out is not None:
-                torch.autograd.backward(state.embed_out, state.inp.grad)
+            backward_split.backward_weight(state.groups)
         state.groups = []
         self.held -= state.nbytes
 

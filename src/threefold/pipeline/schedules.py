@@ -14,7 +14,8 @@ An `Action` is (kind, stage, micro-batch):
     SEND_B   stage s sends the gradient of its input to stage s - 1       (after I/B(s))
     RECV_B   stage s posts the receive of its output gradient from s + 1  (before I/B(s))
 
-Generators decide only the order of compute actions; `add_communication` derives the
+Generators decide only the order of compute actions; `add_aligned_communication` (posting.py,
+what `build_schedule` uses) or `add_communication` (the latest-receive posting) derives the
 point-to-point actions from it. Sends and receive postings never block (they are async in
 the runtime); a compute waits for the data it needs. Two ranks exchange messages in FIFO
 order (no tags), so receives from one peer are posted in the order that peer sends them -
@@ -127,12 +128,13 @@ def compute_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The complete schedule (compute and communication) of `name` for p ranks, m micro-batches.
 
-    The interleaved schedule's crossing traffic needs aligned posting (posting.py) to be free of
-    deadlock under NCCL's rules; the others keep the latest-receive posting, which passes them.
+    Every schedule uses aligned posting (posting.py): free of deadlock under NCCL's rules (the
+    interleaved schedule's crossing traffic deadlocks with the latest-receive posting), and each
+    receive is posted as soon as its message is under way in lock-step, not just before its
+    consumer, so the transfer overlaps the compute in between instead of delaying the consumer.
     """
     orders = compute_orders(name, p, m, v)
-    place = add_aligned_communication if name == "interleaved" else add_communication
-    return Schedule(name, p, m, v, tuple(tuple(r) for r in place(orders, p, v)))
+    return Schedule(name, p, m, v, tuple(tuple(r) for r in add_aligned_communication(orders, p, v)))
 
 
 # ---------------------------------------------------------------- communication

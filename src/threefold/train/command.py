@@ -24,7 +24,8 @@ OPTION_KEYS = {
     "data": "data.source", "out": "run.out", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
     "mtbf_hours": "checkpoint.mtbf_hours",
 }
-FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic"}
+FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic",
+             "peer_checkpoint": "checkpoint.peer_copy"}
 _NOTES = {  # what a default or a value means, where the type alone does not say
     "parallel.dp": "0 = world / (tp x pp)", "parallel.ep": "expert parallelism: ep ranks of dp share the experts",
     "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
@@ -140,7 +141,8 @@ def _launch(cfg, args: argparse.Namespace) -> int:
     out = Path(cfg.run.out)
     (out / "config.toml").write_text(cfg.to_toml())
     return launch_local(args.nproc, ["train", "--config", str(out / "config.toml")], args.port,
-                        args.max_restarts, out=out, verbose=args.verbose, resume=cfg.checkpoint.resume)
+                        args.max_restarts, out=out, verbose=args.verbose, resume=cfg.checkpoint.resume,
+                        peer_copy=cfg.checkpoint.peer_copy)
 
 
 def _claim_in_launched_world(cfg, overwrite: bool):

@@ -53,7 +53,8 @@ def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[st
         raise ConfigError("run.out", "a multi-node job needs --out, the same run directory on every node "
                           "(a shared file system keeps checkpoints in one place)")
     return launch_local(nproc, argv, None, args.max_restarts, out=Path(cfg.run.out),
-                        verbose=args.verbose, resume=cfg.checkpoint.resume, nodes=nodes)
+                        verbose=args.verbose, resume=cfg.checkpoint.resume, nodes=nodes,
+                        peer_copy=cfg.checkpoint.peer_copy)
 
 
 def check_elastic(cfg, max_restarts: int) -> None:

@@ -44,19 +44,25 @@ class StepResult:
 
 
 def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
-                     dp_axis: str | None = "dp") -> torch.Tensor:
+                     dp_axis: str | None = "dp", replicated: bool = False) -> torch.Tensor:
     """sqrt of the sum of squares of every distinct gradient element of the global model.
 
     Each rank adds the gradients it owns - a copy replicated over an axis counts only at that
     axis's coordinate 0 - and the partial sums are added over every mesh axis, so shards,
     stages and replicas of any layout give the single-device norm. `dp_axis` stands for dp:
     between the syncs of local SGD a replica's own norm is over its inner axis (or none).
+
+    `replicated`: the gradient sync left bitwise the same whole gradients on every dp rank (a
+    dense sum). Then every rank adds them all itself and nothing is summed over dp - one
+    collective less per step, as DDP's replicas clip locally - with the value the sum over dp
+    gives (coordinate 0's partial sum plus zeros).
     """
     mesh = comm.mesh
+    local_dp = dp_axis == "dp" and replicated and all("dp" in place.replicated_over for place in placements)
 
     def owns(axis: str) -> bool:
         if axis == "dp":
-            return dp_axis is None or mesh.rank(dp_axis) == 0
+            return dp_axis is None or local_dp or mesh.rank(dp_axis) == 0
         return mesh.rank(axis) == 0
 
     owned = [p.grad for p, place in zip(params, placements)
@@ -65,7 +71,7 @@ def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], co
     sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
     if owned:
         sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
-    for axis in ("tp", "pp", dp_axis):
+    for axis in ("tp", "pp", None if local_dp else dp_axis):
         if axis is not None:
             comm.all_reduce(sumsq, axis, tag="grad_norm")
     return sumsq.sqrt()
@@ -107,7 +113,7 @@ class TrainStep:
         loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, scale)
         self.grad_sync.finish()
         params, placements = self.optimizer.prepare_grads(1.0 / scale)
-        norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis)
+        norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
         # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
         found_inf = ~torch.isfinite(norm)
         if self.scaler is not None:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,8 +31,22 @@ from .autosave import AutoSave
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
 from .rundir import run_directory, update_run
-from .step import TrainStep
+from .step import StepResult, TrainStep
 from .summary import print_summary
+
+
+@dataclass
+class LaunchedStep:
+    """A step issued to the device whose figures are not read yet (`Trainer.finish_step`)."""
+
+    step: int
+    result: StepResult
+    loss_sum: torch.Tensor  # the global loss sum (all-reduced over pp and dp), on the device
+    start: float  # perf_counter at its launch
+    local_tokens: int
+    host: dict  # what the host knew at launch: world_size, microbatches, data_wait_s, mem
+    moe: dict | None
+    comm: dict  # the step's bytes by axis and op
 
 
 def share_cpu_threads(device: torch.device) -> None:
@@ -54,7 +69,7 @@ class Trainer:
         set_tf32(device, cfg.precision.tf32)
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
-        node_size = local_world_size() if cfg.compress.hierarchical else 0  # dp_intra / dp_inter axes
+        node_size = local_world_size() if cfg.compress.hierarchical or p.zero_hpz else 0  # dp_intra / dp_inter
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep), device, node_size)
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
@@ -80,12 +95,14 @@ class Trainer:
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
-        self.step = 0  # optimizer steps completed
+        self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
+        self._last_finish = 0.0  # when the previous step's figures were read (perf_counter)
         # State outside parameters and optimizer that checkpoints carry (e.g. {"loss_scaler": scaler}):
         # objects with state_dict() / load_state_dict() of plain JSON values.
         self.stateful: dict[str, object] = dict(self.parallel.stateful)
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.mesh, self.comm, cfg.checkpoint.keep,
-                                         cfg.checkpoint.async_save, cfg.run.collective_timeout_s)
+                                         cfg.checkpoint.async_save, cfg.run.collective_timeout_s,
+                                         cfg.checkpoint.peer_copy)
         self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
         self.resumed_from: Path | None = None
         self._restore()
@@ -147,11 +164,11 @@ class Trainer:
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if dies_here else None  # halfway through its file
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
 
-    def _save_due(self) -> bool:
+    def _save_due(self, step: int) -> bool:
         if self.autosave is not None:
-            return self.autosave.due(self.step)
+            return self.autosave.due(step)
         every = self.cfg.checkpoint.save_every
-        return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
+        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
     def _save(self) -> None:
         """Save; under save_every=auto, time the stall and set the next save from the advice."""
@@ -185,7 +202,7 @@ class Trainer:
         grads = storage_bytes(self.parallel.grad_tensors())
         states = storage_bytes(self.optimizer.state_tensors())
         optim, offloaded = (0, states) if self.optimizer.offload else (states, 0)
-        activations = self.step_fn.meter.peak
+        activations = self.parallel.meter.peak
         peak = params + grads + optim + activations
         if self.mesh.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.mesh.device)
@@ -195,6 +212,12 @@ class Trainer:
         return mem
 
     def train_one_step(self) -> dict:
+        """Run one step and read its figures (the synchronous form of `launch_step` + `finish_step`)."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> LaunchedStep:
+        """Issue the next step: data, forward/backward, sync, update, the loss all-reduce. Nothing is
+        read back to the host; what the host already knows is recorded now (bytes, memory, timing)."""
         cfg = self.cfg
         step = self.step + 1
         self.observer.step_begin(step)
@@ -208,26 +231,63 @@ class Trainer:
             self.faults.stall()
         for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
             self.comm.all_reduce(loss_sum, axis, tag="metrics")
-        # the step's one read back to the host, after everything of the step was issued
-        grad_norm, skipped, loss_scale, loss_total = result.read(loss_sum)
-        elapsed = time.perf_counter() - start
         self.faults.step_end(step)
         self.step = step
+        host = {"world_size": self.mesh.world_size, "microbatches": cfg.train.microbatches, "data_wait_s": data_wait,
+                "mem": self.memory()}
+        moe = self.parallel.router_metrics(self.comm)
+        comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
+        return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
+                            host, moe, comm)
+
+    def finish_step(self, launched: LaunchedStep) -> dict:
+        """Read a launched step's figures (waits for it) and make its metrics record.
+
+        Its time runs from its launch, or from the previous step's finish when it was launched before
+        that one was read, to its own finish: consecutive steps' times add up to the wall time."""
+        step, result = launched.step, launched.result
+        grad_norm, skipped, loss_scale, loss_total = result.read(launched.loss_sum)  # the step's one read
+        now = time.perf_counter()
+        elapsed = now - max(launched.start, self._last_finish)
+        self._last_finish = now
+        h = launched.host
         record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                  "world_size": self.mesh.world_size, "microbatches": cfg.train.microbatches,
-                  "step_time_s": elapsed, "data_wait_s": data_wait, "skipped": bool(skipped), "loss_scale": loss_scale,
-                  "mem": self.memory()}
-        local_tokens = sum(mb.targets.numel() for mb in micro_batches)
-        record.update(self.observer.step_end(step, result.loss_sum, grad_norm, local_tokens))
-        moe = self.parallel.router_metrics(self.comm)
-        if moe is not None:
-            record["moe"] = moe
-        record["comm"] = self.comm.traffic.take_window()
+                  "world_size": h["world_size"], "microbatches": h["microbatches"], "step_time_s": elapsed,
+                  "data_wait_s": h["data_wait_s"], "skipped": bool(skipped), "loss_scale": loss_scale,
+                  "mem": h["mem"]}
+        record.update(self.observer.step_end(step, result.loss_sum, grad_norm, launched.local_tokens))
+        if launched.moe is not None:
+            record["moe"] = launched.moe
+        record["comm"] = launched.comm
+        if self.step == step:  # no step launched since: the bytes sent since its launch (observer's) are its own
+            for axis, ops in self.comm.traffic.take_window().items():
+                for op, n in ops.items():
+                    record["comm"].setdefault(axis, {})[op] = record["comm"].get(axis, {}).get(op, 0) + n
         if self.mesh.world_size > local_world_size():  # several nodes: the bytes of axes that cross them
             record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()
                                          if a in self.inter_node_axes}
         return record
+
+    def _may_defer(self) -> bool:
+        """Whether the step just launched may be read after the next one is launched: nothing needs
+        its figures or this exact state before then (a save, an evaluation, the last step, the
+        debugging tools' per-step checks, an injected fault)."""
+        return not (self.step >= self.cfg.train.steps or self._save_due(self.step)
+                    or (self.evaluator is not None and self.evaluator.due(self.step))
+                    or self.observer.checks_each_step or self.cfg.fault.rank >= 0)
+
+    def _complete(self, record: dict, log: MetricsLog | None) -> None:
+        """After a step's figures are read: evaluation, the metrics line, the checkpoint, when due."""
+        step = record["step"]
+        if self.autosave is not None:
+            self.autosave.record_step(record["step_time_s"])
+        if self.evaluator is not None and self.evaluator.due(step):
+            record.update(self.evaluator())
+        if log is not None:
+            log.write(record)
+        if self._save_due(step):
+            self._save()
 
     def run(self) -> list[dict]:
         """Train to cfg.train.steps; returns every step's record (on every rank)."""
@@ -241,17 +301,18 @@ class Trainer:
         records = []
         self.observer.start()
         try:
+            pending = None  # a launched step whose figures are read after the next step is launched
             while self.step < cfg.train.steps:
-                record = self.train_one_step()
-                records.append(record)
-                if self.autosave is not None:
-                    self.autosave.record_step(record["step_time_s"])
-                if self.evaluator is not None and self.evaluator.due(self.step):
-                    record.update(self.evaluator())
-                if log is not None:
-                    log.write(record)
-                if self._save_due():
-                    self._save()
+                launched = self.launch_step()
+                if pending is not None:  # nothing was due at its step (`_may_defer`)
+                    records.append(self.finish_step(pending))
+                    self._complete(records[-1], log)
+                    pending = None
+                if self._may_defer():
+                    pending = launched
+                    continue
+                records.append(self.finish_step(launched))
+                self._complete(records[-1], log)
             self.parallel.settle()  # the parameters are whole when the run returns
             if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()

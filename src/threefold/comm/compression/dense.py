@@ -14,6 +14,7 @@ from .hook import StatelessHook
 
 
 class DenseHook(StatelessHook):
+    replicated = True  # an all-reduce (flat or through the node axes) leaves one result on every rank
     def __init__(self, wire_dtype: torch.dtype | None = None, hierarchical: bool = False):
         self.wire_dtype = wire_dtype
         self.hierarchical = hierarchical

@@ -17,6 +17,7 @@ from ..collectives import Comm
 
 class CommHook(Protocol):
     applies_momentum: bool  # the exchange applies the optimizer's momentum (DGC's correction)
+    replicated: bool  # after `complete` every rank holds bitwise the same summed gradient
 
     def launch(self, bucket, comm: Comm, axis: str):
         """Start communicating `bucket.buffer`; return an object with wait()."""
@@ -37,6 +38,7 @@ class CommHook(Protocol):
 
 class StatelessHook:
     applies_momentum = False
+    replicated = False  # claimed only by hooks that prove it (the dense sum)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}

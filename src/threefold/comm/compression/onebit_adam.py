@@ -44,6 +44,7 @@ class OneBitAdamHook:
     """Dense gradient sums during warm-up, no gradient traffic afterwards."""
 
     applies_momentum = False
+    replicated = False  # after warm-up each rank keeps its local gradient
 
     def __init__(self, warmup_steps: int, error_feedback: bool = True):
         self.warmup_steps = warmup_steps

@@ -1,0 +1,167 @@
+"""Local SGD and DiLoCo: convergence against the synchronous (dense) run, and the bytes they save.
+
+Trains the same model on the stdlib corpus, same seed, data order and learning-rate schedule, on
+N processes (each a replica), three ways:
+
+    dense        gradients summed over dp every step (the baseline)
+    diloco H=8   inner AdamW alone for 8 steps, then an outer Nesterov step on the averaged delta
+    local H=4    AdamW alone for 4 steps, then the replicas take their average
+
+Prints one row per run: the model bytes this rank sent over dp in the whole run (counted by Comm),
+the ratio to the dense run, the final training loss (mean of the last `--window` steps; 600 steps
+is a whole number of periods of both, so the last one ends on a meeting) and its change against
+the dense run. Writes the curves to bench/out/local_sgd.png and the figures to
+bench/out/local_sgd.json. Each run's results are also kept in bench/out/local_sgd-<run>.json, so
+the runs can be done one per invocation (`--only`) and reported together (`--report`).
+
+    python bench/local_sgd.py [--steps 600] [--nproc 4] [--model tiny] [--outer 0.7:0.9 ...] [--sync-warmup W]
+                              [--only dense diloco local ...] [--report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+TARGET_PCT = {"diloco": 3.0, "local": 5.0}
+
+
+def runs(args) -> dict[str, tuple[str, list[str]]]:
+    """name -> (label, overrides). DiLoCo once per --outer LR:MOMENTUM (default 0.7:0.9, the paper's)."""
+    warm = [f"train.sync_warmup_steps={args.sync_warmup}"] if args.sync_warmup else []
+    after = f", {args.sync_warmup} synchronous steps first" if args.sync_warmup else ""
+    out = {"dense": ("dense (every step)", [])}
+    for pair in args.outer:
+        lr, momentum = pair.split(":")
+        name = "diloco" if pair == "0.7:0.9" and not warm else f"diloco-{lr}-{momentum}-w{args.sync_warmup}"
+        out[name] = (f"DiLoCo H=8 outer {lr}/{momentum}{after}",
+                     ["train.sync_every=8", "train.outer_optimizer=nesterov", f"train.outer_lr={lr}",
+                      f"train.outer_momentum={momentum}", *warm])
+    name = "local" if not warm else f"local-w{args.sync_warmup}"
+    out[name] = (f"local SGD H=4{after}", ["train.sync_every=4", *warm])
+    return out
+
+
+def train_one(overrides: list[str], out: str) -> dict:
+    """On every rank: train; return the losses and this rank's model bytes over dp per step."""
+    from threefold.config import load_config
+    from threefold.train.trainer import Trainer
+
+    cfg = load_config(None, [f"run.out={out}", "run.progress=false", "run.plot=false", *overrides])
+    start = time.perf_counter()
+    records = Trainer(cfg).run()
+    sent = [sum(n for op, n in r["comm"].get("dp", {}).items() if "." not in op) for r in records]
+    return {"losses": [r["loss"] for r in records], "bytes": sent, "seconds": time.perf_counter() - start}
+
+
+def final(losses: list[float], window: int) -> float:
+    tail = losses[-window:]
+    return sum(tail) / len(tail)
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, res in results.items():
+        losses = res["losses"]
+        smooth = [sum(losses[max(0, i - 9): i + 1]) / len(losses[max(0, i - 9): i + 1]) for i in range(len(losses))]
+        ax.plot(range(1, len(losses) + 1), smooth, label=res["label"], linewidth=2.2 if name == "dense" else 1.3,
+                color="black" if name == "dense" else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (10-step mean)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def report(args, base: list[str]) -> None:
+    results = {}
+    for name in runs(args):
+        path = OUT / f"local_sgd-{name}.json"
+        if path.exists():
+            stored = json.loads(path.read_text())
+            if stored["base"] != base:
+                raise SystemExit(f"{path} was trained with other settings; run it again")
+            results[name] = stored
+    if "dense" not in results:
+        raise SystemExit("no dense run to compare with; run --only dense first")
+    title = (f"{args.model}, {args.nproc} processes, {args.steps} steps, global batch {args.global_batch} x "
+             f"{args.seq_len}, stdlib corpus, AdamW lr {args.lr}")
+    print(f"\n{title}; final loss = mean of the last {args.window} steps\n")
+    print(f"{'run':46} {'dp bytes (rank 0)':>18} {'vs dense':>9} {'final loss':>11} {'vs dense':>9} "
+          f"{'target':>8} {'seconds':>8}")
+    dense_bytes, dense_loss = sum(results["dense"]["bytes"]), final(results["dense"]["losses"], args.window)
+    table = []
+    for name, res in results.items():
+        sent, loss = sum(res["bytes"]), final(res["losses"], args.window)
+        kind = name.split("-")[0]
+        row = {"run": name, "label": res["label"], "overrides": res["overrides"], "dp_bytes": sent,
+               "bytes_ratio": dense_bytes / sent, "final_loss": loss, "loss_change_pct": 100 * (loss - dense_loss) / dense_loss,
+               "target_pct": TARGET_PCT.get(kind), "seconds": res["seconds"], "load": res["load"]}
+        row["within_target"] = None if kind == "dense" else abs(row["loss_change_pct"]) <= TARGET_PCT[kind]
+        table.append(row)
+        target = f"{TARGET_PCT[kind]:.0f}%" if kind in TARGET_PCT else ""
+        print(f"{res['label']:46} {sent:>18,} {row['bytes_ratio']:>8.2f}x {loss:>11.4f} "
+              f"{row['loss_change_pct']:>+8.2f}% {target:>8} {res['seconds']:>8.0f}")
+    print("load average (1 min) at the end of each run: " + ", ".join(f"{r['run']} {r['load']:.2f}" for r in table))
+    (OUT / f"{args.tag}.json").write_text(json.dumps({"args": vars(args), "base": base, "table": table,
+                                                    "losses": {k: v["losses"] for k, v in results.items()}}))
+    with open(OUT / f"{args.tag}.csv", "w") as f:
+        f.write("run,dp_bytes,bytes_ratio,final_loss,loss_change_pct,target_pct,within_target,seconds,load\n")
+        for r in table:
+            f.write(f"{r['run']},{r['dp_bytes']},{r['bytes_ratio']:.4f},{r['final_loss']:.6f},"
+                    f"{r['loss_change_pct']:.4f},{r['target_pct'] or ''},{r['within_target']},{r['seconds']:.1f},"
+                    f"{r['load']:.2f}\n")
+    plot(results, OUT / f"{args.tag}.png", title)
+
+
+def main() -> None:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--window", type=int, default=40, help="final loss: mean of this many last steps")
+    parser.add_argument("--set", dest="extra", action="append", default=[], help="extra config overrides")
+    parser.add_argument("--outer", nargs="+", default=["0.7:0.9"], metavar="LR:MOMENTUM",
+                        help="DiLoCo's outer learning rate and Nesterov momentum; one run per pair")
+    parser.add_argument("--sync-warmup", type=int, default=0, help="synchronous steps before the periodic runs")
+    parser.add_argument("--only", nargs="+", help="names of the runs to train now (default: all; see runs())")
+    parser.add_argument("--tag", default="local_sgd", help="name of the report files in bench/out")
+    parser.add_argument("--report", action="store_true", help="only report the stored runs")
+    args = parser.parse_args()
+
+    base = [f"model.preset={args.model}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
+            f"train.seq_len={args.seq_len}", f"train.warmup_steps={args.steps // 20}", f"train.lr={args.lr}",
+            "data.source=stdlib", *args.extra]
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        from threefold.world import World
+
+        with World(args.nproc, timeout_s=3600) as world:
+            for name, (label, overrides) in runs(args).items():
+                if args.only and name not in args.only:
+                    continue
+                res = world.run(train_one, base + overrides, str(OUT / "runs" / f"local_sgd-{name}"))[0]
+                res.update(base=base, label=label, overrides=overrides, load=os.getloadavg()[0])
+                (OUT / f"local_sgd-{name}.json").write_text(json.dumps(res))
+                print(f"  {label}: {res['seconds']:.0f} s, final loss {final(res['losses'], args.window):.4f}",
+                      flush=True)
+    report(args, base)
+
+
+if __name__ == "__main__":
+    main()
