@@ -41,6 +41,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     head_size: int = 0  # attention head size; 0 = hidden / heads (DeepSeek-V3-sized: 96 for 128 heads of 7168)
+    # tokens per piece of the output head + loss (models/loss.py): no logits kept for backward, one extra head
+    # forward; 0 = the whole micro-batch's logits at once
+    loss_chunk: int = 0
     # mixture of experts (models/moe.py, docs/moe.md): experts = 0 is a dense model
     experts: int = 0  # routed experts of each sparse block
     experts_top_k: int = 2  # experts per token: 1 = Switch, 2 = Mixtral
@@ -171,6 +174,7 @@ class TrainConfig:
     outer_lr: float = 0.7  # DiLoCo outer learning rate
     outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
     easgd_alpha: float = 0.0  # > 0: elastic averaging SGD, each replica pulled towards a centre variable
+    compile: bool = False  # torch.compile each block of the model (docs/gpu.md)
 
     @property
     def periodic(self) -> bool:
@@ -232,6 +236,7 @@ class DebugConfig:
     trace: bool = False  # DIR/trace/rank-N.json: Chrome / Perfetto trace of steps and collectives
     dump_params: bool = False  # DIR/params/rank-N.safetensors: final owned parameter boxes (parity)
     comm_semantics: str = "native"  # "nccl": gloo behaves as NCCL does for p2p batches (tests; docs/observe.md)
+    compile_backend: str = "inductor"  # torch.compile backend of train.compile (tests: aot_eager, no code generation)
 
 
 @dataclass(frozen=True)

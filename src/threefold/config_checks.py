@@ -62,6 +62,11 @@ def _validate(c: Config, world_size: int) -> Config:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
+    if m.loss_chunk < 0:
+        raise ConfigError("model.loss_chunk", f"must be at least 0 (0: the whole logits at once), got {m.loss_chunk}")
+    if m.loss_chunk and m.preset.startswith("hf:"):
+        raise ConfigError("model.loss_chunk", "applies to threefold's own decoder; a Hugging Face model (hf:DIR) "
+                          "computes its loss whole: set model.loss_chunk=0")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
     _validate_tensor_parallel(p, m, t)

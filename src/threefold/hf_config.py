@@ -2,17 +2,22 @@
 
 Plain JSON, no torch and no `transformers`: the config (validation, `threefold plan --model
 hf:DIR`, the data pipeline's vocabulary) learns a directory's sizes from here, and the model
-families (models/hf_causal.py, models/hf_gpt2.py) check the directory with the same reader.
+families (models/hf_causal.py, models/hf_gpt2.py, models/hf_moe.py) check the directory with the
+same reader. A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) sets the `model.*` expert keys
+(`MoEShape`), so expert parallelism and the pp / sequence-parallel refusals are checked as for the
+reference decoder; what the adapter does not build is refused here with one line.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", *MOE)
 
 
 def read_config_json(directory: Path) -> dict:
@@ -43,7 +48,7 @@ def model_fields(directory: Path) -> dict:
                 norm="rmsnorm", position="rope", tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 bias=bool(raw.get("attention_bias", False)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 1e4)),
-                init_std=float(raw.get("initializer_range", 0.02)))
+                init_std=float(raw.get("initializer_range", 0.02)), **_moe_fields(raw, directory))
 
 
 def _gpt2_fields(raw: dict) -> dict:
@@ -54,3 +59,58 @@ def _gpt2_fields(raw: dict) -> dict:
                 max_seq=raw.get("n_positions", raw.get("max_position_embeddings", 1024)), mlp="gelu",
                 norm="layernorm", position="learned", tie_embeddings=True, bias=True,
                 norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), init_std=float(raw.get("initializer_range", 0.02)))
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The mixture of experts of a Mixtral / Qwen-MoE config.json: E experts of width `width`, top
+    k, the top-k probabilities renormalised or not (Mixtral always; Qwen `norm_topk_prob`), the
+    sparse layers, the shared expert's width (Qwen2-MoE; 0: none) and the load-balancing loss
+    weight (0 unless `output_router_logits`: the library adds it to the training loss only then)."""
+
+    experts: int
+    top_k: int
+    width: int
+    norm_topk: bool
+    every: int  # layer i is sparse when (i + 1) % every == 0
+    shared_width: int
+    aux_coef: float
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer + 1) % self.every == 0
+
+
+def moe_shape(raw: dict, directory: Path) -> MoEShape | None:
+    """The experts of a config.json (None for a dense architecture)."""
+    arch = raw["architectures"][0]
+    if arch not in MOE:
+        return None
+    where = Path(directory) / "config.json"
+    if arch == "MixtralForCausalLM":
+        every, width, norm_topk = 1, raw["intermediate_size"], True
+    else:
+        if raw.get("mlp_only_layers"):
+            raise UserError(f"{where}: mlp_only_layers={raw['mlp_only_layers']} is not supported (a dense MLP in "
+                            "chosen layers); save the model with mlp_only_layers=[] or use decoder_sparse_step")
+        every = raw.get("decoder_sparse_step", 1)
+        width, norm_topk = raw["moe_intermediate_size"], bool(raw.get("norm_topk_prob", False))
+    if raw.get("router_jitter_noise"):
+        raise UserError(f"{where}: router_jitter_noise={raw['router_jitter_noise']} is not supported (noise drawn "
+                        "per rank); set it to 0")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{where}: hidden_act={act} is not supported for experts; only silu (SwiGLU)")
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    return MoEShape(experts=experts, top_k=raw.get("num_experts_per_tok", 2), width=width, norm_topk=norm_topk,
+                    every=every, shared_width=raw.get("shared_expert_intermediate_size", 0) or 0,
+                    aux_coef=float(raw.get("router_aux_loss_coef", 0.001)) if raw.get("output_router_logits") else 0.0)
+
+
+def _moe_fields(raw: dict, directory: Path) -> dict:
+    """The `model.*` mixture-of-experts fields (config checks, expert parallelism, the planner)."""
+    moe = moe_shape(raw, directory)
+    if moe is None:
+        return {}
+    return dict(experts=moe.experts, experts_top_k=moe.top_k, expert_ffn_hidden=moe.width,
+                shared_experts=round(moe.shared_width / moe.width), moe_every=moe.every, moe_start=moe.every - 1,
+                expert_capacity=0.0, router_aux_weight=moe.aux_coef, router_z_weight=0.0)

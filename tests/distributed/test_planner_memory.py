@@ -35,6 +35,8 @@ CASES = {  # world size -> {id: config overrides}
         "llama-gqa-m2": ["model.preset=tiny-llama", "train.global_batch=4", "train.seq_len=64", "train.microbatches=2"],
         "small-bf16-every-k": ["model.preset=small", "train.global_batch=2", "train.seq_len=64", "precision.compute=bf16",
                                "remat.policy=every-k", "remat.every=3"],
+        "llama-loss-chunk-sequence": ["model.preset=tiny-llama", "train.global_batch=4", "train.seq_len=32",
+                                      "model.loss_chunk=16"],
         # mixtures of experts (dropless: every assignment kept, so the saved bytes are known in advance)
         "moe": ["model.preset=tiny-moe", "train.global_batch=4", "train.seq_len=32"],
         "moe-shared-top1-bf16-m2": ["model.preset=tiny-moe", "train.global_batch=4", "train.seq_len=32",
@@ -74,6 +76,9 @@ CASES = {  # world size -> {id: config overrides}
         "llama-pp2-zb-h1-one-row": ["model.preset=tiny-llama", "model.layers=4", "train.global_batch=4",
                                     "train.seq_len=32", "parallel.pp=2", "train.microbatches=4",
                                     "pipeline.schedule=zb-h1"],
+        "dp2-loss-chunk-rows": [*TINY, "model.loss_chunk=48"],
+        "tp2-sp-loss-chunk": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "model.loss_chunk=32"],
+        "pp2-1f1b-loss-chunk": [*PP, "model.loss_chunk=16"],
     },
     4: {
         "dp4": TINY,

@@ -47,6 +47,7 @@ def test_validate_fills_dp():
     (["train.optimizer=sgd", "train.momentum=0", "train.nesterov=true"], 1, "train.nesterov", "momentum > 0"),
     (["train.nesterov=true"], 1, "train.nesterov", "optimizer=sgd"),
     (["train.lr=0"], 1, "train.lr", "positive"),
+    (["model.loss_chunk=-1"], 1, "model.loss_chunk", "at least 0"),
     (["train.optimizer=sgd", "compress.method=onebit", "compress.warmup_steps=5"], 4, "compress.onebit_adam",
      "train.optimizer=adamw"),
 ])

@@ -79,3 +79,73 @@ def test_grouped_query_attention_through_sdpa_equals_expanded_heads():
     expected = scores.softmax(-1) @ v_all
     got = attn.core(q, k, v)
     assert rel_err(got, expected) < 1e-6
+
+
+def test_loss_in_pieces_equals_cross_entropy_on_the_whole_logits():
+    """models/loss.py against F.cross_entropy on all logits at once (x @ W^T, fp32): the loss and
+    the gradients of the head's input and weight within 1e-6, for pieces along the sequence and
+    along rows; autograd keeps nothing of vocabulary size and the allocation peak is lower."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from threefold.models.loss import TokenCrossEntropy, head_loss, piece_tokens, pieces
+    from threefold.observe.memory import SavedTensorMeter
+
+    torch.manual_seed(0)
+    b, s, h, vocab = 4, 48, 16, 2048
+    head = torch.nn.Linear(h, vocab, bias=False)
+    x0, targets = torch.randn(b, s, h), torch.randint(0, vocab, (b, s))
+
+    def run(chunk):
+        x = x0.clone().requires_grad_()
+        head.weight.grad = None
+        meter = SavedTensorMeter(exclude=[head.weight])
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with meter.measure():
+                loss = (head_loss(head, TokenCrossEntropy(), x, targets, chunk) if chunk is not None else
+                        F.cross_entropy((x @ head.weight.T).flatten(0, 1).float(), targets.flatten(), reduction="sum"))
+            loss.backward()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        live = peak = 0
+        for e in events:
+            live += e.nbytes()
+            peak = max(peak, live)
+        return loss.detach(), x.grad, head.weight.grad.clone(), meter.peak, peak
+
+    ref_loss, ref_dx, ref_dw, ref_saved, ref_peak = run(None)
+    assert ref_saved >= 4 * b * s * vocab
+    for chunk, shape in [(24, (b, 6)), (48, (1, s))]:  # along the sequence, then whole rows
+        assert [xs.shape[:2] for xs, _ in pieces(x0, targets, chunk)] == [shape] * (b * s // (shape[0] * shape[1]))
+        assert piece_tokens(b, s, chunk) == shape[0] * shape[1]
+        loss, dx, dw, saved, peak = run(chunk)
+        assert rel_err(loss, ref_loss) < 1e-6 and rel_err(dx, ref_dx) < 1e-6 and rel_err(dw, ref_dw) < 1e-6, chunk
+        assert saved < 4 * b * s * h + 8 * b * s + 64, (chunk, saved)  # x and the targets (views), no logits
+        assert peak < ref_peak / 2, (chunk, peak, ref_peak)
+    whole, *_ = run(0)
+    assert torch.equal(whole, ref_loss) or rel_err(whole, ref_loss) < 1e-6
+
+
+def test_rms_norm_and_cached_rotary_tables():
+    """nn.RMSNorm against the formula written out (fp32); the rotary tables are computed once per
+    (seq, head size, theta, device), are the formula's, and serve autograd after inference mode."""
+    from threefold.models.decoder import apply_rotary, make_norm, rotary_tables
+
+    cfg = model_cfg("model.preset=tiny-llama")
+    norm = make_norm(cfg)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, cfg.hidden)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * norm.weight
+    assert rel_err(norm(x).detach(), expected.detach()) < 1e-6
+
+    s, d, theta = 11, cfg.head_dim, 1234.0
+    with torch.inference_mode():
+        cos, sin = rotary_tables(s, d, theta)
+    assert rotary_tables(s, d, theta)[0] is cos and rotary_tables(s, d, theta, "cpu")[1] is sin  # cached
+    angles = torch.arange(s, dtype=torch.float64)[:, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    assert torch.equal(cos, angles.cos().float()) and torch.equal(sin, angles.sin().float())
+    q = torch.randn(2, 4, s, d, requires_grad=True)
+    apply_rotary(q, cos, sin).sum().backward()  # tables made under inference mode still serve autograd
+    assert q.grad is not None

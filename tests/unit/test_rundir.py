@@ -112,3 +112,15 @@ def test_bad_inputs_exit_2_with_one_line(args, words, files, capsys):
     assert len(err) == 1 and err[0].startswith("threefold: error: "), err
     assert all(w in err[0] for w in words), err[0]
     assert not (files / "run").exists()  # nothing claimed for a run that never started
+
+
+def test_the_model_hash_ignores_how_the_loss_is_computed():
+    """model.loss_chunk changes no weight: a run resumes with another value, and a run.json written
+    before the key existed still matches."""
+    from threefold.config import load_config
+    from threefold.train.rundir import model_hash
+
+    model = load_config(None, []).to_dict()["model"]
+    older = {k: v for k, v in model.items() if k != "loss_chunk"}
+    assert model_hash(model) == model_hash(older) == model_hash({**model, "loss_chunk": 64})
+    assert model_hash(model) != model_hash({**model, "vocab": 512})

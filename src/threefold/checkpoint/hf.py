@@ -3,12 +3,15 @@
 In (`HFWeights`, `pretrained`): a directory with config.json and `model.safetensors`, or
 sharded `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. Each rank fills
 its local tensors from the boxes its placements hold, read with safetensors' `get_slice`
-straight from the memory-mapped files (reader.py): no rank reads or holds the whole model.
+straight from the memory-mapped files (reader.py): no rank reads or holds the whole model. A
+stacked parameter whose checkpoint keeps one tensor per row (`ROW` in its key: Mixtral's and
+Qwen-MoE's experts) is read row by row, each rank reading only its own experts' tensors.
 
 Out (`export_hf`): a checkpoint's model tensors as the family's `spec.hf` describes them (Hugging
 Face names; for the reference decoder also reordered / fused / transposed: models/reference_hf.py),
 in shards of at most `shard_bytes` with their index, the config.json (with the written dtype)
 and the source's tokenizer files, so `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it.
+Stacked parameters are written one tensor per row, as the library's save_pretrained writes them.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..models.spec import HFFormat, ModelSpec
+from ..models.spec import ROW, HFFormat, HFTensor, ModelSpec
 from ..sharding import Placement
 from .format import DTYPES, CheckpointError, Slice, TensorInfo
-from .pieces import local_pieces
+from .pieces import local_pieces, local_view
 from .reader import _SAFETENSORS_DTYPES, index_of_file, load_entries
 from .state import Entry
 from .verify import find_checkpoint_dir, verify
@@ -81,19 +84,38 @@ class HFWeights:
         for local_name, param in named_params:
             place = placements[local_name]
             key = self.fmt.key_of(place.name)
-            info = index.get(key)
-            if info is None:
-                raise CheckpointError(f"{self.directory}: no tensor '{key}' in the safetensors files (parameter "
-                                      f"{place.name}); the weights do not belong to this config.json")
-            if tuple(info.shape) != tuple(place.global_shape):
-                raise CheckpointError(f"{self.directory / info.slices[0].file}: tensor '{key}' has shape "
-                                      f"{list(info.shape)}, config.json "
-                                      f"implies {list(place.global_shape)}; use the config.json the weights were "
-                                      "saved with")
-            entries.append(Entry(key, param.data, replace(place, name=key)))
+            parts = _row_entries(key, param.data, place) if ROW in key else [Entry(key, param.data,
+                                                                                  replace(place, name=key))]
+            for entry in parts:
+                self._check(index, entry.name, entry.placement.global_shape, place.name)
+            entries += parts
+            info = index[parts[0].name]
             size = torch.empty((), dtype=DTYPES.get(info.dtype, torch.float32)).element_size()
             self.bytes_read += size * sum(p.numel() for p in local_pieces(place))
         load_entries(self.directory, index, entries)
+
+    def _check(self, index: dict[str, TensorInfo], key: str, shape: tuple[int, ...], name: str) -> None:
+        info = index.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.directory}: no tensor '{key}' in the safetensors files (parameter "
+                                  f"{name}); the weights do not belong to this config.json")
+        if tuple(info.shape) != tuple(shape):
+            raise CheckpointError(f"{self.directory / info.slices[0].file}: tensor '{key}' has shape "
+                                  f"{list(info.shape)}, config.json implies {list(shape)}; use the config.json "
+                                  "the weights were saved with")
+
+
+def _row_entries(key: str, local: torch.Tensor, place: Placement) -> list[Entry]:
+    """Entries filling a stacked parameter (held under `place`) from one checkpoint tensor per row
+    of dimension 0 (`key` with ROW): for every held box and row, that row's part of the box."""
+    out = []
+    for piece in local_pieces(place):
+        target = local_view(local, place, piece)
+        for i in range(piece.shape[0]):
+            row_key = key.replace(ROW, str(piece.offsets[0] + i))
+            out.append(Entry(row_key, target[i], Placement(row_key, place.global_shape[1:], piece.offsets[1:],
+                                                           piece.shape[1:])))
+    return out
 
 
 def pretrained(spec: ModelSpec) -> ModelSpec:
@@ -129,6 +151,18 @@ def _whole(ckpt: Path, manifest, name: str) -> torch.Tensor:
     return full
 
 
+def _by_row(tensors: list[HFTensor], manifest) -> list[HFTensor]:
+    """The tensors with every stacked one (a key with ROW) written as one tensor per row."""
+    out = []
+    for t in tensors:
+        if ROW not in t.key:
+            out.append(t)
+            continue
+        rows = manifest.tensors[f"model/{t.sources[0]}"].shape[0]
+        out += [HFTensor(t.key.replace(ROW, str(r)), t.sources, t.combine, row=r) for r in range(rows)]
+    return out
+
+
 def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path, int]:
     """Write checkpoint `path` (verified first) as a Hugging Face model directory `out`; (checkpoint, tensors)."""
     ckpt = find_checkpoint_dir(path)
@@ -142,8 +176,10 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path
     out.mkdir(parents=True, exist_ok=True)
     names = sorted(n[len("model/"):] for n in manifest.tensors if n.startswith("model/"))
     shards, current, size = [], [], 0
-    for hf_tensor in fmt.tensors(names):
+    for hf_tensor in _by_row(fmt.tensors(names), manifest):
         nbytes = sum(_nbytes(manifest.tensors[f"model/{n}"]) for n in hf_tensor.sources)
+        if hf_tensor.row is not None:
+            nbytes //= manifest.tensors[f"model/{hf_tensor.sources[0]}"].shape[0]
         if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = [], 0
@@ -151,12 +187,17 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path
         size += nbytes
     shards.append(current)
     weight_map, dtypes, total = {}, set(), 0
+    last: tuple[tuple[str, ...], list[torch.Tensor]] = ((), [])  # stacked sources serve several rows in a row
     for i, shard in enumerate(shards):
         file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for hf_tensor in shard:  # one shard's tensors in memory at a time
-            parts = [_whole(ckpt, manifest, f"model/{n}") for n in hf_tensor.sources]
+            if last[0] != hf_tensor.sources:
+                last = (hf_tensor.sources, [_whole(ckpt, manifest, f"model/{n}") for n in hf_tensor.sources])
+            parts = last[1]
             full = parts[0] if hf_tensor.combine is None else hf_tensor.combine(parts)
+            if hf_tensor.row is not None:
+                full = full[hf_tensor.row].clone()  # its own storage: safetensors writes whole storages
             tensors[hf_tensor.key] = full
             weight_map[hf_tensor.key] = file
             dtypes.add(full.dtype)

@@ -23,32 +23,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .loss import TokenCrossEntropy, head_loss
 from .moe import MoE
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+__all__ = ["Decoder", "TokenCrossEntropy", "build_model", "causal_forward", "count_parameters", "init_parameters",
+           "initial_value", "make_norm"]
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
+    """torch's own norms: `nn.RMSNorm` runs torch's fused kernel where one exists (CUDA) and its
+    composite (fp32 statistics, normalised value rounded to the input dtype, then the gain, as
+    Hugging Face's Llama does) elsewhere."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden, cfg.norm_eps)
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+_ROTARY_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def rotary_tables(seq: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq, head_dim/2) for rotary position embeddings."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64, device=device), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    """cos and sin of shape (seq, head_dim/2) (fp32) for rotary position embeddings.
+
+    Computed once per (seq, head_dim, theta, device) and shared by every block and every forward
+    (kept outside autograd and inference mode, so one table serves training and evaluation). While
+    torch.compile traces, the tables are computed in the graph instead (nothing is cached)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    key = (seq, head_dim, theta, device)
+    tables = None if torch.compiler.is_compiling() else _ROTARY_CACHE.get(key)
+    if tables is None:
+        with torch.inference_mode(False), torch.no_grad():
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+            angles = torch.outer(torch.arange(seq, dtype=torch.float64, device=device), inv_freq)
+            tables = angles.cos().float(), angles.sin().float()
+        if device.type != "meta" and not torch.compiler.is_compiling():
+            _ROTARY_CACHE[key] = tables
+    return tables
 
 
 def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,13 +153,6 @@ class Embedding(nn.Module):
         return x
 
 
-class TokenCrossEntropy(nn.Module):
-    """Sum over tokens of -log p(target); the trainer divides by the global token count."""
-
-    def forward(self, logits_bsv, targets_bs):
-        return F.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten(), reduction="sum")
-
-
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -168,7 +171,7 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_bs, targets_bs=None):
         """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given."""
-        return causal_forward(self, tokens_bs, targets_bs)
+        return causal_forward(self, tokens_bs, targets_bs, self.cfg.loss_chunk)
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -222,16 +225,16 @@ def count_parameters(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def causal_forward(model: nn.Module, tokens_bs, targets_bs=None):
+def causal_forward(model: nn.Module, tokens_bs, targets_bs=None, loss_chunk: int = 0):
     """The forward every causal family shares: embed, blocks, final norm, head; logits (b, s, vocab),
-    or the summed token loss when `targets_bs` is given."""
+    or the summed token loss when `targets_bs` is given (head and loss in pieces of `loss_chunk`
+    tokens: models/loss.py)."""
     x = model.embed(tokens_bs)
     for block in model.blocks:
         x = block(x)
-    logits = model.head(model.norm(x))
     if targets_bs is None:
-        return logits
-    loss = model.loss(logits, targets_bs)
+        return model.head(model.norm(x))
+    loss = head_loss(model.head, model.loss, model.norm(x), targets_bs, loss_chunk)
     for block in model.blocks:  # the routers' auxiliary losses (models/moe.py), summed as token losses are
         if isinstance(block, Block) and isinstance(block.mlp, MoE):
             loss = loss + block.mlp.aux_sum

@@ -1,5 +1,6 @@
 """Hugging Face decoders of the Llama shape: Llama (2/3 and look-alikes), Mistral, Qwen2, Qwen3
-(and the entry point for GPT-2, models/hf_gpt2.py).
+(and the entry point for GPT-2, models/hf_gpt2.py, and for the mixtures of experts Mixtral and
+Qwen-MoE, models/hf_moe.py).
 
 The modules are the `transformers` classes themselves - the decoder layers, norms, embedding
 and head of `<Family>ForCausalLM`, built from the model directory's config.json - arranged in
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf_config import read_config_json
+from ..hf_config import MOE, read_config_json
 from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
@@ -95,16 +96,22 @@ class HFCausalLM(nn.Module):
         return causal_forward(self, tokens_bs, targets_bs)
 
 
-def hf_plan(config, tp: int) -> TensorPlan:
+def hf_plan(config, tp: int, dense_mlps: tuple[str, ...] | list[str] = ("*",)) -> TensorPlan:
+    """The tensor plan; `dense_mlps` are the layers whose MLP is dense (a mixture of experts,
+    models/hf_moe.py, keeps its sparse MLPs whole on every tp rank)."""
     layer = "blocks.*.layer"
     layers, attributes = llama_layers(config, tp, layer, " in config.json")
+    mlp = {name.rpartition(".mlp.")[2]: style for name, style in layers.items() if ".mlp." in name}
+    layers = {name: style for name, style in layers.items() if ".mlp." not in name}
+    for i in dense_mlps:
+        layers.update({f"blocks.{i}.layer.mlp.{proj}": style for proj, style in mlp.items()})
     qk_norms = (f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm")
     return TensorPlan(
         layers={"embed": VocabEmbedding(config.vocab_size), **layers,
                 "head": VocabHead(config.vocab_size), "loss": VocabLoss(config.vocab_size)},
-        regions=(f"{layer}.self_attn", f"{layer}.mlp", "head"),
+        regions=(f"{layer}.self_attn", *(f"blocks.{i}.layer.mlp" for i in dense_mlps), "head"),
         sequence=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "norm"),
-        partial=qk_norms if config.model_type == "qwen3" else (),
+        partial=qk_norms if config.model_type in ("qwen3", "qwen3_moe") else (),
         attributes=attributes,
         sequence_attributes={"blocks.*": {"seq_parts": tp}},
     )
@@ -127,6 +134,10 @@ def hf_spec(directory: Path, seed: int) -> ModelSpec:
         from .hf_gpt2 import gpt2_spec
 
         return gpt2_spec(directory, config, seed)
+    if config.architectures[0] in MOE:
+        from .hf_moe import moe_spec
+
+        return moe_spec(directory, config, seed)
     tied = {"head.weight": "embed.weight"} if config.tie_word_embeddings else {}
     return ModelSpec(
         family=config.architectures[0],

@@ -15,7 +15,7 @@ def decoder_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
         family="threefold-decoder",
         build=lambda: Decoder(cfg),
         plan=lambda tp: decoder_plan(cfg),
-        adapter=CausalAdapter(tied),
+        adapter=CausalAdapter(tied, cfg.loss_chunk),
         init=lambda name, shape: initial_value(name, shape, seed, cfg),
         tied=tied,
         hf=reference_hf(cfg),

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..plans import TensorPlan
+from .loss import head_loss
 
 
 class PipelineAdapter(Protocol):
@@ -56,8 +57,9 @@ class CausalAdapter:
     first = ("embed",)
     last = ("norm", "head", "loss")
 
-    def __init__(self, tied: dict[str, str] | None = None):
+    def __init__(self, tied: dict[str, str] | None = None, loss_chunk: int = 0):
         self._tied = dict(tied or {})
+        self.loss_chunk = loss_chunk  # tokens per piece of the head + loss (models/loss.py); 0: whole
 
     def tied(self, model: nn.Module) -> dict[str, str]:
         return dict(self._tied)
@@ -67,7 +69,7 @@ class CausalAdapter:
 
     def head_loss(self, module: nn.Module, x_bsh: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
         """Summed token loss (fp32, 0-dim) of the last stage's output."""
-        return module.loss(module.head(module.norm(x_bsh)), targets_bs)
+        return head_loss(module.head, module.loss, module.norm(x_bsh), targets_bs, self.loss_chunk)
 
     def activation_shape(self, model_cfg, tokens_shape: tuple[int, ...]) -> tuple[int, ...]:
         """What flows between stages for a micro-batch of token ids of `tokens_shape`: x_bsh."""
@@ -80,6 +82,12 @@ class WeightSource(Protocol):
     def load(self, named_params: list[tuple[str, nn.Parameter]], placements: dict) -> None: ...
 
 
+# In a Hugging Face key (`HFFormat.key_of`), ROW stands for the row index along dimension 0: our
+# parameter is the stack of one checkpoint tensor per row (experts stored one by one, e.g.
+# Mixtral's `experts.{row}.w1.weight`); loading reads those tensors, exporting writes them.
+ROW = "{row}"
+
+
 @dataclass(frozen=True)
 class HFTensor:
     """One tensor of a Hugging Face checkpoint made from parameters of ours (whole, by global name)."""
@@ -87,6 +95,7 @@ class HFTensor:
     key: str
     sources: tuple[str, ...]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # None: the one source as it is
+    row: int | None = None  # the tensor is row `row` (along dimension 0) of its one source
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ the meta device, so no rank ever holds the whole model:
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
                              (or periodic: local SGD, DiLoCo, EASGD                (parallel/local_sgd.py))
                              (with ep > 1: dense over dp, experts over edp        parallel/expert.py)
+    6. compile               torch.compile of each block (`train.compile`)        (parallel/compile.py)
 
 Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
 model; the pipeline keeps its stages of that model; checkpointing wraps the blocks a rank
@@ -43,6 +44,7 @@ from ..errors import ConfigError
 from ..mesh import Mesh
 from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
+from .compile import apply_compile
 from .data import DataParallelReducer, parallelize_data
 from .expert import ExpertParallelSync, shard_experts
 from .hpz import NO_HPZ, secondary_partition
@@ -91,6 +93,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
                                                                         split is not None, expert_names)
+    # 6. torch.compile of the blocks, last: it traces the hooks every step above installed
+    apply_compile(model, cfg.train.compile, cfg.debug.compile_backend)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic)

@@ -8,12 +8,13 @@ of s tokens, c bytes per compute element (2 in bf16/fp16, 4 in fp32), t tensor-p
 
 threefold's reference decoder, per block:
     norm (x2)   LayerNorm: input c*bsh, mean and rstd 2c*bs (the CPU kernel keeps them in the
-                compute dtype; CUDA in fp32, a difference below 0.1%); RMSNorm (fp32 inside): fp32 input and
-                normalised 8*bsh, rsqrt 4*bs, the weight's fp32 copy 4*h in 16-bit precision.
+                compute dtype; CUDA in fp32, a difference below 0.1%); RMSNorm (`nn.RMSNorm`, fp32
+                inside; torch's composite on the CPU): fp32 input and normalised 8*bsh, rsqrt 4*bs
+                (CUDA's fused kernel keeps less: the input and rsqrt).
                 The norm output (c*bsh) is what the next linear layers save.
     attention   q, k, v as given to SDPA (k, v unexpanded: grouped heads) c*bs*d*(heads + 2 kv_heads)/t, output c*bsh/t,
                 the flash log-sum-exp 4*b*heads*s/t; with RoPE the output is copied for the o
-                projection (c*bsh/t) and each block keeps its cos/sin tables (4*s*d)
+                projection (c*bsh/t); the cos/sin tables (4*s*d) are cached, one pair for all blocks
     mlp         GELU: up output, GELU output 2c*bsf/t; SwiGLU: gate, silu, up, product 4c*bsf/t
 Sequence parallelism (tp > 1): the norms see s/t tokens; each column-parallel linear of a region
 saves its own (b*s, h) copy of the all-gathered input: 3 for q/k/v, 1 (GELU) or 2 (SwiGLU) for
@@ -23,7 +24,9 @@ shared by inputs and targets: a view, so the whole storage counts in every forwa
 saves it; with tp the embedding's masked local ids 8*bs and mask bs), learned positions 8*s,
 the final norm, the fp32 log-probabilities of the loss 4*bsV (vocabulary-parallel: the
 softmax of the local slice 4*bsV/t, local ids 8*bs, mask bs) and the flattened targets (8*bs,
-a copy unless one row).
+a copy unless one row). With the loss in pieces (`model.loss_chunk` < bs, models/loss.py) the
+head and loss are checkpointed: only the head's input (c*bsh, /t under SP) and the targets' rows
+(views) are kept, nothing of vocabulary size.
 
 Hugging Face Llama (`implementation="hf-llama"`, transformers' LlamaForCausalLM with SDPA):
 the same items except that the attention output is
@@ -43,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..models.loss import piece_tokens
 from .moe import sparse_mlp_saved_bytes
 
 
@@ -73,7 +77,7 @@ def norm_items(m: ModelConfig, x: Shape, hf: bool = False) -> float:
         return x.c * tokens * m.hidden + 2 * x.c * tokens  # input, mean and rstd (compute dtype on the CPU)
     if hf:  # fp32 input, rsqrt, the normalised tensor in the compute dtype
         return (4 + x.c) * tokens * m.hidden + 4 * tokens
-    return 8 * tokens * m.hidden + 4 * tokens + (4 * m.hidden if x.c != 4 else 0)  # fp32 normalised, weight copy
+    return 8 * tokens * m.hidden + 4 * tokens  # nn.RMSNorm's composite: fp32 input and normalised, rsqrt
 
 
 def linear_inputs(m: ModelConfig, x: Shape, consumers: int) -> float:
@@ -95,7 +99,6 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
         "qkv": c * bs * d * (heads + 2 * kv),
         "attention_out": c * bs * heads * d * (2 if (rope and not hf) else 1),
         "attention_core": 4 * x.b * heads * x.s,  # log-sum-exp of flash attention
-        "rope_tables": 4 * x.s * d if (rope and not hf) else 0,
         "mlp": (4 if m.mlp == "swiglu" else 2) * c * bs * padded(m.ffn_hidden, t),
     }
 
@@ -136,15 +139,22 @@ def checkpointed_layers(layers: range, policy: str, every: int) -> int:
 def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False,
                  ep: int = 1) -> float:
     """The saved bytes of a run of blocks under `policy` (none | selective | full | every-k)."""
+    k = checkpointed_layers(layers, policy, every) if policy in ("full", "every-k") else 0
+    tables = rope_tables(m, x, hf) if len(layers) > k else 0  # one cached pair, if a block outside remat saves it
     if policy in ("full", "every-k"):
-        k = checkpointed_layers(layers, policy, every)
         kept = [i for i in layers if not (policy == "full" or i % max(1, every) == 0)]
         sparse = sum(m.is_moe_block(i) for i in kept)
         return (k * block_bytes(m, x, "full", hf) + (len(kept) - sparse) * block_bytes(m, x, "none", hf)
-                + sparse * block_bytes(m, x, "none", hf, True, ep))
+                + sparse * block_bytes(m, x, "none", hf, True, ep) + tables)
     sparse = sum(m.is_moe_block(i) for i in layers)
     return ((len(layers) - sparse) * block_bytes(m, x, policy, hf)
-            + (sparse * block_bytes(m, x, policy, hf, True, ep) if sparse else 0.0))
+            + (sparse * block_bytes(m, x, policy, hf, True, ep) if sparse else 0.0) + tables)
+
+
+def rope_tables(m: ModelConfig, x: Shape, hf: bool = False) -> float:
+    """The reference decoder's rotary cos/sin tables (fp32, s x d/2 each): cached, so one pair is
+    saved per forward whatever the number of blocks (models/decoder.py `rotary_tables`)."""
+    return 4 * x.s * m.head_dim if (m.position == "rope" and not hf) else 0
 
 
 def embedding_bytes(m: ModelConfig, x: Shape, rank_rows: int, hf: bool = False) -> float:
@@ -165,7 +175,21 @@ def head_bytes(m: ModelConfig, x: Shape, rank_rows: int, with_rows: bool, hf: bo
     bs = x.bs
     if hf:
         return norm + 4 * bs * m.vocab + 8 * bs + 4  # whole fp32 logits, shifted labels, the weight scalar
+    rows = 8 * rank_rows * (x.s + 1)  # the rank's token rows, when a saved view is the first to reach them
+    if loss_in_pieces(m, x):  # checkpointed pieces (models/loss.py): only their inputs are kept, as views
+        head_input = x.c * (x.bs // x.t if x.sp else x.bs) * m.hidden
+        return norm_items(m, x, hf) + head_input + (rows if with_rows or x.t > 1 else 0)
     if x.t > 1:
         return norm + 4 * bs * padded(m.vocab, x.t) + 9 * bs  # local softmax, local ids, mask
-    targets = 8 * bs if x.b > 1 else (8 * rank_rows * (x.s + 1) if with_rows else 0)
+    targets = 8 * bs if x.b > 1 else (rows if with_rows else 0)
     return norm + 4 * bs * m.vocab + targets + 4
+
+
+def loss_in_pieces(m: ModelConfig, x: Shape) -> bool:
+    """Whether the reference decoder's head and loss run in checkpointed pieces (`model.loss_chunk`)."""
+    return 0 < m.loss_chunk < x.bs
+
+
+def loss_piece_tokens(m: ModelConfig, x: Shape) -> int:
+    """Tokens whose logits exist at once in the loss head: a piece (models/loss.py), or the micro-batch."""
+    return piece_tokens(x.b, x.s, m.loss_chunk, x.sp)

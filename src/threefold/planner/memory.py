@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from ..config import Config
-from .activations import Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes
+from .activations import Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_piece_tokens
 from .hardware import CPU, GiB, Gpu
 from .workload import Chunk, ParamCount, Strategy, Workload, from_config, rank_chunks, rank_parameters
 
@@ -185,7 +185,8 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     elif st.remat == "selective" and layers:
         transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, "selective", hf)
     if any(c.last for c in chunks):
-        transient += (x.c + 8) * x.bs * w.model.vocab / st.tp  # logits, fp32 copy, its gradient
+        # logits, fp32 copy, its gradient: of the whole micro-batch, or of one piece (model.loss_chunk)
+        transient += (x.c + 8) * loss_piece_tokens(w.model, x) * w.model.vocab / st.tp
     buffers = 0.0
     if st.dp > 1:
         buffers += 2 * st.bucket_mb * 2**20  # buckets in flight while the next ones fill

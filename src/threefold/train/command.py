@@ -25,7 +25,7 @@ OPTION_KEYS = {
     "mtbf_hours": "checkpoint.mtbf_hours",
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic",
-             "peer_checkpoint": "checkpoint.peer_copy"}
+             "peer_checkpoint": "checkpoint.peer_copy", "compile": "train.compile"}
 _NOTES = {  # what a default or a value means, where the type alone does not say
     "parallel.dp": "0 = world / (tp x pp)", "parallel.ep": "expert parallelism: ep ranks of dp share the experts",
     "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "

@@ -36,8 +36,13 @@ def run_directory(cfg: Config) -> Path:
     return Path(cfg.run.out)
 
 
+# `[model]` keys that say how the model is computed, not what it is: a run may resume with another value
+NOT_IDENTITY = ("loss_chunk",)
+
+
 def model_hash(model: dict) -> str:
     """The run's identity: a short hash of its `[model]` section (shapes and architecture)."""
+    model = {k: v for k, v in model.items() if k not in NOT_IDENTITY}
     return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16]
 
 
