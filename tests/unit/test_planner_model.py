@@ -152,3 +152,21 @@ def test_a_flash_kernel_is_charged_half_the_causal_attention():
     skipped = 0.5 * 4 * 8192 * m.hidden * (3 + 1) * m.layers * 8 * 8192 / (gpu.flops("bf16") * gpu.compute_efficiency)
     assert dense.total_s - flash.total_s == pytest.approx(skipped, rel=1e-6)
     assert step_flops(Workload(m, 8, 8192, attention="flash"), st) == step_flops(Workload(m, 8, 8192), st)
+
+
+def test_zero1_parameter_gathers_overlap_the_next_forward_only_without_a_pipeline():
+    from threefold.planner.dp_comm import data_parallel
+    from threefold.planner.workload import rank_parameters
+
+    w = Workload(load_config(None, ["model.preset=llama-7b"]).model, 64, 2048)
+    n = rank_parameters(w.model, 1, 1, 0).total
+    link = comm.axis_link(A100, "dp", 1, 16, 16)
+    rs, ag = comm.reduce_scatter(2 * n, 16, link), comm.all_gather(2 * n, 16, link)
+    st = Strategy(dp=16, zero=1, microbatches=4)
+    assert data_parallel(w, st, A100, 0, 0.1, 0.05) == pytest.approx((rs + ag, rs - 0.1 + ag - 0.05))
+    assert data_parallel(replace(w, grad_overlap=False), st, A100, 0, 0.1, 0.05) == pytest.approx((rs + ag, rs + ag))
+    n2 = rank_parameters(w.model, 1, 2, 0).total
+    link2 = comm.axis_link(A100, "dp", 1, 8, 8)
+    st2 = Strategy(dp=8, pp=2, zero=1, microbatches=4)  # the gathers wait right after the step
+    ag2 = comm.all_gather(2 * n2, 8, link2)
+    assert data_parallel(w, st2, A100, 0, 1e9, 1e9)[1] == pytest.approx(ag2)

@@ -4,7 +4,9 @@ Gradients (in the precision's gradient bytes) are all-reduced bucket by bucket d
 micro-batch's backward, so only what exceeds that backward is exposed - unless the workload's
 software reduces after the pipeline flush (`Workload.grad_overlap = False`: Megatron-LM and
 DeepSpeed of 2021-22, below), where all of it is. ZeRO-1 reduce-scatters the same way and
-all-gathers the updated parameters after the step (exposed); ZeRO-2 must reduce-scatter after
+all-gathers the updated parameters after the step: in threefold without pipeline or expert
+parallelism these gathers overlap the next step's first forward (docs/zero.md, Megatron's
+overlap_param_gather), otherwise they are exposed; ZeRO-2 must reduce-scatter after
 every micro-batch (its gradients are sharded), each hidden behind that micro-batch's backward;
 ZeRO-3 also all-gathers each layer's parameters before its forward and its backward (prefetched,
 hidden behind compute when compute is longer).
@@ -74,10 +76,12 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     rs = sum(comm.reduce_scatter(n * (wire_g if st.zero >= 3 else grad_bytes), g, link) for n, g in trainable)
     ag = sum(comm.all_gather(n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)), g, link)
              for n, g in params)
+    # the parameter all-gathers after the step overlap the next forward (threefold without pp or ep)
+    ag_exposed = max(0.0, ag - forward_s) if w.grad_overlap and st.pp == 1 and st.ep == 1 else ag
     if st.zero == 1:
-        return rs + ag, max(0.0, rs - hide) + ag
+        return rs + ag, max(0.0, rs - hide) + ag_exposed
     if st.zero == 2:
-        return m * rs + ag, m * max(0.0, rs - hide) + ag
+        return m * rs + ag, m * max(0.0, rs - hide) + ag_exposed
     # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
     ag_b = _hpz_gather(st, gpu, params) if st.hpz else ag
     exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag_b + rs - backward_s))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from . import comm
 from .hardware import Gpu
+from .memory import dp_per_node
 from .search import Candidate, PlanResult, evaluate
 
 MIN_GAIN = 0.10  # recommend only what is at least 10% faster than the lossless plan
@@ -77,10 +78,12 @@ def _crosses_nodes(c: Candidate, gpu: Gpu) -> bool:
     return st.dp > 1 and comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp).name == gpu.infiniband
 
 
-def _variants(c: Candidate) -> list[tuple[str, object, str]]:
+def _variants(c: Candidate, gpu: Gpu) -> list[tuple[str, object, str]]:
     st = c.strategy
-    if st.zero == 3:
-        return [(name, replace(st, **changes), risk) for name, changes, risk in ZERO3_OPTIONS]
+    if st.zero == 3:  # hpZ needs 2 or more dp ranks per node and more than one node (the runtime refuses otherwise)
+        hpz = 2 <= dp_per_node(st, gpu) < st.dp
+        return [(name, replace(st, **changes), risk) for name, changes, risk in ZERO3_OPTIONS
+                if hpz or not changes.get("hpz")]
     if st.zero == 0:
         return [(f"DiLoCo every {h} steps", replace(st, sync_every=h, outer="nesterov"), _periodic_risk(h, st.dp))
                 for h in PERIODS]
@@ -94,7 +97,7 @@ def advise(result: PlanResult) -> SlowLinkAdvice | None:
     w, gpu, plan = result.workload, result.gpu, result.best
     tried = []
     for c in (c for c in result.candidates if c.fits and _crosses_nodes(c, gpu)):
-        for rank, (name, st, risk) in enumerate(_variants(c)):
+        for rank, (name, st, risk) in enumerate(_variants(c, gpu)):
             v = evaluate(w, st, gpu)
             if v.fits:
                 tried.append((rank, name, v, risk))

@@ -109,7 +109,7 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
                         virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=p.sequence_parallel,
                         precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb, ep=p.ep,
                         sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
-                        weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm)
+                        weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz)
     return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len), strategy
 
 
