@@ -52,3 +52,6 @@ def validate_experts(c: "Config", dp: int) -> None:
         raise ConfigError("compress.method", f"gradient compression does not run with ep={p.ep}: it compresses "
                           "the one gradient exchange over dp, and the experts' gradients are summed over edp apart "
                           "from it; use compress.method=none or --ep 1")
+    if p.zero_hpz:
+        raise ConfigError("parallel.zero_hpz", f"hpZ is not built for ep={p.ep}: the experts' ZeRO-3 shards live on "
+                          "edp, apart from the dense parameters' node-local copy; drop parallel.zero_hpz or use --ep 1")

@@ -120,6 +120,7 @@ def test_moe_presets_match_published_counts(preset):
     (["model.preset=tiny-moe", "parallel.ep=2", "parallel.tp=2"], 2, "parallel.ep"),
     (["model.preset=tiny-moe", "parallel.ep=2", "train.sync_every=4"], 2, "train.sync_every"),
     (["model.preset=tiny-moe", "parallel.ep=2", "compress.method=powersgd"], 2, "compress.method"),
+    (["model.preset=tiny-moe", "parallel.ep=2", "parallel.zero=3", "parallel.zero_hpz=true"], 4, "parallel.zero_hpz"),
 ])
 def test_bad_moe_settings_name_the_key(overrides, world, key):
     with pytest.raises(ConfigError) as err:

@@ -22,9 +22,8 @@ are dequantized into a staging buffer and copied, as they must be).
               parameter of the unit has accumulated its gradient, the gradients are
               reduce-scattered over dp into the persistent gradient shard and the unit is released.
 
-So at most about two units are whole at a time (the running one and the prefetched one; a
-unit whose weights are tied to a later one - the embedding - stays whole in between, one
-more). `peak_whole_numel` records it and the tests assert it.
+So at most about two units are whole at a time (running and prefetched; a tied unit - the
+embedding - stays whole in between, one more): `peak_whole_numel` records it, the tests assert it.
 
 Whole parameters keep their identity between gathers: the storage of each original
 `nn.Parameter` is resized to zero when released and re-allocated when gathered (the autograd
