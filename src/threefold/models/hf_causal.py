@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf_config import MOE, read_config_json
+from ..hf_config import read_config_json
 from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
@@ -128,16 +128,8 @@ def hf_init(config, seed: int):
     return init
 
 
-def hf_spec(directory: Path, seed: int) -> ModelSpec:
-    config = load_hf_config(directory)
-    if config.architectures[0] == "GPT2LMHeadModel":
-        from .hf_gpt2 import gpt2_spec
-
-        return gpt2_spec(directory, config, seed)
-    if config.architectures[0] in MOE:
-        from .hf_moe import moe_spec
-
-        return moe_spec(directory, config, seed)
+def causal_spec(directory: Path, config, seed: int) -> ModelSpec:
+    """A dense Llama-style family (models/registry.py picks the module by architecture)."""
     tied = {"head.weight": "embed.weight"} if config.tie_word_embeddings else {}
     return ModelSpec(
         family=config.architectures[0],

@@ -22,15 +22,25 @@ the primary shard. `peak_numel` records it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from ..comm import Comm
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from .zero3 import Unit
+
+class PaddedParam(Protocol):
+    padded: torch.Tensor  # the whole parameter's padded storage (N x chunk elements)
+
+
+class Unit(Protocol):
+    """What the node-local copy reads of a ZeRO-3 unit (parallel/zero3.py's `Unit`)."""
+
+    index: int
+    params: Sequence[PaddedParam]
+    shard_flat: torch.Tensor  # this rank's shards of the unit, one flat buffer
 
 AXIS = "dp_intra"
 

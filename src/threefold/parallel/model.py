@@ -169,14 +169,6 @@ class ParallelModel:
             optimizer.inner = self.grad_sync.optimizer_for(optimizer.inner)
         return optimizer
 
-    def router_metrics(self, comm) -> dict | None:
-        """The `moe` metrics of the step (parallel/expert.py), None without experts."""
-        from .expert import router_metrics
-
-        if not self.routers:
-            return None
-        return router_metrics(self.module, comm, pipelined=self.pipeline is not None)
-
     # ------------------------------------------------------------ checkpoint state
 
     @property

@@ -26,6 +26,7 @@ from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
+from ..parallel.expert import router_metrics
 from ..parallel.precision import set_tf32
 from .autosave import AutoSave
 from .evaluate import Evaluator
@@ -235,7 +236,8 @@ class Trainer:
         self.step = step
         host = {"world_size": self.mesh.world_size, "microbatches": cfg.train.microbatches, "data_wait_s": data_wait,
                 "mem": self.memory()}
-        moe = self.parallel.router_metrics(self.comm)
+        moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
+            if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
                             host, moe, comm)
