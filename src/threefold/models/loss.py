@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .loss_pieces import piece_tokens  # noqa: F401  (the size `pieces` cuts; torch-free for the planner)
+
 Head = Callable[[torch.Tensor], torch.Tensor]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,15 +59,6 @@ def pieces(x_bsh: torch.Tensor, targets_bs: torch.Tensor, chunk: int) -> list[tu
         return [(x_bsh[i:i + step], targets_bs[i:i + step]) for i in range(0, rows, step)]
     step = max(1, chunk // rows)  # every row, a stretch of the sequence
     return [(x_bsh[:, i:i + step], targets_bs[:, i:i + step]) for i in range(0, seq, step)]
-
-
-def piece_tokens(rows: int, seq: int, chunk: int, sequence_sharded: bool = False) -> int:
-    """Tokens of the largest piece `pieces` cuts a (rows, seq) micro-batch into (the planner's term)."""
-    if chunk <= 0 or rows * seq <= chunk:
-        return rows * seq
-    if sequence_sharded or chunk >= seq:
-        return min(rows, max(1, chunk // seq)) * seq
-    return rows * min(seq, max(1, chunk // rows))
 
 
 class TokenCrossEntropy(nn.Module):

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..models.loss import piece_tokens
+from ..models.loss_pieces import piece_tokens
 from .moe import sparse_mlp_saved_bytes
 
 
