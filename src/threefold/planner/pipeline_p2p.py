@@ -1,8 +1,8 @@
 """Pipeline point-to-point: what one micro-batch's exchanges between stages cost a stage.
 
-The software that runs the pipeline decides it (`Workload.pipeline_p2p`, one of P2P_KINDS):
+The software that runs the pipeline decides it (`Workload.pipeline_p2p`, one of workload.PIPELINE_P2P):
 
-- "batched" (threefold, Megatron-core): each exchange posts its send and its receive together
+- "batched" (threefold, the default): each exchange posts its send and its receive together
   (batch_isend_irecv), so a forward and a backward each wait for one transfer of the stage's
   boundary tensor (b, s, h) as the stage holds it: whole, or 1/tp of it under sequence
   parallelism.

@@ -21,7 +21,7 @@ IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference 
 # matrix is computed and masked: Megatron-LM / DeepSpeed / metaseq of 2021-2022)
 ATTENTION_KERNELS = ("flash", "dense")
 # how the pipeline's stages exchange activations and gradients (planner/pipeline_p2p.py): "batched"
-# (threefold, Megatron-core), "scatter-gather" (Megatron-LM of 2021-22), "deepspeed" (DeepSpeed's
+# (threefold), "scatter-gather" (Megatron-LM of 2021-22), "deepspeed" (DeepSpeed's
 # PipelineEngine: blocking sends and receives one after the other, tensors partitioned over tp)
 PIPELINE_P2P = ("batched", "scatter-gather", "deepspeed")
 
