@@ -66,6 +66,14 @@ def _validate(c: S, world_size: int) -> S:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
+    if m.vocab_multiple < 1:
+        raise ConfigError("model.vocab_multiple", f"must be at least 1 (1: no padding), got {m.vocab_multiple}")
+    if m.vocab_multiple > 1 and m.preset.startswith("hf:"):
+        raise ConfigError("model.vocab_multiple", "applies to threefold's own decoder; a Hugging Face model (hf:DIR) "
+                          "keeps its config.json's vocabulary: set model.vocab_multiple=1")
+    if m.vocab_multiple > 1 and m.padded_vocab % p.tp:
+        raise ConfigError("model.vocab_multiple", f"pads model.vocab={m.vocab} to {m.padded_vocab} rows, which "
+                          f"parallel.tp={p.tp} does not divide; use a vocab_multiple that is a multiple of tp")
     if m.loss_chunk < 0:
         raise ConfigError("model.loss_chunk", f"must be at least 0 (0: the whole logits at once), got {m.loss_chunk}")
     if m.loss_chunk and m.preset.startswith("hf:"):

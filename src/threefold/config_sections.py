@@ -34,6 +34,9 @@ class ModelConfig:
     # tokens per piece of the output head + loss (models/loss.py): no logits kept for backward, one extra head
     # forward; 0 = the whole micro-batch's logits at once
     loss_chunk: int = 0
+    # embedding and head rows padded to a multiple of this (the published presets: 128); the real vocabulary
+    # stays `vocab`, the padded columns never count in the loss and are cut from the logits users see
+    vocab_multiple: int = 1
     # mixture of experts (models/moe.py, docs/moe.md): experts = 0 is a dense model
     experts: int = 0  # routed experts of each sparse block
     experts_top_k: int = 2  # experts per token: 1 = Switch, 2 = Mixtral
@@ -44,6 +47,11 @@ class ModelConfig:
     expert_capacity: float = 0.0  # capacity factor per sequence (tokens dropped past it); 0 = dropless
     router_aux_weight: float = 0.01  # load-balancing loss weight (per sequence, Switch's E * sum f_e P_e)
     router_z_weight: float = 0.001  # router z-loss weight (mean logsumexp(logits)^2)
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and the head: `vocab` rounded up to a multiple of `vocab_multiple`."""
+        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def head_dim(self) -> int:

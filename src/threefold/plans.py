@@ -95,9 +95,11 @@ class VocabHead:
 
 @dataclass(frozen=True)
 class VocabLoss:
-    """Token cross-entropy (sum) on vocabulary-split logits: never gathers them."""
+    """Token cross-entropy (sum) on vocabulary-split logits: never gathers them. `real`: the ids that
+    are tokens when `vocab` counts padded rows (`model.vocab_multiple`); 0 = all of them."""
 
     vocab: int
+    real: int = 0
 
 
 @dataclass(frozen=True)

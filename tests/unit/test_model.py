@@ -13,10 +13,11 @@ def model_cfg(*overrides):
 
 def test_published_parameter_counts():
     for preset, published in PUBLISHED_PARAMS.items():
-        count = count_parameters(model_cfg(f"model.preset={preset}"))
+        count = count_parameters(model_cfg(f"model.preset={preset}"), padded=False)
         assert abs(count - published) / published < 0.01, (preset, count, published)
-    assert count_parameters(model_cfg("model.preset=gpt2-124m")) == 124_439_808  # exact
-    assert count_parameters(model_cfg("model.preset=llama-7b")) == 6_738_415_616  # exact
+    assert count_parameters(model_cfg("model.preset=gpt2-124m"), padded=False) == 124_439_808  # exact
+    assert count_parameters(model_cfg("model.preset=gpt2-124m")) == 124_439_808 + 47 * 768  # 50304 rows
+    assert count_parameters(model_cfg("model.preset=llama-7b"), padded=False) == 6_738_415_616  # exact
 
 
 def test_init_depends_only_on_seed_and_name():

@@ -143,7 +143,7 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.tok = nn.Embedding(cfg.padded_vocab, cfg.hidden)
         self.pos = nn.Embedding(cfg.max_seq, cfg.hidden) if cfg.position == "learned" else None
 
     def forward(self, tokens_bs):
@@ -160,8 +160,8 @@ class Decoder(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.layers))
         self.norm = make_norm(cfg)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.loss = TokenCrossEntropy()
+        self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
+        self.loss = TokenCrossEntropy(cfg.vocab if cfg.padded_vocab > cfg.vocab else None)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -170,8 +170,17 @@ class Decoder(nn.Module):
             self.head.weight = self.embed.tok.weight
 
     def forward(self, tokens_bs, targets_bs=None):
-        """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given."""
-        return causal_forward(self, tokens_bs, targets_bs, self.cfg.loss_chunk)
+        """Logits (b, s, vocab), or the summed token loss when `targets_bs` is given.
+
+        The rows padding the vocabulary (`model.vocab_multiple`) are cut from whole logits; a
+        tensor-parallel head's slice is left as it is (`parallel.tensor.gather_vocab` cuts them)."""
+        out = causal_forward(self, tokens_bs, targets_bs, self.cfg.loss_chunk)
+        if targets_bs is None and out.shape[-1] == self.cfg.padded_vocab > self.cfg.vocab:
+            return out[..., :self.cfg.vocab]
+        return out
+
+
+VOCAB_ROWS = ("embed.tok.weight", "head.weight")  # parameters with one row per token id (padded)
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -190,6 +199,9 @@ def initial_value(name: str, shape: tuple[int, ...], seed: int, cfg: ModelConfig
         return torch.zeros(shape)
     if "norm" in name:
         return torch.ones(shape)
+    if name in VOCAB_ROWS and shape[0] > cfg.vocab:  # padded rows start at zero; the real ones as unpadded
+        return torch.cat([initial_value(name, (cfg.vocab, *shape[1:]), seed, cfg), torch.zeros(shape[0] - cfg.vocab,
+                                                                                               *shape[1:])])
     std = cfg.init_std
     if name.endswith(("attn.o.weight", "mlp.down.weight", "mlp.shared.down.weight", "mlp.experts.w_down")):
         std /= math.sqrt(2 * cfg.layers)
@@ -218,11 +230,15 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu")
     return model
 
 
-def count_parameters(cfg: ModelConfig) -> int:
-    """Exact parameter count without allocating anything (tied weights counted once)."""
+def count_parameters(cfg: ModelConfig, padded: bool = True) -> int:
+    """Exact parameter count without allocating anything (tied weights counted once); `padded=False`
+    counts the real vocabulary's rows only (what the papers count), not those of `model.vocab_multiple`."""
     with torch.device("meta"):
         model = Decoder(cfg)
-    return sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    if not padded:
+        total -= (cfg.padded_vocab - cfg.vocab) * cfg.hidden * (1 if cfg.tie_embeddings else 2)
+    return total
 
 
 def causal_forward(model: nn.Module, tokens_bs, targets_bs=None, loss_chunk: int = 0):

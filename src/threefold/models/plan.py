@@ -20,13 +20,13 @@ def decoder_plan(cfg: ModelConfig) -> TensorPlan:
     heads = f"attention heads (model.heads={cfg.heads})"
     ffn = f"MLP features (model.ffn_hidden={cfg.ffn_hidden})"
     layers = {
-        "embed.tok": VocabEmbedding(cfg.vocab),
+        "embed.tok": VocabEmbedding(cfg.padded_vocab),
         "blocks.*.attn.q": ColumnParallel(unit=cfg.head_dim, what=heads),
         "blocks.*.attn.k": GroupedKV(cfg.heads, cfg.kv_heads, cfg.head_dim),
         "blocks.*.attn.v": GroupedKV(cfg.heads, cfg.kv_heads, cfg.head_dim),
         "blocks.*.attn.o": RowParallel(unit=cfg.head_dim, what=heads),
-        "head": VocabHead(cfg.vocab),
-        "loss": VocabLoss(cfg.vocab),
+        "head": VocabHead(cfg.padded_vocab),
+        "loss": VocabLoss(cfg.padded_vocab, cfg.vocab),
     }
     # dense MLPs split; a mixture of experts (models/moe.py) stays whole on every tp rank: its
     # router, experts and shared experts are replicated over tp and compute the same rows

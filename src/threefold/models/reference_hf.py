@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .decoder import VOCAB_ROWS
 from .spec import HFFormat, HFTensor
 
 LLAMA_RENAMES = ((r"^embed\.tok\.", "model.embed_tokens."),
@@ -60,7 +61,7 @@ def reference_hf(cfg: ModelConfig) -> HFFormat | None:
         return None
     if cfg.position == "rope":
         return HFFormat(LLAMA_RENAMES, llama_config(cfg), exports=lambda names: llama_tensors(cfg, names))
-    return HFFormat(GPT2_RENAMES, gpt2_config(cfg), exports=lambda names: gpt2_tensors(names))
+    return HFFormat(GPT2_RENAMES, gpt2_config(cfg), exports=lambda names: gpt2_tensors(cfg, names))
 
 
 def llama_config(cfg: ModelConfig) -> dict:
@@ -93,12 +94,19 @@ def llama_tensors(cfg: ModelConfig, names: list[str]) -> list[HFTensor]:
     out = []
     for name in names:
         rotated = ".attn.q." in name or ".attn.k." in name
-        combine = (lambda ts: rope_pairs_to_halves(ts[0], cfg.head_dim)) if rotated else None
+        combine = (lambda ts: rope_pairs_to_halves(ts[0], cfg.head_dim)) if rotated else real_rows(cfg, name)
         out.append(HFTensor(fmt.key_of(name), (name,), combine))
     return out
 
 
-def gpt2_tensors(names: list[str]) -> list[HFTensor]:
+def real_rows(cfg: ModelConfig, name: str):
+    """The combine writing only the real vocabulary's rows of a padded embedding or head (`model.vocab_multiple`)."""
+    if name in VOCAB_ROWS and cfg.padded_vocab > cfg.vocab:
+        return lambda ts: ts[0][:cfg.vocab].clone()  # its own storage: safetensors writes whole storages
+    return None
+
+
+def gpt2_tensors(cfg: ModelConfig, names: list[str]) -> list[HFTensor]:
     """q, k, v -> c_attn (weights transposed: Conv1D is in x out); the other projections transposed."""
     fmt = HFFormat(GPT2_RENAMES)
     out = []
@@ -114,5 +122,6 @@ def gpt2_tensors(names: list[str]) -> list[HFTensor]:
             out.append(HFTensor(f"transformer.h.{i}.attn.c_attn.{kind}", sources, fused))
             continue
         linear = name.endswith("weight") and (".attn.o." in name or ".mlp." in name)
-        out.append(HFTensor(fmt.key_of(name), (name,), (lambda ts: ts[0].t().contiguous()) if linear else None))
+        out.append(HFTensor(fmt.key_of(name), (name,), (lambda ts: ts[0].t().contiguous()) if linear else
+                            real_rows(cfg, name)))
     return out

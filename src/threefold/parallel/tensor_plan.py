@@ -149,7 +149,7 @@ def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, s
                                     gather_output=style.gather_output, out_features=style.vocab)
     if isinstance(style, VocabLoss):
         padded = padded_size(style.vocab, tp)
-        return VocabParallelCrossEntropy(comm, rank * (padded // tp), style.vocab)
+        return VocabParallelCrossEntropy(comm, rank * (padded // tp), style.real or style.vocab)
     raise TensorPlanError(f"tensor plan: unknown style {style!r} for {name}")
 
 

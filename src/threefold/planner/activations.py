@@ -181,9 +181,9 @@ def head_bytes(m: ModelConfig, x: Shape, rank_rows: int, with_rows: bool, hf: bo
         head_input = x.c * (x.bs // x.t if x.sp else x.bs) * m.hidden
         return norm_items(m, x, hf) + head_input + (rows if with_rows or x.t > 1 else 0)
     if x.t > 1:
-        return norm + x.c * bs * padded(m.vocab, x.t) + 13 * bs  # local logits, log-sum-exp, local ids, mask
+        return norm + x.c * bs * padded(m.padded_vocab, x.t) + 13 * bs  # local logits, log-sum-exp, local ids, mask
     targets = 8 * bs if x.b > 1 else (rows if with_rows else 0)
-    return norm + x.c * bs * m.vocab + 4 * bs + targets  # logits, log-sum-exp, targets
+    return norm + x.c * bs * m.padded_vocab + 4 * bs + targets  # logits, log-sum-exp, targets
 
 
 def loss_in_pieces(m: ModelConfig, x: Shape) -> bool:

@@ -55,7 +55,7 @@ def blocks_forward_flops_per_token(m: ModelConfig, seq_len: int, layers: int, sp
 
 
 def head_forward_flops_per_token(m: ModelConfig) -> float:
-    return 2 * m.hidden * m.vocab
+    return 2 * m.hidden * m.padded_vocab  # the padded vocabulary (model.vocab_multiple): the matmul computes it
 
 
 def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str, layers: int, every: int = 2,

@@ -190,7 +190,7 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
         # the logits' gradient (and, in pieces, the piece's recomputed logits) in the compute dtype, and
         # the cross-entropy's fp32 chunk and its exp (models/cross_entropy.py)
         # (transformers' own loss, hf-llama: the logits, their fp32 copy and its gradient)
-        tokens, vocab = loss_piece_tokens(w.model, x), w.model.vocab / st.tp
+        tokens, vocab = loss_piece_tokens(w.model, x), w.model.padded_vocab / st.tp
         if hf:
             transient += (x.c + 8) * tokens * vocab
         else:

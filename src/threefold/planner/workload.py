@@ -159,12 +159,12 @@ def layer_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
 
 def embedding_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
     pos = m.max_seq * m.hidden if m.position == "learned" else 0
-    return ParamCount(-(-m.vocab // tp) * m.hidden + pos)  # rows padded to a multiple of tp
+    return ParamCount(-(-m.padded_vocab // tp) * m.hidden + pos)  # rows padded to a multiple of tp
 
 
 def head_parameters(m: ModelConfig, tp: int = 1, with_embedding: bool = True) -> ParamCount:
     """Final norm and output projection; a tied head is shared with the embedding on one stage."""
-    head = 0 if (m.tie_embeddings and with_embedding) else -(-m.vocab // tp) * m.hidden
+    head = 0 if (m.tie_embeddings and with_embedding) else -(-m.padded_vocab // tp) * m.hidden
     return ParamCount(_norm_params(m) + head)
 
 
@@ -198,7 +198,7 @@ def stage_ranges(m: ModelConfig, stages: int) -> tuple[range, ...]:
     if stages == 1:
         return (range(m.layers),)
     layer = float(layer_parameters(m).total)
-    first, last = float(embedding_parameters(m).total), float(_norm_params(m) + m.vocab * m.hidden)
+    first, last = float(embedding_parameters(m).total), float(_norm_params(m) + m.padded_vocab * m.hidden)
     bounds = balance_uniform(m.layers, stages, layer, first, last)
     ends = list(bounds[1:]) + [m.layers]
     return tuple(range(a, b) for a, b in zip(bounds, ends))
