@@ -114,3 +114,37 @@ def zero3_gathers_in_place(overrides: list[str], out: str) -> dict:
     with CopiesIntoWeights():
         records = trainer.run()
     return {"outputs": outputs, "copies": CopiesIntoWeights.copies, "loss": records[-1]["loss"]}
+
+
+def pooled_buckets(overrides: list[str], out: str, steps: int = 3) -> dict:
+    """Plain DP, then ZeRO-2 with the same overrides; per ZeRO-2 step, what its bucket pool allocated
+    and which buffers the buckets filled."""
+    from threefold.train.trainer import Trainer
+
+    def params(trainer) -> dict:
+        trainer.parallel.settle()
+        return {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
+
+    reference = Trainer(make_config(overrides + ["parallel.zero=0"], out + "/dp"))
+    for _ in range(steps):
+        reference.train_one_step()
+    trainer = Trainer(make_config(overrides + ["parallel.zero=2"], out + "/zero2"))
+    sync = trainer.parallel.grad_sync
+    pool, pooled, filled = sync.pool, sync._pooled, []
+
+    def spy(bucket):
+        whole = pooled(bucket)
+        filled[-1].add(whole.data_ptr())
+        return whole
+
+    sync._pooled = spy
+    per_step = []
+    for _ in range(steps):
+        filled.append(set())
+        before = pool.allocations
+        record = trainer.train_one_step()
+        per_step.append({"allocations": pool.allocations - before, "buffers": len(pool.buffers),
+                         "filled": len(filled[-1]), "grads": record["mem"]["grads"]})
+    return {"buckets": len(sync.buckets.buckets), "steps": per_step, "pool_size": pool.size,
+            "shard_bytes": sum(s.numel() * s.element_size() for s in sync.grad_shards),
+            "dp": params(reference), "zero2": params(trainer)}
