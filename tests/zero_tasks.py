@@ -148,3 +148,43 @@ def pooled_buckets(overrides: list[str], out: str, steps: int = 3) -> dict:
     return {"buckets": len(sync.buckets.buckets), "steps": per_step, "pool_size": pool.size,
             "shard_bytes": sum(s.numel() * s.element_size() for s in sync.grad_shards),
             "dp": params(reference), "zero2": params(trainer)}
+
+
+def zero2_unused_parameter(micro: int = 2) -> dict:
+    """ZeRO-2 (pooled buckets) and plain DP on the same batches, rank 1 never using the last block:
+    this rank's reduced gradient shard, and the same range of plain DP's summed gradients."""
+    from threefold.comm import Comm
+    from threefold.mesh import Layout, Mesh
+    from threefold.models.decoder import build_model
+    from threefold.parallel.data import parallelize_data
+    from threefold.parallel.zero import ZeroReducer
+
+    mesh = Mesh(Layout(dp=2), torch.device("cpu"))
+    comm = Comm(mesh)
+    cfg = make_config(["model.preset=tiny"], "unused").model
+
+    def train(make_sync):
+        model = build_model(cfg, seed=0)
+        sync = make_sync(model)
+        sync.zero_grad()
+        for i in range(micro):
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * mesh.rank("dp") + i))
+            with sync.micro_batch(last=i == micro - 1):
+                x = model.embed(tokens)
+                for block in model.blocks if mesh.rank("dp") == 0 else model.blocks[:-1]:
+                    x = block(x)
+                model.loss(model.head(model.norm(x)), tokens).backward()
+        sync.finish()
+        return model, sync
+
+    dp_model, _ = train(lambda m: parallelize_data(m, comm, bucket_mb=0.01))
+    reference = {name: p.grad for name, p in dp_model.named_parameters() if p.requires_grad}
+    _, zero = train(lambda m: ZeroReducer(list(m.named_parameters()), comm, 2, bucket_mb=0.01))
+    got, expected = [], []
+    for b in zero.buckets.buckets:
+        whole = torch.cat([reference[zero.names[id(p)]].reshape(-1) for p in b.params])
+        whole = torch.cat([whole, whole.new_zeros(b.numel() - whole.numel())])
+        expected.append(torch.cat([whole[lo:hi] for lo, hi, _ in zero.owned(b)]))
+        got.append(zero.grad_shards[b.index].clone())
+    return {"got": torch.cat(got), "expected": torch.cat(expected), "buckets": len(zero.buckets.buckets),
+            "pool": len(zero.pool.buffers)}
