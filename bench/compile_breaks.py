@@ -26,6 +26,8 @@ LAYOUTS = {
     "zero3": ["parallel.dp=2", "parallel.zero=3"],
     "tp": ["parallel.tp=2"],
     "tp+sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp+sp+selective remat": ["parallel.tp=2", "parallel.sequence_parallel=true", "remat.policy=selective"],
+    "dp+full remat": ["parallel.dp=2", "remat.policy=full"],
     "pp": ["parallel.pp=2"],
     "pp zb-h1": ["parallel.pp=2", "pipeline.schedule=zb-h1"],
     "moe ep=2": ["model.preset=tiny-moe", "parallel.dp=2", "parallel.ep=2"],
