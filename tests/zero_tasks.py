@@ -92,12 +92,12 @@ def zero3_gathers_in_place(overrides: list[str], out: str) -> dict:
     outputs, foreign = [], []
     gather_many = comm.all_gather_many
 
-    def spy(outs, ins, axis):
+    def spy(outs, ins, axis, lane=""):
         storages = {p.untyped_storage().data_ptr(): p for p in fulls if p.untyped_storage().nbytes()}
         for o in outs:
             p = storages.get(o.untyped_storage().data_ptr())
             outputs.append(p is not None and p.data_ptr() == o.data_ptr())
-        return gather_many(outs, ins, axis)
+        return gather_many(outs, ins, axis, lane)
 
     comm.all_gather_many = spy
 
@@ -114,3 +114,40 @@ def zero3_gathers_in_place(overrides: list[str], out: str) -> dict:
     with CopiesIntoWeights():
         records = trainer.run()
     return {"outputs": outputs, "copies": CopiesIntoWeights.copies, "loss": records[-1]["loss"]}
+
+
+def zero3_lanes(runs: list[list[str]], out: str) -> list[dict]:
+    """ZeRO-3, per override list: the group of every all-gather and reduce-scatter handed to
+    torch.distributed (the dp group, the dp `gather` lane, or another), and the lanes Comm's records name."""
+    import torch.distributed as dist
+
+    from threefold.comm import collectives
+    from threefold.mesh import GATHER
+    from threefold.train.trainer import Trainer
+
+    reports = []
+    for overrides in runs:
+        trainer = Trainer(make_config(overrides, out))
+        mesh = trainer.mesh
+        names = {id(mesh.group("dp")): "dp", id(mesh.group("dp", GATHER)): "gather"}
+        calls: list[tuple[str, str]] = []
+        originals = {"_all_gather": collectives._all_gather, "_reduce_scatter": collectives._reduce_scatter}
+
+        def spying(op: str, fn):
+            def call(*args, group=None, **kwargs):
+                calls.append((op, names.get(id(group), "other")))
+                return fn(*args, group=group, **kwargs)
+            return call
+
+        for attr, fn in originals.items():
+            setattr(collectives, attr, spying(attr.strip("_"), fn))
+        try:
+            records = trainer.run()
+        finally:
+            for attr, fn in originals.items():
+                setattr(collectives, attr, fn)
+        reports.append({"calls": calls, "records": [(r.op, r.axis, r.lane) for r in trainer.comm.records],
+                        "lane_ranks": dist.get_process_group_ranks(mesh.group("dp", GATHER)), "dp_ranks": mesh.ranks("dp"),
+                        "loss": records[-1]["loss"]})
+        del trainer
+    return reports

@@ -4,7 +4,7 @@ import math
 
 
 from tests.helpers import make_config, rel_err
-from tests.zero_tasks import assemble, overlapped_gather, train_stages, zero3_gathers_in_place
+from tests.zero_tasks import assemble, overlapped_gather, train_stages, zero3_gathers_in_place, zero3_lanes
 from threefold.comm import ring_chunk
 from threefold.models.decoder import build_model
 
@@ -108,6 +108,21 @@ def test_zero3_gathers_straight_into_the_parameters(worlds, tmp_path):
     r = worlds(2).run(zero3_gathers_in_place, BASE + ["train.steps=2", "parallel.zero=3"], str(tmp_path))[0]
     assert r["outputs"] and all(r["outputs"]), r["outputs"]
     assert r["copies"] == 0
+
+
+def test_zero3_gathers_on_the_gather_lane_and_reduce_scatters_on_dp(worlds, tmp_path):
+    """Every parameter all-gather (prefetched or not, 8-bit too) is handed to torch.distributed on
+    the Mesh's second dp group (`gather` lane), every gradient reduce-scatter on dp itself; the
+    records name the lane and file the bytes under dp."""
+    base = BASE + ["train.steps=2", "parallel.zero=3"]
+    runs = [base, base + ["parallel.zero_weight_comm=int8"]]
+    for run, r in zip(runs, worlds(2).run(zero3_lanes, runs, str(tmp_path))[0]):
+        assert r["lane_ranks"] == r["dp_ranks"] == [0, 1]
+        ops = {op for op, _ in r["calls"]}
+        assert ops == {"all_gather", "reduce_scatter"}, (run, ops)
+        assert set(r["calls"]) == {("all_gather", "gather"), ("reduce_scatter", "dp")}, (run, set(r["calls"]))
+        model_traffic = {rec for rec in r["records"] if rec[0] in ("all_gather", "reduce_scatter")}
+        assert model_traffic == {("all_gather", "dp", "gather"), ("reduce_scatter", "dp", "")}, (run, model_traffic)
 
 
 def test_zero_composes_with_tensor_parallelism_and_checkpointing(worlds, tmp_path):
