@@ -24,7 +24,7 @@ import torch
 import torch.distributed
 
 from ..comm import Comm
-from ..models.moe import routers_aux_loss
+from ..models.moe import MoE, routers_aux_loss
 from ..observe.memory import SavedTensorMeter
 from . import backward_split
 from .adapter import PipelineAdapter
@@ -69,6 +69,8 @@ class ModuleCompute:
         self.held = 0  # activation bytes held right now
         self.side_loss: torch.Tensor | float = 0.0  # this step's auxiliary losses of stages without the loss
         self._params = {}
+        self._plans: dict = {}  # stage index -> its graph's weight groups (backward_split.py)
+        self._routed: dict[int, bool] = {}  # stage index -> has routed experts (models/moe.py)
 
     def begin(self, global_tokens: int) -> None:
         self.scale = global_tokens
@@ -86,15 +88,19 @@ class ModuleCompute:
 
     def forward(self, stage, x, targets):
         meter = self.meter
-        if meter is not None:
-            meter.reset()
-            with meter.measure():
-                out, state = self._forward(stage, x, targets)
-            state.nbytes = meter.current
-            self.held += state.nbytes
-            meter.peak = max(meter.peak, self.held)
-            return out, state
-        return self._forward(stage, x, targets)
+        if meter is None:
+            return self._forward(stage, x, targets)
+        (out, state), state.nbytes = meter.count(self._meter_key(stage, x), lambda: self._forward(stage, x, targets))
+        self.held += state.nbytes
+        meter.peak = max(meter.peak, self.held)
+        return out, state
+
+    def _meter_key(self, stage: Stage, x: torch.Tensor):
+        """What fixes the bytes a stage's forward saves: the stage and its input's shape and dtype;
+        None (measure every time) for a stage with routed experts, whose saved shapes follow the routing."""
+        if stage.index not in self._routed:
+            self._routed[stage.index] = any(isinstance(m, MoE) for i in stage.layers for m in self.module.layer(i).modules())
+        return None if self._routed[stage.index] else (stage.index, tuple(x.shape), x.dtype)
 
     def _forward(self, stage: Stage, x: torch.Tensor, targets):
         if stage.first:  # the embedding stays in the graph: nothing needs the token ids' gradient
@@ -134,7 +140,7 @@ class ModuleCompute:
             return None
         with self._sync():
             self._weights(stage, state)  # ZeRO-3's gather in W needs them; read while the graph is whole
-            dinput, state.groups = backward_split.backward_input(state.out, grad, state.inp)
+            dinput, state.groups = backward_split.backward_input(state.out, grad, state.inp, self._plans, stage.index)
         state.out = None  # the groups keep what W needs of the graph
         return dinput
 
