@@ -11,7 +11,7 @@ Each method is compared with the uncompressed run *of the optimizer it was desig
 runs SGD without momentum; switched off, the optimizer's momentum acts on the sparse sum.)
 Prints one row per run: gradient bytes this rank sent over dp per step once compression is
 on (counted by Comm: values, indices, scales), the ratio to the dense fp32 all-reduce, and
-the final loss (mean of the last 20 steps) against its baseline. Writes the loss curves to
+the final loss (mean of the last `--window` steps, 20) against its baseline. Writes the loss curves to
 bench/out/compression.png and the figures to bench/out/compression.json.
 
     python bench/compression.py [--steps 300] [--nproc 4] [--model tiny] [--only none dgc ...]
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "out"
+from curves import OUT, add_run_args, base_overrides, done, final, plot, train_one
+
 BASELINES = {"adamw": "adamw none", "sgd": "sgd none"}
 
 
@@ -50,71 +49,25 @@ def runs(steps: int) -> dict[str, tuple[str, list[str]]]:
     return {**{k: ("adamw", v) for k, v in adamw.items()}, **{k: ("sgd", v) for k, v in sgd.items()}}
 
 
-def train_one(overrides: list[str], out: str) -> dict:
-    """On every rank: train; return the losses and this rank's gradient bytes over dp per step."""
-    from threefold.config import load_config
-    from threefold.train.trainer import Trainer
-
-    cfg = load_config(None, [f"run.out={out}", "run.progress=false", "run.plot=false", *overrides])
-    start = time.perf_counter()
-    records = Trainer(cfg).run()
-    grad_bytes = [sum(n for op, n in r["comm"].get("dp", {}).items() if "." not in op) for r in records]
-    return {"losses": [r["loss"] for r in records], "grad_bytes": grad_bytes, "seconds": time.perf_counter() - start}
-
-
-def final(losses: list[float], window: int = 20) -> float:
-    tail = losses[-window:]
-    return sum(tail) / len(tail)
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
-    for name, res in results.items():
-        losses = res["losses"]
-        smooth = [sum(losses[max(0, i - 9): i + 1]) / len(losses[max(0, i - 9): i + 1]) for i in range(len(losses))]
-        ax = axes[0 if res["optimizer"] == "adamw" else 1]
-        base = name in BASELINES.values()
-        style = "--" if "no-" in name else "-"
-        ax.plot(range(1, len(losses) + 1), smooth, style, label=name, linewidth=2.2 if base else 1.2,
-                color="black" if base else None)
-    for ax, title in zip(axes, ("AdamW: fp16, bf16, PowerSGD, 1-bit Adam", "momentum SGD: DGC, 1-bit sign")):
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (10-step mean)")
-        ax.set_title(title)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle("gradient compression: loss curves against the uncompressed run (dashed: mechanism switched off)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def style(name: str, res: dict) -> dict:
+    base = name in BASELINES.values()
+    return {"linestyle": "--" if "no-" in name else "-", "linewidth": 2.2 if base else 1.2,
+            "color": "black" if base else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    add_run_args(parser, steps=300, global_batch=16, window=20)
     parser.add_argument("--sgd-lr", type=float, default=0.5, help="momentum SGD's learning rate")
     parser.add_argument("--sgd-set", action="append", default=["train.weight_decay=0", "train.momentum=0.9"],
                         help="extra config overrides of the SGD runs")
-    parser.add_argument("--set", dest="extra", action="append", default=[], help="extra config overrides")
     parser.add_argument("--only", nargs="+", help="names of the runs to do (default: all; baselines always)")
     parser.add_argument("--tag", default="compression", help="name of the output files in bench/out")
     args = parser.parse_args()
 
     from threefold.world import World
 
-    base = [f"model.preset={args.model}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
-            f"train.seq_len={args.seq_len}", f"train.warmup_steps={args.steps // 20}", "data.source=stdlib",
-            *args.extra]
+    base = base_overrides(args)
     per_optimizer = {"adamw": ["train.optimizer=adamw", f"train.lr={args.lr}"],
                      "sgd": ["train.optimizer=sgd", f"train.lr={args.sgd_lr}", *args.sgd_set]}
     todo = {k: v for k, v in runs(args.steps).items() if not args.only or k in args.only}
@@ -126,19 +79,18 @@ def main() -> None:
         for name, (optimizer, overrides) in todo.items():
             results[name] = world.run(train_one, base + per_optimizer[optimizer] + overrides, str(OUT / "runs"))[0]
             results[name]["optimizer"] = optimizer
-            print(f"  {name}: {results[name]['seconds']:.0f} s, final loss {final(results[name]['losses']):.4f}",
-                  flush=True)
+            done(name, results[name], args.window)
 
-    dense_bytes = results[BASELINES[next(iter(todo.values()))[0]]]["grad_bytes"][-1]
+    dense_bytes = results[BASELINES[next(iter(todo.values()))[0]]]["bytes"]["dp"][-1]
     print(f"\n{args.model}, {args.nproc} processes, {args.steps} steps, global batch {args.global_batch} x "
           f"{args.seq_len} tokens, stdlib corpus; AdamW lr {args.lr}, momentum SGD lr {args.sgd_lr} "
-          f"({' '.join(args.sgd_set)}); final loss = mean of the last 20 steps\n")
+          f"({' '.join(args.sgd_set)}); final loss = mean of the last {args.window} steps\n")
     print(f"{'method':32} {'optimizer':>9} {'bytes/step':>11} {'vs dense':>9} {'final loss':>11} {'vs baseline':>12}")
     table = []
     for name, res in results.items():
-        sent = res["grad_bytes"][-1]
-        loss = final(res["losses"])
-        reference = final(results[BASELINES[res["optimizer"]]]["losses"])
+        sent = res["bytes"]["dp"][-1]
+        loss = final(res["losses"], args.window)
+        reference = final(results[BASELINES[res["optimizer"]]]["losses"], args.window)
         row = {"method": name, "optimizer": res["optimizer"], "bytes_per_step": sent,
                "compression": dense_bytes / sent if sent else float("inf"), "final_loss": loss,
                "loss_change_pct": 100 * (loss - reference) / reference}
@@ -147,7 +99,10 @@ def main() -> None:
               f"{row['loss_change_pct']:>+11.2f}%")
     (OUT / f"{args.tag}.json").write_text(json.dumps({"args": vars(args), "table": table,
                                                       "losses": {k: v["losses"] for k, v in results.items()}}))
-    plot(results, OUT / f"{args.tag}.png")
+    optimizer = {"AdamW: fp16, bf16, PowerSGD, 1-bit Adam": "adamw", "momentum SGD: DGC, 1-bit sign": "sgd"}
+    plot({title: {k: v for k, v in results.items() if v["optimizer"] == opt} for title, opt in optimizer.items()},
+         OUT / f"{args.tag}.png", style,
+         "gradient compression: loss curves against the uncompressed run (dashed: mechanism switched off)")
     print(f"\ncurves: {OUT / (args.tag + '.png')}")
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
+import os
 
-OUT = Path(__file__).resolve().parent / "out"
+from curves import OUT, add_run_args, base_overrides, done, final, plot, train_one
+
 TARGET_PCT = {"diloco": 3.0, "local": 5.0}
 
 
@@ -45,42 +45,9 @@ def runs(args) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def train_one(overrides: list[str], out: str) -> dict:
-    """On every rank: train; return the losses and this rank's model bytes over dp per step."""
-    from threefold.config import load_config
-    from threefold.train.trainer import Trainer
-
-    cfg = load_config(None, [f"run.out={out}", "run.progress=false", "run.plot=false", *overrides])
-    start = time.perf_counter()
-    records = Trainer(cfg).run()
-    sent = [sum(n for op, n in r["comm"].get("dp", {}).items() if "." not in op) for r in records]
-    return {"losses": [r["loss"] for r in records], "bytes": sent, "seconds": time.perf_counter() - start}
-
-
-def final(losses: list[float], window: int) -> float:
-    tail = losses[-window:]
-    return sum(tail) / len(tail)
-
-
-def plot(results: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, res in results.items():
-        losses = res["losses"]
-        smooth = [sum(losses[max(0, i - 9): i + 1]) / len(losses[max(0, i - 9): i + 1]) for i in range(len(losses))]
-        ax.plot(range(1, len(losses) + 1), smooth, label=res["label"], linewidth=2.2 if name == "dense" else 1.3,
-                color="black" if name == "dense" else None)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (10-step mean)")
-    ax.set_title(title, fontsize=10)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def style(name: str, res: dict) -> dict:
+    dense = name == "dense"
+    return {"label": res["label"], "linewidth": 2.2 if dense else 1.3, "color": "black" if dense else None}
 
 
 def report(args, base: list[str]) -> None:
@@ -99,10 +66,10 @@ def report(args, base: list[str]) -> None:
     print(f"\n{title}; final loss = mean of the last {args.window} steps\n")
     print(f"{'run':46} {'dp bytes (rank 0)':>18} {'vs dense':>9} {'final loss':>11} {'vs dense':>9} "
           f"{'target':>8} {'seconds':>8}")
-    dense_bytes, dense_loss = sum(results["dense"]["bytes"]), final(results["dense"]["losses"], args.window)
+    dense_bytes, dense_loss = sum(results["dense"]["bytes"]["dp"]), final(results["dense"]["losses"], args.window)
     table = []
     for name, res in results.items():
-        sent, loss = sum(res["bytes"]), final(res["losses"], args.window)
+        sent, loss = sum(res["bytes"]["dp"]), final(res["losses"], args.window)
         kind = name.split("-")[0]
         row = {"run": name, "label": res["label"], "overrides": res["overrides"], "dp_bytes": sent,
                "bytes_ratio": dense_bytes / sent, "final_loss": loss, "loss_change_pct": 100 * (loss - dense_loss) / dense_loss,
@@ -121,21 +88,12 @@ def report(args, base: list[str]) -> None:
             f.write(f"{r['run']},{r['dp_bytes']},{r['bytes_ratio']:.4f},{r['final_loss']:.6f},"
                     f"{r['loss_change_pct']:.4f},{r['target_pct'] or ''},{r['within_target']},{r['seconds']:.1f},"
                     f"{r['load']:.2f}\n")
-    plot(results, OUT / f"{args.tag}.png", title)
+    plot({title: results}, OUT / f"{args.tag}.png", style)
 
 
 def main() -> None:
-    import os
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--window", type=int, default=40, help="final loss: mean of this many last steps")
-    parser.add_argument("--set", dest="extra", action="append", default=[], help="extra config overrides")
+    add_run_args(parser, steps=600, global_batch=32, window=40)
     parser.add_argument("--outer", nargs="+", default=["0.7:0.9"], metavar="LR:MOMENTUM",
                         help="DiLoCo's outer learning rate and Nesterov momentum; one run per pair")
     parser.add_argument("--sync-warmup", type=int, default=0, help="synchronous steps before the periodic runs")
@@ -144,9 +102,7 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only report the stored runs")
     args = parser.parse_args()
 
-    base = [f"model.preset={args.model}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
-            f"train.seq_len={args.seq_len}", f"train.warmup_steps={args.steps // 20}", f"train.lr={args.lr}",
-            "data.source=stdlib", *args.extra]
+    base = base_overrides(args, f"train.lr={args.lr}")
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.report:
         from threefold.world import World
@@ -158,8 +114,7 @@ def main() -> None:
                 res = world.run(train_one, base + overrides, str(OUT / "runs" / f"local_sgd-{name}"))[0]
                 res.update(base=base, label=label, overrides=overrides, load=os.getloadavg()[0])
                 (OUT / f"local_sgd-{name}.json").write_text(json.dumps(res))
-                print(f"  {label}: {res['seconds']:.0f} s, final loss {final(res['losses'], args.window):.4f}",
-                      flush=True)
+                done(label, res, args.window)
     report(args, base)
 
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "out"
+from curves import OUT, add_run_args, base_overrides, done, final, plot, train_one
+
 INT8 = ["parallel.zero_weight_comm=int8", "parallel.zero_grad_comm=int8"]
 BF16 = ["precision.compute=bf16", "precision.reduce_dtype=bf16"]
 RUNS = {  # name -> (overrides, baseline, processes per node (0: one node))
@@ -36,88 +35,39 @@ RUNS = {  # name -> (overrides, baseline, processes per node (0: one node))
 }
 
 
-def model_bytes(row: dict, axis: str) -> int:
-    return sum(n for op, n in row.get(axis, {}).items() if "." not in op)
-
-
-def train_one(overrides: list[str], out: str, local_world_size: int) -> dict:
-    """On every rank: train; return the losses and this rank's model bytes per step over dp and dp_intra."""
-    from threefold.config import load_config
-    from threefold.train.trainer import Trainer
-
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size or os.environ.get("WORLD_SIZE", 1))
-    cfg = load_config(None, [f"run.out={out}", "run.progress=false", "run.plot=false", *overrides])
-    start = time.perf_counter()
-    records = Trainer(cfg).run()
-    return {"losses": [r["loss"] for r in records], "seconds": time.perf_counter() - start,
-            "dp": [model_bytes(r["comm"], "dp") for r in records],
-            "dp_intra": [model_bytes(r["comm"], "dp_intra") for r in records]}
-
-
-def final(losses: list[float], window: int) -> float:
-    tail = losses[-window:]
-    return sum(tail) / len(tail)
-
-
-def plot(results: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, res in results.items():
-        losses = res["losses"]
-        smooth = [sum(losses[max(0, i - 9): i + 1]) / len(losses[max(0, i - 9): i + 1]) for i in range(len(losses))]
-        ax.plot(range(1, len(losses) + 1), smooth, "--" if "int8" in name else "-", label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (10-step mean)")
-    ax.set_title(title, fontsize=10)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def style(name: str, res: dict) -> dict:
+    return {"linestyle": "--" if "int8" in name else "-"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--window", type=int, default=20, help="final loss: mean of this many last steps")
-    parser.add_argument("--set", dest="extra", action="append", default=[], help="extra config overrides")
+    add_run_args(parser, steps=300, global_batch=32, window=20)
     args = parser.parse_args()
 
     from threefold.world import World
 
-    base = [f"model.preset={args.model}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
-            f"train.seq_len={args.seq_len}", f"train.warmup_steps={args.steps // 20}", f"train.lr={args.lr}",
-            "data.source=stdlib", "parallel.zero=3", *args.extra]
+    base = base_overrides(args, f"train.lr={args.lr}", "parallel.zero=3")
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
     with World(args.nproc, timeout_s=3600) as world:
         for name, (overrides, _, node) in RUNS.items():
             out = str(OUT / "runs" / f"zero_quantized-{name.replace(' ', '').replace('/', '-')}")
-            results[name] = world.run(train_one, base + overrides, out, node)[0]
+            results[name] = world.run(train_one, base + overrides, out, ("dp", "dp_intra"), node)[0]
             results[name]["load"] = os.getloadavg()[0]
-            print(f"  {name}: {results[name]['seconds']:.0f} s, final loss "
-                  f"{final(results[name]['losses'], args.window):.4f}", flush=True)
+            done(name, results[name], args.window)
     title = (f"ZeRO-3, {args.model}, {args.nproc} processes, {args.steps} steps, global batch {args.global_batch} x "
              f"{args.seq_len}, stdlib corpus, AdamW lr {args.lr}")
     print(f"\n{title}; bytes: rank 0, per step (the last); final loss = mean of the last {args.window} steps\n")
     print(f"{'run':18} {'dp bytes':>10} {'dp_intra':>9} {'vs fp32':>8} {'vs bf16':>8} {'final loss':>11} "
           f"{'vs baseline':>12} {'seconds':>8}")
-    fp32, bf16 = results["fp32 wire"]["dp"][-1], results["bf16 wire"]["dp"][-1]
+    fp32, bf16 = results["fp32 wire"]["bytes"]["dp"][-1], results["bf16 wire"]["bytes"]["dp"][-1]
     table = []
     for name, res in results.items():
         baseline = RUNS[name][1]
-        sent, loss = res["dp"][-1], final(res["losses"], args.window)
+        sent, loss = res["bytes"]["dp"][-1], final(res["losses"], args.window)
         ref = final(results[baseline]["losses"], args.window)
         row = {"run": name, "overrides": RUNS[name][0], "baseline": baseline, "dp_bytes": sent,
-               "dp_intra_bytes": res["dp_intra"][-1], "vs_fp32": fp32 / sent, "vs_bf16": bf16 / sent,
+               "dp_intra_bytes": res["bytes"]["dp_intra"][-1], "vs_fp32": fp32 / sent, "vs_bf16": bf16 / sent,
                "final_loss": loss, "loss_change_pct": 100 * (loss - ref) / ref, "seconds": res["seconds"],
                "load": res["load"]}
         table.append(row)
@@ -126,7 +76,7 @@ def main() -> None:
     print("load average (1 min) at the end of each run: " + ", ".join(f"{r['run']} {r['load']:.2f}" for r in table))
     (OUT / "zero_quantized.json").write_text(json.dumps({"args": vars(args), "table": table,
                                                          "losses": {k: v["losses"] for k, v in results.items()}}))
-    plot(results, OUT / "zero_quantized.png", title)
+    plot({title: results}, OUT / "zero_quantized.png", style)
 
 
 if __name__ == "__main__":

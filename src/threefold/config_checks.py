@@ -1,24 +1,28 @@
 """Checking a Config once against the world size: every inconsistency a user can make.
 
 Each check raises `ConfigError` naming the key and the fix; `validate` returns the config
-with its derived values (dp) filled in. Called through `Config.validate(world_size)`.
+with its derived values (dp) filled in. Called through `Config.validate(world_size)`; the
+checks read only the sections (config_sections.py), so config.py imports them and not the
+other way round.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
+from .config_sections import CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig
 from .errors import ConfigError, UserError
 from .moe_checks import validate_experts
 
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from .config import CompressConfig, Config, FaultConfig, ModelConfig, ParallelConfig, TrainConfig
+if TYPE_CHECKING:
     from .data.tokenizer import TokenizerIdentity
 
+S = TypeVar("S", bound=Sections)  # a Config comes back a Config
 
-def validate(c: Config, world_size: int) -> Config:
+
+def validate(c: S, world_size: int) -> S:
     if c.parallel.elastic_world < 0:
         raise ConfigError("parallel.elastic_world", f"must be at least 0, got {c.parallel.elastic_world}")
     if c.parallel.elastic_world and c.parallel.elastic_world != world_size:  # an elastic job on fewer nodes
@@ -28,7 +32,7 @@ def validate(c: Config, world_size: int) -> Config:
     return _validate(c, world_size)
 
 
-def _validate(c: Config, world_size: int) -> Config:
+def _validate(c: S, world_size: int) -> S:
     p, m, t = c.parallel, c.model, c.train
     for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
                        ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
@@ -109,7 +113,7 @@ def _validate(c: Config, world_size: int) -> Config:
     return replace(c, parallel=replace(p, dp=dp), model=m, compress=_compress_warmup(c.compress, t.steps))
 
 
-def _validate_data(c: Config) -> ModelConfig:
+def _validate_data(c: Sections) -> ModelConfig:
     """Check [data] and the evaluation keys; returns the model config with the vocabulary of the
     prepared data's tokenizer (the reference decoder's vocabulary is the data's)."""
     from .data.prepared import data_tokenizer, is_prepared
@@ -174,7 +178,7 @@ def fault_applies(fault: FaultConfig, layout: tuple[int, int, int]) -> bool:
     return fault.rank >= 0 and (not fault.layout or parse_layout(fault.layout, "fault.layout") == tuple(layout))
 
 
-def _validate_debug(c: Config) -> None:
+def _validate_debug(c: Sections) -> None:
     d, f = c.debug, c.fault
     for key, value in [("debug.history", d.history), ("debug.fingerprint_every", d.fingerprint_every),
                        ("debug.replica_check_every", d.replica_check_every), ("debug.hang_timeout_s", d.hang_timeout_s),
@@ -266,7 +270,7 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
                           "parallelism; ZeRO reduce-scatters instead; use parallel.zero=0")
 
 
-def _validate_periodic(c: Config, dp: int) -> None:
+def _validate_periodic(c: Sections, dp: int) -> None:
     """Local SGD / DiLoCo / EASGD (train.sync_every and friends): ranges and what they cannot combine with."""
     t = c.train
     if t.sync_every < 1:
@@ -294,7 +298,7 @@ def _validate_periodic(c: Config, dp: int) -> None:
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")
 
 
-def _validate_pipeline(c: Config) -> None:
+def _validate_pipeline(c: Sections) -> None:
     pipe, pp, layers, m = c.pipeline, c.parallel.pp, c.model.layers, c.train.microbatches
     stages = pp * pipe.virtual_stages
     if stages > layers:

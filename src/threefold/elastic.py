@@ -11,12 +11,12 @@ checkpoint then loads under the new layout. Plain Python (no torch).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, TypeVar
 
+from .config_sections import Sections
 from .errors import ConfigError
 
-if TYPE_CHECKING:  # annotations only: the config checks import this module
-    from .config import Config
+C = TypeVar("C", bound=Sections)  # the config that `check` (config.py's Config.validate) takes and returns
 
 
 class NoLayout(ConfigError):
@@ -27,7 +27,7 @@ class NoLayout(ConfigError):
         self.reason = reason
 
 
-def rederive(c: Config, world: int, check: Callable[[Config, int], Config]) -> Config:
+def rederive(c: C, world: int, check: Callable[[C, int], C]) -> C:
     """`c` (written for `parallel.elastic_world`) for `world` processes, checked by `check`;
     ConfigError naming the smallest world that works when none fits `world`."""
     full = check(replace(c, parallel=replace(c.parallel, elastic_world=0)), c.parallel.elastic_world)
@@ -43,7 +43,7 @@ def rederive(c: Config, world: int, check: Callable[[Config, int], Config]) -> C
                        f"({e}); {fix}") from None
 
 
-def smallest_world(full: Config, check: Callable[[Config, int], Config]) -> int | None:
+def smallest_world(full: C, check: Callable[[C, int], C]) -> int | None:
     """The smallest world (a multiple of tp x pp below the full one) the layout re-derives for."""
     per_replica = full.parallel.tp * full.parallel.pp
     for world in range(per_replica, full.parallel.elastic_world or full.parallel.dp * per_replica, per_replica):
@@ -55,7 +55,7 @@ def smallest_world(full: Config, check: Callable[[Config, int], Config]) -> int 
     return None
 
 
-def _layout_for(full: Config, world: int, check: Callable[[Config, int], Config]) -> Config:
+def _layout_for(full: C, world: int, check: Callable[[C, int], C]) -> C:
     p, t = full.parallel, full.train
     per_replica = p.tp * p.pp
     if world < per_replica or world % per_replica:
@@ -70,17 +70,17 @@ def _layout_for(full: Config, world: int, check: Callable[[Config, int], Config]
     return check(shrunk, world)
 
 
-def check_node_counts(cfg: Config, low: int, high: int, nproc: int) -> Config:
+def check_node_counts(cfg: C, low: int, high: int, nproc: int, check: Callable[[C, int], C]) -> C:
     """An elastic launch of `low`..`high` nodes of `nproc` processes: the config written for
-    `high` nodes, checked now for every count the job may shrink to (exit 2 naming the smallest
-    node count that works)."""
+    `high` nodes, checked by `check` (Config.validate) now for every count the job may shrink to
+    (exit 2 naming the smallest node count that works)."""
     elastic = replace(cfg, parallel=replace(cfg.parallel, elastic_world=high * nproc))
-    full = elastic.validate(high * nproc)
+    full = check(elastic, high * nproc)
     for nodes in range(low, high):
         try:
-            elastic.validate(nodes * nproc)
+            check(elastic, nodes * nproc)
         except NoLayout as e:
-            works = next((n for n in range(nodes + 1, high + 1) if _fits(elastic, n * nproc)), high)
+            works = next((n for n in range(nodes + 1, high + 1) if _fits(elastic, n * nproc, check)), high)
             raise ConfigError("", f"--nnodes {low}:{high}: the layout (dp={full.parallel.dp} tp={full.parallel.tp} "
                               f"pp={full.parallel.pp}) cannot be re-derived for {nodes} node{'s' if nodes > 1 else ''}"
                               f" of {nproc} processes ({e.reason}); the smallest node count that works is {works}: "
@@ -88,9 +88,9 @@ def check_node_counts(cfg: Config, low: int, high: int, nproc: int) -> Config:
     return full
 
 
-def _fits(cfg: Config, world: int) -> bool:
+def _fits(cfg: C, world: int, check: Callable[[C, int], C]) -> bool:
     try:
-        cfg.validate(world)
+        check(cfg, world)
         return True
     except ConfigError:
         return False

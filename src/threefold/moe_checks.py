@@ -7,15 +7,11 @@ ZeRO 1-3; local SGD and gradient compression are refused with ep > 1 (docs/moe.m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .config_sections import Sections
 from .errors import ConfigError
 
-if TYPE_CHECKING:
-    from .config import Config
 
-
-def validate_experts(c: "Config", dp: int) -> None:
+def validate_experts(c: Sections, dp: int) -> None:
     m, p = c.model, c.parallel
     for key, value in [("model.experts", m.experts), ("model.shared_experts", m.shared_experts),
                        ("model.expert_ffn_hidden", m.expert_ffn_hidden), ("model.moe_start", m.moe_start),

@@ -86,3 +86,14 @@ def test_remat_policy_errors():
     with pytest.raises(ConfigError, match="remat.every"):
         make_config(["remat.policy=every-k", "remat.every=0"], "unused").validate(1)
     assert apply_remat(model, RematConfig("none")) == []
+
+
+def test_a_region_is_wrapped_once():
+    """Naming a region twice (or applying a policy again) checkpoints it once, not a region inside itself."""
+    model = build_model(CFG, seed=0)
+    apply_remat(model, RematConfig("full"))
+    apply_remat(model, RematConfig("full"))
+    apply_remat(model, RematConfig("selective", targets="attn.core,attn.core"))
+    block = model.blocks[0]
+    assert block.forward.__wrapped__.__func__ is type(block).forward
+    assert block.attn.core.__wrapped__.__func__ is type(block.attn).core

@@ -35,6 +35,7 @@ every replica starts from replica 0's copy (the model and optimizer tensors of t
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -124,6 +125,11 @@ class PeriodicSync:
             self._reset_outer()
 
     # ------------------------------------------------------------ binding to the optimizer
+
+    def make_optimizer(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor],
+                       offload: bool, after_step: Callable[[], None] | None) -> PeriodicOptimizer:
+        """The replica's own optimizer over `pieces` (a ShardedOptimizer), then this sync when a period ends."""
+        return PeriodicOptimizer(pieces, cfg, fp32_init, offload, after_step, sync=self)
 
     def bind(self, optimizer: ShardedOptimizer) -> None:
         self.optimizer = optimizer

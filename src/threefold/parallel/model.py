@@ -20,7 +20,6 @@ from torch import nn
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
 from ..sharding import Placement
-from .local_sgd import PeriodicOptimizer, PeriodicSync
 from .master import Piece, ShardedOptimizer
 from .precision import MixedPrecision
 
@@ -51,6 +50,25 @@ class GradSync(Protocol):
 
     def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """What the compression needs in place of the torch optimizer over the masters (1-bit Adam)."""
+
+
+class Periodic(Protocol):
+    """Periodic synchronisation over dp (local SGD, DiLoCo, EASGD: local_sgd.py): when the replicas
+    meet, and the optimizer that meets them when a period ends."""
+
+    @property
+    def norm_axis(self) -> str | None: ...  # the axis standing for dp in this step's gradient norm
+
+    def begin_step(self, step: int) -> None: ...  # before the step's backward: local or summed over dp
+
+    def make_optimizer(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor],
+                       offload: bool, after_step: Callable[[], None] | None) -> ShardedOptimizer: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...  # this rank's replica masters and moments
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def register_update_pre_hook(self, hook) -> None: ...
 
 
 class HooklessSync:
@@ -110,7 +128,7 @@ class ParallelModel:
     pipeline: object | None = None  # pipeline.PipelineRuntime when pp > 1: runs forward_backward
     spec: object | None = None  # the models.spec.ModelSpec it was built from
     materialised_bytes: int = 0  # model-tensor bytes this rank allocated while starting (meta build)
-    periodic: PeriodicSync | None = None  # local SGD / DiLoCo / EASGD (train.sync_every...): when replicas meet
+    periodic: Periodic | None = None  # local SGD / DiLoCo / EASGD (train.sync_every...): when replicas meet
     routers: bool = False  # the model (any stage of it) has mixture-of-experts routers
     settle_weights: Callable[[], None] | None = None  # ZeRO-1/2: wait for that all-gather (it overlaps the forward)
     _meter: SavedTensorMeter | None = None
@@ -160,8 +178,7 @@ class ParallelModel:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
         if self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
-            optimizer = PeriodicOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step,
-                                          sync=self.periodic)
+            optimizer = self.periodic.make_optimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         else:
             optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
@@ -177,7 +194,7 @@ class ParallelModel:
         return {"loss_scaler": self.scaler} if self.scaler is not None else {}
 
     @property
-    def rank_state(self) -> GradSync | PeriodicSync:
+    def rank_state(self) -> GradSync | Periodic:
         """This rank's own tensors (gradient-compression residuals, or a periodic run's replica masters and
         moments): restored under the same layout only."""
         return self.periodic if self.periodic is not None else self.grad_sync

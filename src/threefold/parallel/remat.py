@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from ..errors import ConfigError
 from ..models.forwards import recomputing
 
 BLOCK = re.compile(r"(?:.*\.)?blocks\.(\d+)")
+_WRAPPED: weakref.WeakSet = weakref.WeakSet()  # the regions' wrappers, so a region is never wrapped twice
 
 
 def checkpointed(fn):
@@ -47,7 +49,7 @@ def checkpointed(fn):
         # hooks of other strategies (ZeRO-3) during the recomputation
         return checkpoint(_marking_recomputation(fn), *args, use_reentrant=False, **kwargs)
 
-    run.__remat_wrapped__ = fn
+    _WRAPPED.add(run)
     return run
 
 
@@ -78,7 +80,7 @@ def blocks_of(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
 
 
 def _wrap_forward(module: nn.Module) -> None:
-    if not hasattr(module.forward, "__remat_wrapped__"):
+    if module.forward not in _WRAPPED:
         module.forward = checkpointed(module.forward)
 
 
@@ -100,7 +102,7 @@ def _wrap_target(block_name: str, block: nn.Module, target: str) -> str:
     if not callable(fn) or isinstance(fn, nn.Module):
         raise ConfigError("remat.targets", f"'{target}' is neither a submodule nor a method of {block_name}; "
                           "name parts of a block such as attn.core, attn or mlp")
-    if not hasattr(fn, "__remat_wrapped__"):
+    if fn not in _WRAPPED:
         setattr(owner, method, checkpointed(fn))
     return full
 

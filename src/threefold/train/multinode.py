@@ -12,8 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..config import Config
 from ..elastic import check_node_counts
+from ..errors import ConfigError
 from ..nodes import Nodes, nodes_from_options, tp_across_nodes
 
 
@@ -45,7 +46,7 @@ def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[st
     argv = worker_argv(args, overrides)
     if nodes.min < nodes.max:  # elastic: the layout is written for MAX nodes and re-derived for fewer
         check_elastic(cfg, args.max_restarts)
-        cfg = check_node_counts(cfg, nodes.min, nodes.max, nproc)
+        cfg = check_node_counts(cfg, nodes.min, nodes.max, nproc, Config.validate)
         argv += ["--set", f"parallel.elastic_world={nproc * nodes.max}"]
     cfg = cfg.validate(nproc * nodes.max)  # fail before starting any process
     check_data(cfg)
