@@ -2,7 +2,13 @@
 
 One loop for every schedule. Runs of consecutive SEND/RECV actions are posted as one
 `Comm.batch_send_recv` on the "pp" axis (asynchronous: nothing waits at posting); a compute
-action waits only for the one message it needs, so transfers overlap compute. Activations
+action waits only for the one message it needs, so transfers overlap compute. On gloo (CPU)
+every receive of the step is posted at its start, in the schedule's order: gloo's
+point-to-point operations are independent (each matched by its peer in posting order, none
+waiting for another), so a message lands while its consumer's rank is still computing, where
+a receive posted at its place in the schedule leaves the transfer to start only then. NCCL
+runs a communicator's operations in order on one stream, so there (and under
+`debug.comm_semantics=nccl`) the receives stay at their places (posting.py). Activations
 cross stages detached: the receiving stage makes its input a leaf and sends the leaf's
 gradient back. Each micro-batch's backward adds into the parameters' `.grad` (gradient
 accumulation); the data-parallel sync then runs once, after the whole schedule.
@@ -31,6 +37,8 @@ from .adapter import PipelineAdapter
 from .schedules import COMM, Schedule
 from .stage import RankModule, Stage
 from .timeline import COMPUTE_KINDS, Event
+
+RECEIVES = ("RECV_F", "RECV_B")
 
 
 @dataclass
@@ -217,6 +225,10 @@ class PipelineRuntime:
         self.meter = compute.meter
         self.actions = schedule.ranks[self.rank]
         assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
+        # gloo: every receive posted at the start of the step (module docstring)
+        self.receives_first = comm.semantics == "native" and comm.mesh.device.type == "cpu"
+        self._receives = tuple(a for a in self.actions if a.kind in RECEIVES)
+        self._rest = tuple(a for a in self.actions if a.kind not in RECEIVES)
 
     def _peer(self, stage: int) -> int:
         return self.schedule.stage_rank(stage)
@@ -237,7 +249,11 @@ class PipelineRuntime:
         states: dict[tuple, object] = {}
         sending: list = []  # (handle, tensor): a tensor must live until its send completed
         timeline = self.timeline = []
-        actions, n, i = self.actions, len(self.actions), 0
+        actions = self.actions
+        if self.receives_first and self._receives:
+            self._post(self._receives, micro_batches, inbox, outbox, device, timeline)
+            actions = self._rest
+        n, i = len(actions), 0
         while i < n:
             a = actions[i]
             if a.kind in COMM:
