@@ -1,13 +1,17 @@
-"""The loss head whole against in pieces (`model.loss_chunk`), on CPU: bytes kept for backward,
-allocation peak of a forward + backward, and time, side by side in one process.
+"""The loss head three ways, on CPU: bytes kept for backward, allocation peak of a forward +
+backward, and time, side by side in one process.
 
-    PYTHONPATH=src python bench/loss_chunk.py [--batch 4] [--seq-len 256] [--vocab 8192] [--chunk 256] [--rounds 5]
+    PYTHONPATH=src python bench/loss_chunk.py [--batch 4] [--seq-len 256] [--vocab 8192] [--chunk 256]
+                                              [--rounds 3] [--dtype bf16]
 
-Both sides are the same `small` decoder (4 blocks, hidden 256) with the given vocabulary, fp32,
-one forward + backward of a (batch, seq) micro-batch per measure:
-* **whole** - `model.loss_chunk=0`: the head's logits of the whole micro-batch, then
-  F.cross_entropy (what PyTorch code usually writes);
-* **pieces** - `model.loss_chunk=CHUNK`: checkpointed pieces of CHUNK tokens (models/loss.py).
+All sides are the same `small` decoder (4 blocks, hidden 256) with the given vocabulary, its
+parameters in --dtype, one forward + backward of a (batch, seq) micro-batch per measure:
+* **F.cross_entropy** - the head's logits of the whole micro-batch, then
+  `F.cross_entropy(logits.float())` (what PyTorch code usually writes; threefold's loss before);
+* **default** - `model.loss_chunk=0`: the same logits, then models/cross_entropy.py (the logits
+  kept in their dtype, fp32 one chunk of tokens at a time, no extra flops);
+* **pieces** - `model.loss_chunk=CHUNK`: checkpointed pieces of CHUNK tokens (models/loss.py;
+  one extra head forward).
 
 Bytes kept for backward: observe/memory.py `SavedTensorMeter` (what the planner models). Peak:
 torch.profiler's CPU memory events (allocations minus frees, in order), measured in a separate
@@ -25,8 +29,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import torch.nn.functional as F
+
 from threefold.config import load_config
 from threefold.models.decoder import build_model
+from threefold.models.loss import TokenCrossEntropy
 from threefold.observe.memory import SavedTensorMeter
 
 
@@ -48,14 +55,17 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     args = ap.parse_args()
     cfg = load_config(None, ["model.preset=small", f"model.vocab={args.vocab}"]).model
-    model = build_model(cfg, 0)
+    model = build_model(cfg, 0).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
-    sides = {"whole": 0, "pieces": args.chunk}
+    sides = {"F.cross_entropy": (0, FloatCrossEntropy()), "default": (0, TokenCrossEntropy(cfg.vocab)),
+             "pieces": (args.chunk, TokenCrossEntropy(cfg.vocab))}
 
-    def step(chunk, meter=None):
+    def step(side, meter=None):
+        chunk, model.loss = sides[side]
         model.cfg = dataclasses.replace(cfg, loss_chunk=chunk)
         model.zero_grad(set_to_none=True)
         if meter is None:
@@ -66,27 +76,36 @@ def main() -> None:
         loss.backward()
         return loss.item()
 
-    print(f"small decoder, vocab {args.vocab}, batch {args.batch} x {args.seq_len}, chunk {args.chunk}; "
+    print(f"small decoder, {args.dtype}, vocab {args.vocab}, batch {args.batch} x {args.seq_len}, chunk {args.chunk}; "
           f"load {os.getloadavg()[0]:.2f}")
     figures = {}
-    for name, chunk in sides.items():
+    for name in sides:
         meter = SavedTensorMeter(exclude=list(model.parameters()))
-        loss = step(chunk, meter)
-        figures[name] = {"loss": loss, "saved": meter.peak, "peak": allocation_peak(lambda: step(chunk))}
+        loss = step(name, meter)
+        figures[name] = {"loss": loss, "saved": meter.peak, "peak": allocation_peak(lambda: step(name))}
     times = {name: [] for name in sides}
     for _ in range(args.rounds):
-        for name, chunk in sides.items():
+        for name in sides:
             start = time.perf_counter()
-            step(chunk)
+            step(name)
             times[name].append(time.perf_counter() - start)
     for name in sides:
         f = figures[name]
-        print(f"{name:7s} loss {f['loss']:.6f}  kept for backward {f['saved'] / 2**20:8.2f} MiB  "
+        print(f"{name:15s} loss {f['loss']:.6f}  kept for backward {f['saved'] / 2**20:8.2f} MiB  "
               f"allocation peak {f['peak'] / 2**20:8.2f} MiB  step {statistics.median(times[name]) * 1e3:8.1f} ms")
-    w, p = figures["whole"], figures["pieces"]
-    print(f"pieces / whole: kept {p['saved'] / w['saved']:.3f}x, peak {p['peak'] / w['peak']:.3f}x, "
-          f"time {statistics.median(times['pieces']) / statistics.median(times['whole']):.3f}x, "
-          f"loss rel diff {abs(p['loss'] - w['loss']) / abs(w['loss']):.1e}")
+    w = figures["F.cross_entropy"]
+    for name in ("default", "pieces"):
+        p = figures[name]
+        print(f"{name} / F.cross_entropy: kept {p['saved'] / w['saved']:.3f}x, peak {p['peak'] / w['peak']:.3f}x, "
+              f"time {statistics.median(times[name]) / statistics.median(times['F.cross_entropy']):.3f}x, "
+              f"loss rel diff {abs(p['loss'] - w['loss']) / abs(w['loss']):.1e}")
+
+
+class FloatCrossEntropy(torch.nn.Module):
+    """`F.cross_entropy` on an fp32 copy of all logits (summed, as threefold's loss)."""
+
+    def forward(self, logits_bsv, targets_bs):
+        return F.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten(), reduction="sum")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ from curves import OUT, add_run_args, base_overrides, done, final, plot, train_o
 
 INT8 = ["parallel.zero_weight_comm=int8", "parallel.zero_grad_comm=int8"]
 BF16 = ["precision.compute=bf16", "precision.reduce_dtype=bf16"]
-RUNS = {  # name -> (overrides, baseline, processes per node (0: one node))
-    "fp32 wire": ([], "fp32 wire", 0),
-    "int8 / fp32": (INT8, "fp32 wire", 0),
-    "bf16 wire": (BF16, "bf16 wire", 0),
-    "int8 / bf16": (BF16 + INT8, "bf16 wire", 0),
+RUNS = {  # name -> (overrides, baseline, nodes the processes are split into)
+    "fp32 wire": ([], "fp32 wire", 1),
+    "int8 / fp32": (INT8, "fp32 wire", 1),
+    "bf16 wire": (BF16, "bf16 wire", 1),
+    "int8 / bf16": (BF16 + INT8, "bf16 wire", 1),
     "int8 / bf16 + hpZ": (BF16 + INT8 + ["parallel.zero_hpz=true"], "bf16 wire", 2),
 }
 
@@ -50,9 +50,9 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
     with World(args.nproc, timeout_s=3600) as world:
-        for name, (overrides, _, node) in RUNS.items():
+        for name, (overrides, _, nodes) in RUNS.items():
             out = str(OUT / "runs" / f"zero_quantized-{name.replace(' ', '').replace('/', '-')}")
-            results[name] = world.run(train_one, base + overrides, out, ("dp", "dp_intra"), node)[0]
+            results[name] = world.run(train_one, base + overrides, out, ("dp", "dp_intra"), args.nproc // nodes)[0]
             results[name]["load"] = os.getloadavg()[0]
             done(name, results[name], args.window)
     title = (f"ZeRO-3, {args.model}, {args.nproc} processes, {args.steps} steps, global batch {args.global_batch} x "

@@ -9,6 +9,11 @@ Expert parallelism (`Layout.ep`) splits dp in two more axes: `ep`, runs of ep co
 coordinates that share one copy of the experts and exchange tokens by all-to-all, and `edp`,
 the dp ranks at the same place of their runs, which hold the same experts and sum their
 gradients. With ep = 1, edp is dp.
+
+A lane is a second process group over the same ranks as an axis (`add_lane`, `group(axis, lane)`):
+on NCCL every communicator runs its collectives on a CUDA stream of its own, in issue order, so
+traffic on a lane does not queue behind the axis's own (ZeRO-3's parameter gathers on dp's
+`gather` lane start while the previous unit's reduce-scatter on dp still runs).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh
 # dp split for expert parallelism: `ep` (consecutive dp coordinates sharing the experts, the
 # all-to-all group) x `edp` (the dp ranks holding the same experts, which sum their gradients)
 EXPERT_AXES = ("ep", "edp")
+GATHER = "gather"  # the lane of parameter gathers (ZeRO-3)
+LANES = (GATHER,)  # second groups over an axis's ranks (Mesh.add_lane)
+LANE_AXES = ("dp", "edp")  # the axes that have lanes
 
 
 def pick_device(kind: str = "auto") -> torch.device:
@@ -118,6 +126,7 @@ class Mesh:
         self._groups = dict(groups)
         self._node_ranks: dict[str, list[int]] = {}
         self._expert_ranks: dict[str, list[int]] = {}
+        self._lanes: dict[tuple[str, str], dist.ProcessGroup] = {}  # (axis, lane) -> the lane's group
         if layout.ep > 1:
             expert_groups, expert_ranks = _cached((device.type, shape, "ep", layout.ep),
                                                   lambda: self._build_expert_axes(layout.ep))
@@ -141,6 +150,40 @@ class Mesh:
             if self.size(axis) > 1:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
+
+    def add_lane(self, axis: str, lane: str) -> None:
+        """Create `lane`, a second process group over the same ranks as `axis` (dp or edp), for
+        traffic that must not wait behind the axis's own collectives (see the module's text).
+
+        Collective: every rank calls it at the same point (strategies do, while `parallelize` builds
+        them), and every rank creates every group of the lane, one per group of the axis, in one
+        order; on CUDA the new communicators are created eagerly (the device is bound) and probed
+        as `_connect` probes the axes. Once per Mesh and (axis, lane); an axis of one member needs none.
+        """
+        axis = self._lane_axis(axis, lane)
+        if (axis, lane) in self._lanes or self.size(axis) == 1:
+            return
+        lists = self._axis_rank_lists(axis)
+        key = (self.device.type, (self.layout.pp, self.layout.dp, self.layout.tp),
+               self.layout.ep if axis == "edp" else 1, axis, lane)
+        group = _cached(key, lambda: dist.new_subgroups_by_enumeration(lists)[0])
+        self._lanes[(axis, lane)] = group
+        if self.device.type == "cuda":  # a first collective that every member joins, before any use
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+            torch.cuda.synchronize(self.device)
+
+    def _lane_axis(self, axis: str, lane: str) -> str:
+        if lane not in LANES or axis not in LANE_AXES:
+            raise ValueError(f"no lane '{lane}' on axis '{axis}': lanes are {LANES}, on the axes {LANE_AXES}")
+        return "dp" if axis == "edp" and self.layout.ep == 1 else axis  # without expert parallelism edp is dp
+
+    def _axis_rank_lists(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group of `axis` (dp, or edp under expert parallelism), in one order."""
+        dp_groups = self._dp_groups()
+        if axis == "dp":
+            return dp_groups
+        ep = self.layout.ep
+        return [g[i::ep] for g in dp_groups for i in range(ep)]
 
     def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
         """The ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep), and
@@ -228,7 +271,17 @@ class Mesh:
             raise ValueError(f"axis '{axis}' exists only on a Mesh built with node_size")
         return self._node_ranks[axis]
 
-    def group(self, axis: str) -> dist.ProcessGroup:
+    def group(self, axis: str, lane: str = "") -> dist.ProcessGroup:
+        """This rank's group along `axis`; with `lane`, the second group over the same ranks that
+        `add_lane(axis, lane)` created (for an axis of one member: the axis's own group)."""
+        if lane:
+            key = (self._lane_axis(axis, lane), lane)
+            if key in self._lanes:
+                return self._lanes[key]
+            if self.size(axis) == 1:
+                return self.group(axis)
+            raise ValueError(f"axis '{axis}' has no lane '{lane}' yet: every rank calls "
+                             f"Mesh.add_lane('{axis}', '{lane}') first")
         if axis in NODE_AXES:
             self._node_axis(axis)  # a clear error when the node axes were not built
         if axis in EXPERT_AXES and axis not in self._groups:

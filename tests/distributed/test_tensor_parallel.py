@@ -152,7 +152,8 @@ def check_one_pass(cases) -> dict:
         with ref_meter.measure():
             reference.loss(ref_logits.clone().requires_grad_(), targets)
         v_local = padded_size(v, tp) // tp
-        assert meter.current == b * s * v_local * 4 + b * s * (8 + 1), meter.current  # softmax slice, ids, mask
+        # the logits slice (fp32 here), the fp32 log-sum-exp, local ids, mask
+        assert meter.current == b * s * v_local * 4 + b * s * (4 + 8 + 1), meter.current
         assert ref_meter.current >= b * s * v * 4
         # weight bytes per rank: 1/tp of the split parameters (padded vocabulary) + the replicated ones
         split = _split_names(cfg, tp)

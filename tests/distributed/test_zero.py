@@ -4,7 +4,8 @@ import math
 
 
 from tests.helpers import make_config, rel_err
-from tests.zero_tasks import assemble, overlapped_gather, train_stages, zero3_gathers_in_place
+from tests.zero_tasks import (assemble, overlapped_gather, pooled_buckets, train_stages, zero2_unused_parameter,
+                              zero3_gathers_in_place, zero3_lanes)
 from threefold.comm import ring_chunk
 from threefold.models.decoder import build_model
 
@@ -96,6 +97,32 @@ def test_zero_param_gather_overlaps_the_next_forward(worlds, tmp_path):
     assert first.startswith("embed") and waiting == 3, r["in_flight"]
 
 
+def test_zero2_buckets_share_a_pool_allocated_once_per_step(worlds, tmp_path):
+    """Many small buckets and 2 micro-batches: the buckets fill 2 pooled buffers in turn (each
+    allocated once per step, not once per bucket and pass; a buffer is reused only after its
+    reduce-scatter was waited for: the parameters still equal plain DP's), and between steps a
+    rank holds only its gradient shards."""
+    overrides = BASE + ["train.steps=3", "train.microbatches=2", "parallel.bucket_mb=0.05"]
+    r = worlds(2).run(pooled_buckets, overrides, str(tmp_path))[0]
+    assert r["buckets"] >= 4, r["buckets"]
+    for step in r["steps"]:
+        assert step["buffers"] == r["pool_size"] == 2 and step["filled"] == 2, step
+        assert step["allocations"] == step["buffers"], step  # not buckets x micro-batches
+        assert step["grads"] == r["shard_bytes"], step
+    for name, value in r["dp"].items():
+        err = rel_err(r["zero2"][name], value)
+        assert err <= 1e-5, f"{name} differs from plain DP by {err:.2e}"
+
+
+def test_zero2_pooled_buckets_zero_what_no_gradient_reached(worlds):
+    """Rank 1 never uses the last block: over 2 micro-batches its pooled buffers (reused, not
+    zeroed) still contribute zeros there, and the shards equal plain DP's sums."""
+    for r in worlds(2).run(zero2_unused_parameter):
+        assert r["buckets"] > r["pool"]
+        err = rel_err(r["got"], r["expected"])
+        assert err <= 1e-6, f"ZeRO-2 shard differs from plain DP's sum by {err:.2e}"
+
+
 def test_zero_stages_match_dp_on_4_ranks_uneven_shapes(worlds, tmp_path):
     reports = check_stages(worlds, tmp_path, 4, UNEVEN, micro=1)
     s = sizes(BASE + UNEVEN, 4)
@@ -108,6 +135,21 @@ def test_zero3_gathers_straight_into_the_parameters(worlds, tmp_path):
     r = worlds(2).run(zero3_gathers_in_place, BASE + ["train.steps=2", "parallel.zero=3"], str(tmp_path))[0]
     assert r["outputs"] and all(r["outputs"]), r["outputs"]
     assert r["copies"] == 0
+
+
+def test_zero3_gathers_on_the_gather_lane_and_reduce_scatters_on_dp(worlds, tmp_path):
+    """Every parameter all-gather (prefetched or not, 8-bit too) is handed to torch.distributed on
+    the Mesh's second dp group (`gather` lane), every gradient reduce-scatter on dp itself; the
+    records name the lane and file the bytes under dp."""
+    base = BASE + ["train.steps=2", "parallel.zero=3"]
+    runs = [base, base + ["parallel.zero_weight_comm=int8"]]
+    for run, r in zip(runs, worlds(2).run(zero3_lanes, runs, str(tmp_path))[0]):
+        assert r["lane_ranks"] == r["dp_ranks"] == [0, 1]
+        ops = {op for op, _ in r["calls"]}
+        assert ops == {"all_gather", "reduce_scatter"}, (run, ops)
+        assert set(r["calls"]) == {("all_gather", "gather"), ("reduce_scatter", "dp")}, (run, set(r["calls"]))
+        model_traffic = {rec for rec in r["records"] if rec[0] in ("all_gather", "reduce_scatter")}
+        assert model_traffic == {("all_gather", "dp", "gather"), ("reduce_scatter", "dp", "")}, (run, model_traffic)
 
 
 def test_zero_composes_with_tensor_parallelism_and_checkpointing(worlds, tmp_path):

@@ -43,7 +43,7 @@ RUNS = [
     ("MT-NLG 530B, 2800 A100", MTNLG, A100, 2800, 1920, 2048, dict(tp=8, pp=35, remat="full", schedule="1f1b"),
      "tflops", 121, None),
     ("MT-NLG 530B, 3360 A100", MTNLG, A100, 3360, 1920, 2048, dict(tp=8, pp=35, remat="full", schedule="1f1b"),
-     "tflops", 113, 0.161),
+     "tflops", 113, None),
     ("BLOOM 176B, 384 A100", gpt(14336, 112, 70, 250880, position="rope"), JEAN_ZAY, 384, 2048, 2048,
      dict(tp=4, pp=12, zero=1, remat="full", schedule="1f1b"), "tflops", 150, None),
     ("OPT 175B, 992 A100", gpt(12288, 96, 96, 50272), A100, 992, 992, 2048, dict(tp=8, pp=1, zero=3, remat="full"),
@@ -65,11 +65,15 @@ DENSE_ATTENTION = ("MT-NLG", "BLOOM", "OPT")
 # Megatron-LM / DeepSpeed pipelines of 2021-22 reduced gradients after the pipeline flush (DeepSpeed's
 # TrainSchedule: ReduceGrads after the last micro-batch); metaseq's FSDP (OPT) overlapped, as torchtitan does
 AFTER_FLUSH = ("MT-NLG", "BLOOM")
+# DeepSpeed's PipelineEngine ran MT-NLG's and BLOOM's pipelines (Megatron-DeepSpeed): blocking sends and
+# receives one after the other, tensors partitioned over tp and gathered back (planner/pipeline_p2p.py)
+DEEPSPEED_PIPELINE = ("MT-NLG", "BLOOM")
 
 
 def workload(name, m, batch, seq):
     return Workload(m, batch, seq, attention="dense" if name.startswith(DENSE_ATTENTION) else "flash",
-                    grad_overlap=not name.startswith(AFTER_FLUSH))
+                    grad_overlap=not name.startswith(AFTER_FLUSH),
+                    pipeline_p2p="deepspeed" if name.startswith(DEEPSPEED_PIPELINE) else "batched")
 
 
 def predict(run):

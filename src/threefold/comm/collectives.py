@@ -33,6 +33,12 @@ batch, `end` stamped from the Work's `is_completed()` (not when `wait()` returns
 batches of one axis run in issue order as on NCCL's single stream (the host waits for the
 previous batch of the axis before it posts the next one).
 
+Lanes. `all_gather` and `all_gather_many` take `lane`: the call runs on the Mesh's second group over
+the axis's ranks (`Mesh.add_lane`; on NCCL a communicator with a CUDA stream of its own), so it
+does not queue behind the axis's other collectives. Its bytes are still the axis's (metrics by
+axis do not change) and its record says the lane; `axis_seq` counts the axis's calls on all its
+lanes together (every rank issues them in one order).
+
 Groups of size one need no communication: such calls return at once and are not recorded.
 """
 
@@ -67,6 +73,7 @@ class CollectiveRecord:
     axis_seq: int = 0  # 1-based index of this call among this rank's calls on `axis`
     wait: float | None = None  # when the caller started to block on it (== start for blocking calls)
     peer: int | None = None  # send / recv: the other side's global rank
+    lane: str = ""  # the axis's second group it ran on (Mesh.add_lane); "" for the axis's own
     # after wait() returned: a callable telling whether the op has completed (CUDA event), or None
     probe: object = field(default=None, repr=False, compare=False)
 
@@ -215,7 +222,7 @@ class Comm:
 
     # ------------------------------------------------------------ bookkeeping
 
-    def _start(self, op: str, axis: str, tensor: torch.Tensor, nbytes: int) -> CollectiveRecord | None:
+    def _start(self, op: str, axis: str, tensor: torch.Tensor, nbytes: int, lane: str = "") -> CollectiveRecord | None:
         self._seq += 1
         self.traffic.add(axis, op, nbytes)
         if not self.recording:
@@ -225,7 +232,8 @@ class Comm:
         if group is None:
             group = self._group_ranks[axis] = tuple(self.mesh.ranks(axis))
         record = CollectiveRecord(self._seq, op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                                  nbytes, _callsite(), time.monotonic(), None, group, self._axis_seq[axis])
+                                  nbytes, _callsite(), time.monotonic(), None, group, self._axis_seq[axis],
+                                  lane=lane)
         self.records.append(record)
         for listener in self.listeners:
             listener(record)
@@ -275,31 +283,36 @@ class Comm:
         work = _reduce_scatter(output, input, op=op, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
 
+    def _group(self, axis: str, lane: str):
+        return self.mesh.group(axis, lane) if lane else self.mesh.group(axis)
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, async_op: bool = False,
-                   tag: str = ""):
+                   tag: str = "", lane: str = ""):
         """`output` (n chunks along dim 0) receives every rank's `input`, in coordinate order.
 
-        `tag` files the bytes under "all_gather.<tag>" (e.g. "stats"), apart from model traffic.
+        `tag` files the bytes under "all_gather.<tag>" (e.g. "stats"), apart from model traffic;
+        `lane` runs it on the axis's second group (module text).
         """
         if self._trivial(axis):
             output.copy_(input)
             return _DONE if async_op else None
         nbytes = (output.numel() - input.numel()) * input.element_size()
-        record = self._start(f"all_gather.{tag}" if tag else "all_gather", axis, output, nbytes)
-        work = _all_gather(output, input, group=self.mesh.group(axis), async_op=True)
+        record = self._start(f"all_gather.{tag}" if tag else "all_gather", axis, output, nbytes, lane)
+        work = _all_gather(output, input, group=self._group(axis, lane), async_op=True)
         return self._finish(work, record, async_op)
 
-    def all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], axis: str):
+    def all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], axis: str, lane: str = ""):
         """Several all-gathers (`all_gather` of each pair) issued as one coalesced operation
         (`torch.distributed._coalescing_manager`: one group call on NCCL; gloo runs them as one
-        work); asynchronous, one handle for all, one record with their summed bytes."""
+        work); asynchronous, one handle for all, one record with their summed bytes; `lane` as
+        in `all_gather`."""
         if self._trivial(axis):
             for output, input in zip(outputs, inputs):
                 output.copy_(input)
             return _DONE
         nbytes = sum((o.numel() - i.numel()) * i.element_size() for o, i in zip(outputs, inputs))
-        record = self._start("all_gather", axis, outputs[0], nbytes)
-        group = self.mesh.group(axis)
+        record = self._start("all_gather", axis, outputs[0], nbytes, lane)
+        group = self._group(axis, lane)
         with dist._coalescing_manager(group=group, async_ops=True) as cm:
             for output, input in zip(outputs, inputs):
                 _all_gather(output, input, group=group, async_op=True)

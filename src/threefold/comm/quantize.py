@@ -75,8 +75,10 @@ class _Pending:
         return self.done
 
 
-def quantized_all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, axis: str, fmt: str) -> _Pending:
-    """As `comm.all_gather(output, input)` (n equal chunks, rank-major), 8 bits on the wire; wait() fills `output`."""
+def quantized_all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, axis: str, fmt: str,
+                         lane: str = "") -> _Pending:
+    """As `comm.all_gather(output, input, lane=lane)` (n equal chunks, rank-major), 8 bits on the wire;
+    wait() fills `output`."""
     n, m = comm.mesh.size(axis), input.numel()
     padded = _padded(m)
     flat = torch.zeros(padded, dtype=input.dtype, device=input.device)
@@ -84,8 +86,8 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, 
     payload, scales = quantize(flat, fmt)
     all_payload = torch.empty(n * padded, dtype=torch.uint8, device=input.device)
     all_scales = torch.empty(n * scales.numel(), dtype=torch.float32, device=input.device)
-    handles = [comm.all_gather(all_payload, payload, axis, async_op=True),
-               comm.all_gather(all_scales, scales, axis, async_op=True)]
+    handles = [comm.all_gather(all_payload, payload, axis, async_op=True, lane=lane),
+               comm.all_gather(all_scales, scales, axis, async_op=True, lane=lane)]
 
     def finish():
         values = dequantize(all_payload, all_scales, fmt).view(n, padded)[:, :m]

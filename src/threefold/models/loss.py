@@ -1,7 +1,10 @@
 """The loss head: output projection and summed token cross-entropy, whole or in pieces of tokens.
 
-Whole (`model.loss_chunk = 0`): the logits of the whole micro-batch (b, s, V), then the fp32
-cross-entropy, which keeps its fp32 log-probabilities (4 b s V bytes) for backward.
+Whole (`model.loss_chunk = 0`, the default): the logits of the whole micro-batch (b, s, V) in the
+compute dtype, then the cross-entropy of models/cross_entropy.py, which upcasts one chunk of tokens
+at a time to fp32 and keeps for backward only the logits themselves and one fp32 log-sum-exp per
+token (bf16: 2 b s V + 4 b s bytes, where `F.cross_entropy(logits.float())` keeps 4 b s V). It costs
+no extra flops.
 
 In pieces (`model.loss_chunk = n` tokens): the micro-batch is cut into pieces of at most n
 tokens, and each piece's head and loss run as one checkpointed region (torch.utils.checkpoint,
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .cross_entropy import summed_cross_entropy
 from .loss_pieces import piece_tokens  # noqa: F401  (the size `pieces` cuts; torch-free for the planner)
 
 Head = Callable[[torch.Tensor], torch.Tensor]
@@ -62,7 +66,14 @@ def pieces(x_bsh: torch.Tensor, targets_bs: torch.Tensor, chunk: int) -> list[tu
 
 
 class TokenCrossEntropy(nn.Module):
-    """Sum over tokens of -log p(target); the trainer divides by the global token count."""
+    """Sum over tokens of -log p(target); the trainer divides by the global token count.
+
+    `vocab`: the real vocabulary when the logits have padded columns beyond it (`model.vocab_multiple`):
+    those never count. None: every column is a token."""
+
+    def __init__(self, vocab: int | None = None):
+        super().__init__()
+        self.vocab = vocab
 
     def forward(self, logits_bsv, targets_bs):
-        return nn.functional.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten(), reduction="sum")
+        return summed_cross_entropy(logits_bsv.flatten(0, 1), targets_bs.flatten(), self.vocab)

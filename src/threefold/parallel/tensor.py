@@ -32,6 +32,8 @@ from torch import nn
 
 from ..comm import (Comm, all_gather_from_group, copy_to_group, gather_from_group, reduce_from_group,
                     reduce_scatter_to_group, scatter_to_group)
+from ..models.cross_entropy import softmax_minus_one_hot
+from ..models.loss_pieces import chunk_rows
 from ..sharding import Placement
 
 AXIS = "tp"
@@ -180,40 +182,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Forward: three all-reduces of one number per token (max, target logit, sum of exp), so the
     softmax over the whole vocabulary is exact while each rank holds only (tokens, vocab/tp).
-    Backward: softmax - one_hot(target) on the local slice, no communication.
+    The logits stay in their dtype: the sums run in fp32 one chunk of rows at a time and only the
+    fp32 log-sum-exp per token is kept (models/cross_entropy.py). Backward: softmax - one_hot(target)
+    on the local slice, chunk by chunk, no communication. Columns from `valid` on (padding) never count.
     """
 
     @staticmethod
     def forward(ctx, logits_nv, targets_n, comm, start, valid):
-        logits = logits_nv.float()
-        if valid < logits.shape[-1]:  # padded vocabulary columns never count
-            logits = logits.clone()
-            logits[:, valid:] = -math.inf
-        maxes = logits.max(dim=-1).values
+        n = logits_nv.shape[0]
+        real = logits_nv[:, :valid]
+        maxes = (real.amax(dim=-1).float() if valid > 0 else
+                 torch.full((n,), -math.inf, dtype=torch.float32, device=logits_nv.device))
         comm.all_reduce(maxes, AXIS, op=dist.ReduceOp.MAX)
-        shifted = logits - maxes.unsqueeze(-1)
         local = targets_n - start
-        outside = (local < 0) | (local >= logits.shape[-1])
+        outside = (local < 0) | (local >= valid)
         local = local.masked_fill(outside, 0)
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = logits_nv.gather(-1, local.unsqueeze(-1)).squeeze(-1).float().masked_fill(outside, 0.0)
         comm.all_reduce(picked, AXIS)
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = torch.zeros(n, dtype=torch.float32, device=logits_nv.device)
+        step = chunk_rows(valid)
+        for i in range(0, n if valid > 0 else 0, step):
+            part = real[i:i + step].to(torch.float32, copy=True)
+            sum_exp[i:i + step] = part.sub_(maxes[i:i + step].unsqueeze(-1)).exp_().sum(dim=-1)
         comm.all_reduce(sum_exp, AXIS)
-        loss = sum_exp.log() - picked
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, outside)
-        ctx.input_dtype = logits_nv.dtype
-        return loss
+        lse = sum_exp.log_().add_(maxes)
+        ctx.save_for_backward(logits_nv, local, outside, lse)
+        ctx.valid = valid
+        return lse - picked
 
     @staticmethod
     def backward(ctx, grad_n):
-        softmax, local, outside = ctx.saved_tensors
-        grad = softmax  # reused in place: backward runs once
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local] -= (~outside).to(grad.dtype)
-        grad.mul_(grad_n.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        logits, local, outside, lse = ctx.saved_tensors
+        grad = softmax_minus_one_hot(logits, local, lse, ctx.valid, grad_n.float(), hit_n=(~outside).float())
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_nv: torch.Tensor, targets_n: torch.Tensor, comm: Comm, start: int,

@@ -32,9 +32,12 @@ padded tensor over that storage, whose version counter is not the parameter's, s
 not read a re-gather as an in-place modification (the quantized path's copy preserves the
 counter explicitly).
 
-Not done: a separate CUDA stream for the prefetched gathers. Gathers and reduce-scatters share
-the dp communicator, whose collectives NCCL runs on one stream in issue order; a second stream
-would need a second dp communicator from the Mesh.
+Every parameter gather (prefetched or not; quantized too) runs on the `gather` lane of the axis
+(`Mesh.add_lane`: a second group over the same dp ranks), the reduce-scatters on the axis's own
+group. NCCL runs each communicator's collectives on a CUDA stream of its own in issue order, so
+the gather prefetched in the backward no longer waits behind the previous unit's reduce-scatter.
+Bytes stay under the axis in the metrics; the records name the lane. hpZ's backward re-gathers
+run on `dp_intra`, a group of their own already.
 
 Under pipeline parallelism (`stage_passes=True`, set by `parallelize`) the schedule runs each
 (stage, micro-batch) backward - or its input and weight halves - as a pass of its own, with
@@ -61,10 +64,12 @@ from torch import nn
 
 from ..comm import Comm
 from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
+from ..mesh import GATHER
 from ..sharding import Placement
 from .hpz import NO_HPZ, NoPartition
 from .master import Piece
 from .model import HooklessSync
+from .units import tensors, unit_modules
 
 
 @dataclass(eq=False)
@@ -109,17 +114,6 @@ class Hooked:
     needs: list[Unit] = field(default_factory=list)
 
 
-def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Top-level children with parameters; the items of a ModuleList/Sequential/ModuleDict are units each."""
-    out = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            out += [(f"{name}.{n}", c) for n, c in child.named_children() if next(c.parameters(), None) is not None]
-        elif next(child.parameters(), None) is not None:
-            out.append((name, child))
-    return out
-
-
 class Zero3(HooklessSync):
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
 
@@ -134,6 +128,7 @@ class Zero3(HooklessSync):
         self.wire_dtype = wire_dtype
         self.prefetch = prefetch
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
+        comm.mesh.add_lane(axis, GATHER)  # collective: every rank builds ZeRO-3 at the same point
         names = {id(p): name for name, p in model.named_parameters()}
         slots: dict[int, list] = {}
         seen = set()
@@ -227,13 +222,13 @@ class Zero3(HooklessSync):
             return
         if not (from_copy := self._in_backward and self.hpz.ready(unit)) and self.weight_comm != "none":
             buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
-            handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm)
+            handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm, GATHER)
         else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage (hpZ's
             buffer = None  # backward: the forward's values from the node-local copy, over dp_intra only)
             for sp in unit.params:
                 sp.full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
             handle = self.hpz.gather(unit) if from_copy else self.comm.all_gather_many(
-                [sp.padded for sp in unit.params], [sp.shard.detach() for sp in unit.params], self.axis)
+                [sp.padded for sp in unit.params], [sp.shard.detach() for sp in unit.params], self.axis, GATHER)
         unit.gather, unit.state = (buffer, handle), "gathering"
         self.whole_numel += self.unit_numel(unit)
         self.peak_whole_numel = max(self.peak_whole_numel, self.whole_numel)
@@ -264,6 +259,12 @@ class Zero3(HooklessSync):
             unit.gather = None
         else:
             self._use(unit, whole=False)
+        # On CUDA a gather writes this storage on its group's own stream (the gather lane's). Every
+        # reader waits for it first (`wait()` makes the current stream wait for the collective), as
+        # does a release while gathering, just above; the storage was allocated on the current
+        # stream, so the block freed here is reused only by work ordered after the gather: no
+        # recordStream needed. The shard the gather reads changes only in the optimizer step, after
+        # `_end_pass` waited for every gather.
         for sp in unit.params:
             sp.full.untyped_storage().resize_(0)
         unit.state = "sharded"
@@ -294,7 +295,7 @@ class Zero3(HooklessSync):
                 if id(unit) not in later or not torch.is_grad_enabled():
                     self._reshard(unit)
         if torch.is_grad_enabled():
-            for t in _tensors(output):
+            for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(functools.partial(self._pre_backward, hooked))
         elif hooked is self.root:
@@ -438,13 +439,3 @@ class Zero3(HooklessSync):
                                                                          (self.rank + 1) * sp.chunk),
                                  sp.shard.detach(), (lambda g=grad: g), sp.full.dim() >= 2, self.rank * sp.chunk))
         return out
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []

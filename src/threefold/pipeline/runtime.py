@@ -68,8 +68,10 @@ class ModuleCompute:
     """Runs the stages of a `RankModule`; gradients accumulate into `.grad` inside `grad_sync`."""
 
     def __init__(self, module: RankModule, adapter: PipelineAdapter, grad_sync=None,
-                 meter: SavedTensorMeter | None = None):
+                 meter: SavedTensorMeter | None = None, compile_stage=None):
         self.module = module
+        # `train.compile`: the stage's computation as one torch.compile region (parallel/compile.py)
+        self.run_stage = compile_stage(self.run_stage) if compile_stage is not None else self.run_stage
         self.adapter = adapter
         self.grad_sync = grad_sync
         self.meter = meter
@@ -110,18 +112,24 @@ class ModuleCompute:
             self._routed[stage.index] = any(isinstance(m, MoE) for i in stage.layers for m in self.module.layer(i).modules())
         return None if self._routed[stage.index] else (stage.index, tuple(x.shape), x.dtype)
 
-    def _forward(self, stage: Stage, x: torch.Tensor, targets):
+    def run_stage(self, stage: Stage, x: torch.Tensor, targets) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's computation: (embedding,) its layers (, norm, head and summed token loss) ->
+        (output or summed loss, the stage's routers' auxiliary losses (models/moe.py) or None)."""
         if stage.first:  # the embedding stays in the graph: nothing needs the token ids' gradient
-            inp, x = None, self.adapter.embed(self.module, x)
-        else:
-            inp = x.requires_grad_()
+            x = self.adapter.embed(self.module, x)
         layers = [self.module.layer(i) for i in stage.layers]
         for layer in layers:
             x = layer(x)
-        aux = routers_aux_loss(layers)  # the stage's routers' auxiliary losses (models/moe.py), or None
+        aux = routers_aux_loss(layers)
         if stage.last:
-            loss_sum = self.adapter.head_loss(self.module, x, targets)
-            loss_sum = loss_sum if aux is None else loss_sum + aux
+            x = self.adapter.head_loss(self.module, x, targets)
+        return x, aux
+
+    def _forward(self, stage: Stage, x: torch.Tensor, targets):
+        inp = None if stage.first else x.requires_grad_()
+        x, aux = self.run_stage(stage, x, targets)
+        if stage.last:
+            loss_sum = x if aux is None else x + aux
             return loss_sum.detach(), MicroState(loss_sum / self.scale, inp)
         if aux is not None:  # into this stage's backward (as the loss's share) and the step's loss
             self.side_loss = self.side_loss + aux.detach().float()

@@ -22,9 +22,10 @@ the MLP, 1 for the head - the runtime does not share one gathered buffer between
 Outside the blocks: the token indices (without tp the int64 rows of the rank's whole batch,
 shared by inputs and targets: a view, so the whole storage counts in every forward that
 saves it; with tp the embedding's masked local ids 8*bs and mask bs), learned positions 8*s,
-the final norm, the fp32 log-probabilities of the loss 4*bsV (vocabulary-parallel: the
-softmax of the local slice 4*bsV/t, local ids 8*bs, mask bs) and the flattened targets (8*bs,
-a copy unless one row). With the loss in pieces (`model.loss_chunk` < bs, models/loss.py) the
+the final norm, the loss's logits in the compute dtype c*bsV and fp32 log-sum-exp 4*bs
+(models/cross_entropy.py; vocabulary-parallel: the local slice c*bsV/t, log-sum-exp 4*bs, local
+ids 8*bs, mask bs) and the flattened targets (8*bs, a copy unless one row). V is the padded
+vocabulary (`model.vocab_multiple`), padded again to a multiple of t when tp does not divide it. With the loss in pieces (`model.loss_chunk` < bs, models/loss.py) the
 head and loss are checkpointed: only the head's input (c*bsh, /t under SP) and the targets' rows
 (views) are kept, nothing of vocabulary size.
 
@@ -180,9 +181,9 @@ def head_bytes(m: ModelConfig, x: Shape, rank_rows: int, with_rows: bool, hf: bo
         head_input = x.c * (x.bs // x.t if x.sp else x.bs) * m.hidden
         return norm_items(m, x, hf) + head_input + (rows if with_rows or x.t > 1 else 0)
     if x.t > 1:
-        return norm + 4 * bs * padded(m.vocab, x.t) + 9 * bs  # local softmax, local ids, mask
+        return norm + x.c * bs * padded(m.vocab, x.t) + 13 * bs  # local logits, log-sum-exp, local ids, mask
     targets = 8 * bs if x.b > 1 else (rows if with_rows else 0)
-    return norm + 4 * bs * m.vocab + targets + 4
+    return norm + x.c * bs * m.vocab + 4 * bs + targets  # logits, log-sum-exp, targets
 
 
 def loss_in_pieces(m: ModelConfig, x: Shape) -> bool:

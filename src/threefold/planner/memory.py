@@ -18,7 +18,7 @@ executes) is replayed: a forward adds its chunk's bytes, a full backward (B) or 
 what the rank holds (interleaved chunks, GPipe's m, zb-h1's deferred weight gradients included).
 
 On a GPU the peak also holds what the meter never sees: the working set of the block being
-recomputed, the logits and their fp32 copy and gradient, communication buffers (gradient
+recomputed, the logits' gradient and the loss's fp32 chunk, communication buffers (gradient
 buckets, ZeRO-3 gathered layers, pipeline send/recv), plus ALLOCATOR_MARGIN of fragmentation
 and RESERVED_BYTES for the CUDA context, cuBLAS workspaces and NCCL. On the CPU (gloo runs)
 none of these are added: the prediction is the counted bytes of the trainer's `mem` record.
@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from ..config import Config
-from .activations import Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_piece_tokens
+from ..models.loss_pieces import chunk_rows
+from .activations import (Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_in_pieces,
+                          loss_piece_tokens)
 from .hardware import CPU, GiB, Gpu
 from .workload import Chunk, ParamCount, Strategy, Workload, from_config, rank_chunks, rank_parameters
 
@@ -185,8 +187,15 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     elif st.remat == "selective" and layers:
         transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, "selective", hf)
     if any(c.last for c in chunks):
-        # logits, fp32 copy, its gradient: of the whole micro-batch, or of one piece (model.loss_chunk)
-        transient += (x.c + 8) * loss_piece_tokens(w.model, x) * w.model.vocab / st.tp
+        # the logits' gradient (and, in pieces, the piece's recomputed logits) in the compute dtype, and
+        # the cross-entropy's fp32 chunk and its exp (models/cross_entropy.py)
+        # (transformers' own loss, hf-llama: the logits, their fp32 copy and its gradient)
+        tokens, vocab = loss_piece_tokens(w.model, x), w.model.vocab / st.tp
+        if hf:
+            transient += (x.c + 8) * tokens * vocab
+        else:
+            transient += ((2 if loss_in_pieces(w.model, x) else 1) * x.c * tokens * vocab
+                          + 8 * min(tokens, chunk_rows(int(vocab))) * vocab)
     buffers = 0.0
     if st.dp > 1:
         buffers += 2 * st.bucket_mb * 2**20  # buckets in flight while the next ones fill

@@ -2,8 +2,9 @@
              + data-parallel / ZeRO communication not hidden behind backward + optimizer update.
 
 Per micro-batch on the slowest pipeline stage (first or last):
-    forward   its FLOPs / (peak * compute_efficiency) + tensor-parallel all-reduces + p2p send
-    backward  2 x forward FLOPs + recomputation, same rate + tensor-parallel all-reduces + p2p
+    forward   its FLOPs / (peak * compute_efficiency) + tensor-parallel all-reduces + pipeline p2p
+    backward  2 x forward FLOPs + recomputation, same rate + tensor-parallel all-reduces + pipeline p2p
+(the pipeline's sends and receives as the workload's software runs them: planner/pipeline_p2p.py)
 Tensor parallelism (Megatron-LM) all-reduces the block's (b, s, h) activations twice in forward
 and twice in backward (again twice for a fully recomputed forward); with sequence parallelism
 these become reduce-scatter + all-gather pairs of the same volume. They sit on the critical
@@ -35,6 +36,7 @@ from .dp_comm import data_parallel
 from .hardware import Gpu
 from .memory import compute_bytes
 from .moe import all_to_all_seconds, routed_rows, sparse_mlp_flops_per_token
+from .pipeline_p2p import p2p_seconds
 from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # Adam: read master, m, v, grad; write master, m, v, compute copy
@@ -154,16 +156,6 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
     return 2 * layers * one, backward_count * layers * one
 
 
-def _p2p(w: Workload, st: Strategy, gpu: Gpu) -> float:
-    if st.pp == 1:
-        return 0.0
-    sp = st.tp if st.sequence_parallel else 1
-    nbytes = compute_bytes(st.precision) * st.micro_batch_size(w) * w.seq_len * w.model.hidden / sp
-    link = comm.axis_link(gpu, "pp", st.tp, st.dp, st.pp)
-    v = st.virtual_stages if st.schedule == "interleaved" else 1
-    return v * comm.point_to_point(nbytes, link)
-
-
 def _chunks(st: Strategy) -> int:
     return st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
 
@@ -177,9 +169,9 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
         layers = stage_layers(w.model, st.pp, _chunks(st))[stage]
         tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage))  # a replicated MoE: no MLP all-reduce
         ep_f, ep_b = _ep_comm(w, st, gpu, stage)
-        p2p = _p2p(w, st, gpu)
-        fwd, bwd = f + tp_f + ep_f + p2p, b + tp_b + ep_b + p2p
-        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, 2 * p2p, ep_f + ep_b)
+        p2p_f, p2p_b = p2p_seconds(w, st, gpu)
+        fwd, bwd = f + tp_f + ep_f + p2p_f, b + tp_b + ep_b + p2p_b
+        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, p2p_f + p2p_b, ep_f + ep_b)
         best = candidate if best is None or candidate[0] > best[0] else best
     _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep = best
     v = st.virtual_stages if st.schedule == "interleaved" else 1

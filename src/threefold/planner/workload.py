@@ -20,6 +20,10 @@ IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference 
 # the s x s scores: threefold, torchtitan, Megatron-LM since 2023) or "dense" (the whole s x s
 # matrix is computed and masked: Megatron-LM / DeepSpeed / metaseq of 2021-2022)
 ATTENTION_KERNELS = ("flash", "dense")
+# how the pipeline's stages exchange activations and gradients (planner/pipeline_p2p.py): "batched"
+# (threefold), "scatter-gather" (Megatron-LM of 2021-22), "deepspeed" (DeepSpeed's
+# PipelineEngine: blocking sends and receives one after the other, tensors partitioned over tp)
+PIPELINE_P2P = ("batched", "scatter-gather", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Workload:
     # whether the data-parallel gradient reduction overlaps the last backward (threefold, torch DDP/FSDP,
     # Megatron-core since 2023) or runs after the pipeline flush (Megatron-LM / DeepSpeed of 2021-22)
     grad_overlap: bool = True
+    pipeline_p2p: str = "batched"  # PIPELINE_P2P
 
     @property
     def tokens(self) -> int:
