@@ -6,6 +6,8 @@ breaks, docs/gpu.md) and on a 2-stage pipeline (one region per stage).
 The graphs dynamo captured are counted too, so a new graph break fails here: plain dp and each
 pipeline stage are one graph without a break; under tp every break is at one of Comm's
 collectives, and the number of graphs is the one docs/gpu.md lists (bench/compile_breaks.py).
+The bytes `Comm` counts per step and axis are the eager run's: collectives inside the compiled
+region still run through it.
 
 The default test compiles with the `aot_eager` backend (dynamo's capture and AOT autograd's joint
 graph, no code generation), which is what can go wrong in threefold's own code: hooks, remat and
@@ -41,15 +43,17 @@ def compiled_and_eager(out: str, backend: str, layouts: dict) -> dict:
                                     f"{out}/{name}-compiled")
         graphs = counters["stats"]["unique_graphs"]  # what dynamo really captured
         breaks = dict(counters["graph_break"])
+        sent = [(e["comm"], c["comm"]) for e, c in zip(eager["records"], compiled["records"])]  # Comm's bytes per step
         found[name] = (eager["losses"], compiled["losses"], max_rel_err(compiled["params"], eager["params"]), graphs,
-                       breaks)
+                       breaks, sent)
     return found
 
 
 def _check(results, counts: bool = True):
     for rank, found in enumerate(results):
-        for name, (eager, compiled, (err, where), graphs, breaks) in found.items():
+        for name, (eager, compiled, (err, where), graphs, breaks, sent) in found.items():
             assert graphs > 0, f"rank {rank}, {name}: nothing was compiled"
+            assert all(e == c for e, c in sent), f"rank {rank}, {name}: bytes per step eager, compiled: {sent}"
             assert len(compiled) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(compiled, eager)), \
                 (rank, name, compiled, eager)
             assert err <= 1e-5, f"rank {rank}, {name}: {where} differs by {err:.2e}"
