@@ -7,8 +7,8 @@
 Sides, each with its usual settings, in one process, alternating rounds of `--steps` steps:
 
 * **threefold** - `Trainer.train_one_step` (bf16 parameters, fp32 masters, the whole step:
-  sampler, forward/backward, gradient norm and clipping, AdamW, metrics record), its blocks
-  compiled (`train.compile=true`) on CUDA;
+  sampler, forward/backward, gradient norm and clipping, AdamW, metrics record), its forward
+  and loss compiled (`train.compile=true`) on CUDA;
 * **plain** - the same model (threefold's decoder, built from the same config) in a plain loop:
   fp32 parameters under `torch.autocast(bfloat16)`, `torch.compile(model)`, clipping, fused AdamW;
 * **hf** (llama only, when `transformers` is importable) - Hugging Face `LlamaForCausalLM`
@@ -132,7 +132,7 @@ def main() -> None:
                  f"precision.compute={'bf16' if dtype == torch.bfloat16 else 'fp32'}",
                  f"run.device={device.type}"]
     cfg = load_config(None, overrides)
-    # threefold compiles its blocks (--compile) where the plain side compiles its model
+    # threefold compiles its forward and loss (--compile) where the plain side compiles its model
     sides = {"threefold": threefold_side(overrides + (["train.compile=true"] if compile_ else []), args.out),
              "plain": plain_side(cfg, device, args.batch, args.seq_len, compile_, dtype)}
     if args.model == "llama-1b":

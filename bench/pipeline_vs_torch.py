@@ -2,10 +2,12 @@
 
 Same model (the reference decoder, untied so both frameworks hold plain stage modules), same
 stage split, same p and m, same schedule, same micro-batches and initial weights. Reports the
-median forward+backward time of one step for each and the ratio, and checks that both
-produce the same loss and gradients. A schedule that PyTorch cannot run here prints its error.
+median forward+backward time of one step for each and the ratio of the two per round: its median,
+its interquartile range and its extremes, and in how many rounds threefold was the faster; and
+checks that both produce the same loss and gradients. A schedule that PyTorch cannot run here
+prints its error.
 
-    PYTHONPATH=src python bench/pipeline_vs_torch.py [--pp 2] [--microbatches 4] [--steps 15]
+    PYTHONPATH=src python bench/pipeline_vs_torch.py [--pp 2] [--microbatches 4] [--steps 51]
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=15, help="alternating rounds (one step of each side each)")
+    parser.add_argument("--steps", type=int, default=51, help="alternating rounds (one step of each side each)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     args = parser.parse_args()
     from threefold.world import World
@@ -183,8 +185,8 @@ def main() -> None:
     print(f"model small (4 layers, hidden 256, untied), seq 64, batch 16, pp={args.pp}, m={args.microbatches}, "
           f"CPU gloo, 1 thread per rank; {args.steps} alternating rounds of one forward+backward step each; "
           f"load average before: {os.getloadavg()[0]:.1f}")
-    print(f"{'schedule':<12}{'threefold s':>12}{'torch s':>10}{'torch/threefold':>17}{'(min-max)':>13}"
-          f"{'loss diff':>11}{'grad diff':>11}{'bubble':>8}{'backward s':>11}")
+    print(f"{'schedule':<12}{'threefold s':>12}{'torch s':>10}{'torch/threefold':>17}{'(p25-p75)':>13}{'(min-max)':>13}"
+          f"{'faster':>8}{'loss diff':>11}{'grad diff':>11}{'bubble':>8}{'backward s':>11}")
     costs = {}
     with World(args.pp, timeout_s=900) as world:
         for name in args.schedules.split(","):
@@ -200,9 +202,12 @@ def main() -> None:
             ratios = [t / o for t, o in zip(theirs, ours)]
             loss_diff = abs(results[0]["threefold_loss"] - results[0]["torch_loss"])
             grad_diff = max(r["max_grad_rel_diff"] for r in results)
-            spread = f"({min(ratios):.2f}-{max(ratios):.2f})"
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            quartiles, spread = f"({q1:.2f}-{q3:.2f})", f"({min(ratios):.2f}-{max(ratios):.2f})"
+            faster = f"{sum(r > 1 for r in ratios)}/{len(ratios)}"
             print(f"{name:<12}{statistics.median(ours):>12.3f}{statistics.median(theirs):>10.3f}"
-                  f"{statistics.median(ratios):>17.2f}{spread:>13}{loss_diff:>11.1e}{grad_diff:>11.1e}{tail}")
+                  f"{statistics.median(ratios):>17.3f}{quartiles:>13}{spread:>13}{faster:>8}"
+                  f"{loss_diff:>11.1e}{grad_diff:>11.1e}{tail}")
     if "zb-h1" in costs and "1f1b" in costs:
         zb, one = costs["zb-h1"], costs["1f1b"]
         print(f"\nthreefold zb-h1 vs 1f1b: bubble {zb['bubble']:.3f} vs {one['bubble']:.3f} "

@@ -116,6 +116,80 @@ def zero3_gathers_in_place(overrides: list[str], out: str) -> dict:
     return {"outputs": outputs, "copies": CopiesIntoWeights.copies, "loss": records[-1]["loss"]}
 
 
+def pooled_buckets(overrides: list[str], out: str, steps: int = 3) -> dict:
+    """Plain DP, then ZeRO-2 with the same overrides; per ZeRO-2 step, what its bucket pool allocated
+    and which buffers the buckets filled."""
+    from threefold.train.trainer import Trainer
+
+    def params(trainer) -> dict:
+        trainer.parallel.settle()
+        return {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
+
+    reference = Trainer(make_config(overrides + ["parallel.zero=0"], out + "/dp"))
+    for _ in range(steps):
+        reference.train_one_step()
+    trainer = Trainer(make_config(overrides + ["parallel.zero=2"], out + "/zero2"))
+    sync = trainer.parallel.grad_sync
+    pool, pooled, filled = sync.pool, sync._pooled, []
+
+    def spy(bucket):
+        whole = pooled(bucket)
+        filled[-1].add(whole.data_ptr())
+        return whole
+
+    sync._pooled = spy
+    per_step = []
+    for _ in range(steps):
+        filled.append(set())
+        before = pool.allocations
+        record = trainer.train_one_step()
+        per_step.append({"allocations": pool.allocations - before, "buffers": len(pool.buffers),
+                         "filled": len(filled[-1]), "grads": record["mem"]["grads"]})
+    return {"buckets": len(sync.buckets.buckets), "steps": per_step, "pool_size": pool.size,
+            "shard_bytes": sum(s.numel() * s.element_size() for s in sync.grad_shards),
+            "dp": params(reference), "zero2": params(trainer)}
+
+
+def zero2_unused_parameter(micro: int = 2) -> dict:
+    """ZeRO-2 (pooled buckets) and plain DP on the same batches, rank 1 never using the last block:
+    this rank's reduced gradient shard, and the same range of plain DP's summed gradients."""
+    from threefold.comm import Comm
+    from threefold.mesh import Layout, Mesh
+    from threefold.models.decoder import build_model
+    from threefold.parallel.data import parallelize_data
+    from threefold.parallel.zero import ZeroReducer
+
+    mesh = Mesh(Layout(dp=2), torch.device("cpu"))
+    comm = Comm(mesh)
+    cfg = make_config(["model.preset=tiny"], "unused").model
+
+    def train(make_sync):
+        model = build_model(cfg, seed=0)
+        sync = make_sync(model)
+        sync.zero_grad()
+        for i in range(micro):
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * mesh.rank("dp") + i))
+            with sync.micro_batch(last=i == micro - 1):
+                x = model.embed(tokens)
+                for block in model.blocks if mesh.rank("dp") == 0 else model.blocks[:-1]:
+                    x = block(x)
+                model.loss(model.head(model.norm(x)), tokens).backward()
+        sync.finish()
+        return model, sync
+
+    dp_model, _ = train(lambda m: parallelize_data(m, comm, bucket_mb=0.01))
+    reference = {name: p.grad for name, p in dp_model.named_parameters() if p.requires_grad}
+    _, zero = train(lambda m: ZeroReducer(list(m.named_parameters()), comm, 2, bucket_mb=0.01))
+    got, expected = [], []
+    for b in zero.buckets.buckets:
+        whole = torch.cat([reference[zero.names[id(p)]].reshape(-1) for p in b.params])
+        whole = torch.cat([whole, whole.new_zeros(b.numel() - whole.numel())])
+        expected.append(torch.cat([whole[lo:hi] for lo, hi, _ in zero.owned(b)]))
+        got.append(zero.grad_shards[b.index].clone())
+    return {"got": torch.cat(got), "expected": torch.cat(expected), "buckets": len(zero.buckets.buckets),
+            "pool": len(zero.pool.buffers)}
+
+
 def zero3_lanes(runs: list[list[str]], out: str) -> list[dict]:
     """ZeRO-3, per override list: the group of every all-gather and reduce-scatter handed to
     torch.distributed (the dp group, the dp `gather` lane, or another), and the lanes Comm's records name."""

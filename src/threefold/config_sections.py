@@ -172,7 +172,7 @@ class TrainConfig:
     outer_lr: float = 0.7  # DiLoCo outer learning rate
     outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
     easgd_alpha: float = 0.0  # > 0: elastic averaging SGD, each replica pulled towards a centre variable
-    compile: bool = False  # torch.compile each block of the model (docs/gpu.md)
+    compile: bool = False  # torch.compile of the whole forward and loss (docs/gpu.md)
 
     @property
     def periodic(self) -> bool:

@@ -4,7 +4,8 @@ import math
 
 
 from tests.helpers import make_config, rel_err
-from tests.zero_tasks import assemble, overlapped_gather, train_stages, zero3_gathers_in_place, zero3_lanes
+from tests.zero_tasks import (assemble, overlapped_gather, pooled_buckets, train_stages, zero2_unused_parameter,
+                              zero3_gathers_in_place, zero3_lanes)
 from threefold.comm import ring_chunk
 from threefold.models.decoder import build_model
 
@@ -94,6 +95,32 @@ def test_zero_param_gather_overlaps_the_next_forward(worlds, tmp_path):
     assert r["segments"] == [4] and r["due_after_step"] and r["left"] == 0
     first, waiting = r["in_flight"][0]
     assert first.startswith("embed") and waiting == 3, r["in_flight"]
+
+
+def test_zero2_buckets_share_a_pool_allocated_once_per_step(worlds, tmp_path):
+    """Many small buckets and 2 micro-batches: the buckets fill 2 pooled buffers in turn (each
+    allocated once per step, not once per bucket and pass; a buffer is reused only after its
+    reduce-scatter was waited for: the parameters still equal plain DP's), and between steps a
+    rank holds only its gradient shards."""
+    overrides = BASE + ["train.steps=3", "train.microbatches=2", "parallel.bucket_mb=0.05"]
+    r = worlds(2).run(pooled_buckets, overrides, str(tmp_path))[0]
+    assert r["buckets"] >= 4, r["buckets"]
+    for step in r["steps"]:
+        assert step["buffers"] == r["pool_size"] == 2 and step["filled"] == 2, step
+        assert step["allocations"] == step["buffers"], step  # not buckets x micro-batches
+        assert step["grads"] == r["shard_bytes"], step
+    for name, value in r["dp"].items():
+        err = rel_err(r["zero2"][name], value)
+        assert err <= 1e-5, f"{name} differs from plain DP by {err:.2e}"
+
+
+def test_zero2_pooled_buckets_zero_what_no_gradient_reached(worlds):
+    """Rank 1 never uses the last block: over 2 micro-batches its pooled buffers (reused, not
+    zeroed) still contribute zeros there, and the shards equal plain DP's sums."""
+    for r in worlds(2).run(zero2_unused_parameter):
+        assert r["buckets"] > r["pool"]
+        err = rel_err(r["got"], r["expected"])
+        assert err <= 1e-6, f"ZeRO-2 shard differs from plain DP's sum by {err:.2e}"
 
 
 def test_zero_stages_match_dp_on_4_ranks_uneven_shapes(worlds, tmp_path):

@@ -56,3 +56,39 @@ def test_split_backward_of_a_scalar_loss():
     torch.testing.assert_close(dinp, x.grad)
     for p, want in zip(params, expected):
         torch.testing.assert_close(p.grad, want, rtol=1e-6, atol=1e-7)
+
+
+def _groups(groups):
+    return [(g.nodes, g.leaves, [id(w) for w in g.weights]) for g in groups]
+
+
+def test_a_kept_analysis_serves_graphs_of_its_shape_only():
+    from threefold.pipeline.backward_split import _analyse, _planned
+
+    forward, params = _stage()
+    plans, x = {}, torch.randn(4, 8)
+    for micro in range(2):  # the second graph takes the kept analysis: the same groups as a fresh one
+        inp = (x + micro).requires_grad_()
+        out = forward(inp)
+        assert _groups(_planned(out, inp, plans, "stage")) == _groups(_analyse(out, inp))
+    # another graph under the same key (the weight used once more): analysed afresh, not by position
+    inp = x.clone().requires_grad_()
+    out = forward(inp) @ params[0].T
+    assert _groups(_planned(out, inp, plans, "stage")) == _groups(_analyse(out, inp))
+
+
+def test_split_backward_with_kept_analyses_equals_one_backward():
+    forward, params = _stage()
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    for micro in range(3):
+        forward((x + micro).requires_grad_()).backward(grad)
+    expected = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    plans = {}
+    for micro in range(3):
+        inp = (x + micro).requires_grad_()
+        _, groups = backward_input(forward(inp), grad, inp, plans, 0)
+        backward_weight(groups)
+    for p, want in zip(params, expected):
+        torch.testing.assert_close(p.grad, want, rtol=1e-6, atol=1e-7)

@@ -39,11 +39,16 @@ class SavedTensorMeter:
     `peak` is the largest `current` seen. Tensors whose storage belongs to `exclude` (the
     parameters, also in their whole form under ZeRO-3) are not activations and are not counted.
     Storages are identified by their storage object, which survives re-allocation (resize).
+
+    `count(key, run)` measures once per key: what autograd saves is fixed by the code run and the
+    shapes and dtypes going in (`key`), so a pipeline stage is measured at its first micro-batch
+    of each input shape and later ones reuse that figure without the per-tensor hook.
     """
 
     def __init__(self, exclude=()):
         self._excluded = {_storage_id(t) for t in exclude}
         self._seen: set[int] = set()
+        self._known: dict = {}  # key -> bytes measured at its first `count`
         self.current = 0
         self.peak = 0
 
@@ -59,6 +64,20 @@ class SavedTensorMeter:
                 self.current += t.untyped_storage().nbytes()
                 self.peak = max(self.peak, self.current)
         return t
+
+    def count(self, key, run):
+        """(`run()`, the bytes autograd saved during it). Measured at the first call with `key` (a
+        hashable naming what fixes the saved bytes), reused afterwards; `key=None`: always measured
+        (saved bytes that depend on the data, e.g. routed experts)."""
+        known = self._known.get(key) if key is not None else None
+        if known is not None:
+            return run(), known
+        self.reset()
+        with self.measure():
+            result = run()
+        if key is not None:
+            self._known[key] = self.current
+        return result, self.current
 
     @contextlib.contextmanager
     def measure(self):

@@ -14,7 +14,8 @@ the meta device, so no rank ever holds the whole model:
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
                              (or periodic: local SGD, DiLoCo, EASGD                (parallel/local_sgd.py))
                              (with ep > 1: dense over dp, experts over edp        parallel/expert.py)
-    6. compile               torch.compile of each block (`train.compile`)        (parallel/compile.py)
+    6. compile               torch.compile of the whole forward and loss, per model or per
+                             pipeline stage (`train.compile`)                      (parallel/compile.py)
 
 Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
 model; the pipeline keeps its stages of that model; checkpointing wraps the blocks a rank
@@ -45,7 +46,7 @@ from ..mesh import Mesh
 from ..models.moe import moe_modules
 from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
-from .compile import apply_compile
+from .compile import apply_compile, stage_compiler
 from .data import DataParallelReducer, parallelize_data
 from .expert import ExpertParallelSync, sequence_parallel_experts, shard_experts
 from .hpz import NO_HPZ, secondary_partition
@@ -98,8 +99,9 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
                                                                         split is not None, expert_names)
-    # 6. torch.compile of the blocks, last: it traces the hooks every step above installed
-    apply_compile(model, cfg.train.compile, cfg.debug.compile_backend)
+    # 6. torch.compile of the whole forward and loss, last: it traces the hooks every step above
+    # installed (under a pipeline, each stage's computation: the runtime below compiles it)
+    apply_compile(model, cfg.train.compile, cfg.debug.compile_backend, pipelined=split is not None)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
@@ -107,7 +109,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
-        parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors())
+        parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors(),
+                                          stage_compiler(cfg.train.compile, cfg.debug.compile_backend))
     return parallel
 
 

@@ -56,14 +56,18 @@ class GradientBuckets:
     """Owns the gradient buffers of `params` and calls `launch(bucket)` as buckets fill.
 
     `launch` starts the bucket's communication and returns an object with `wait()`;
-    `complete(bucket)` (optional) runs after that wait, e.g. to copy a reduced result back.
+    `complete(bucket)` (optional) runs after that wait, e.g. to copy a reduced result back;
+    `arrive(bucket, param)` (optional) runs when autograd has accumulated `param.grad`, before
+    the bucket is counted as nearer ready (ZeRO-2 copies the gradient into a pooled buffer).
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, launch: Callable[[Bucket], object],
-                 complete: Callable[[Bucket], None] | None = None, pad_to: int = 1):
+                 complete: Callable[[Bucket], None] | None = None, pad_to: int = 1,
+                 arrive: Callable[[Bucket, nn.Parameter], None] | None = None):
         self.params = [p for p in params if p.requires_grad]
         self._launch_fn = launch
         self._complete_fn = complete
+        self._arrive_fn = arrive
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         for index, group in enumerate(assign_buckets(self.params, bucket_bytes)):
@@ -92,6 +96,8 @@ class GradientBuckets:
     def _on_grad(self, param: nn.Parameter) -> None:
         self._hooks_fired += 1
         bucket = self._bucket_of[param]
+        if self._arrive_fn is not None:
+            self._arrive_fn(bucket, param)
         bucket.pending -= 1
         if self.sync:
             self._launch_ready()

@@ -60,6 +60,8 @@ def _marking_recomputation(fn):
 
     def region(*args, **kwargs):
         nonlocal runs
+        if torch.compiler.is_compiling():  # traced once; the compiled backward recomputes without Python
+            return fn(*args, **kwargs)
         runs += 1
         if runs == 1:
             return fn(*args, **kwargs)

@@ -18,8 +18,14 @@ replica whole again.
              *reduce-scatters* each bucket as soon as it is full (reduce-scatter over dp), so each
              rank receives the sum of its own shard only.
     stage 2  every micro-batch's backward reduce-scatters each bucket as it fills and adds the
-             result into a persistent gradient shard; the whole bucket's memory is released once
-             its reduce-scatter is done and re-allocated when its next gradient arrives.
+             result into a persistent gradient shard (the step's first reduce-scatter of a bucket
+             writes the shard, the later ones add to it). A bucket is whole only from its first
+             gradient of a pass until its reduce-scatter is done, in a buffer of a small pool
+             (bucket_pool.py, DeepSpeed's "ipg" buffers) that the buckets of a step take in turn:
+             each gradient is copied in as autograd produces it (every element written once, so
+             nothing is zeroed but the gaps of parameters no gradient reached), and the buffer is
+             given back once the reduce-scatter was waited for. The pool's memory is freed at the
+             end of the step: between steps a rank holds only its gradient shards.
 
 Communication per step, per rank (ring volumes, counted by `comm/`): reduce-scatter of the
 gradients (N-1)/N G plus all-gather of the parameters (N-1)/N W - the 2 (N-1)/N G of plain
@@ -63,6 +69,8 @@ from torch import nn
 
 from ..comm import Comm
 from ..sharding import Placement
+from .bucket_pool import BufferPool
+from .bucket_pool import view as pool_view
 from .buckets import Bucket, GradientBuckets
 
 GATHER_SEGMENTS = 4  # per bucket: the forward waits for the segment a module needs, not the whole bucket
@@ -116,8 +124,14 @@ class ZeroReducer(HooklessSync):
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         trainable = [(name, p) for name, p in named_params if p.requires_grad]
         self.names = {id(p): name for name, p in trainable}
+        pooled = stage == 2 and not defer  # stage 2 fills pooled buffers by copy (see the module's docstring)
         self.buckets = GradientBuckets([p for _, p in trainable], int(bucket_mb * 2**20), launch=self._launch,
-                                       complete=self._complete, pad_to=self.n)
+                                       complete=self._complete, pad_to=self.n,
+                                       arrive=self._arrive if pooled else None)
+        whole = [b.numel() * b.buffer.element_size() for b in self.buckets.buckets]
+        self.pool = BufferPool(max(whole), self.buckets.buckets[0].buffer.device) if pooled and whole else None
+        self._offset = {id(p): off for b in self.buckets.buckets for p, off in zip(b.params, b.offsets)}
+        self._fresh = set(range(len(whole)))  # stage 2: buckets whose next reduce-scatter writes the shard
         self.param_flats: list[torch.Tensor] = []  # the parameters, bucket layout; params are views
         self.grad_shards: list[torch.Tensor] = []  # stage 2: this rank's summed gradient shard per bucket
         self.segments = [segments(b.numel(), self.n, b.buffer.element_size()) for b in self.buckets.buckets]
@@ -131,8 +145,9 @@ class ZeroReducer(HooklessSync):
             self.param_flats.append(flat)
             if stage == 2:
                 self.grad_shards.append(torch.zeros(self.shard_len(b), dtype=b.buffer.dtype, device=flat.device))
-                for p in b.params:  # runs before autograd accumulates into p.grad (a view of the bucket)
-                    p.register_hook(functools.partial(self._materialize, b))
+                if defer:  # whole buckets accumulate over the schedule's micro-batches
+                    for p in b.params:  # runs before autograd accumulates into p.grad (a view of the bucket)
+                        p.register_hook(functools.partial(self._materialize, b))
                 self._release(b)
 
     def shard_len(self, bucket: Bucket) -> int:
@@ -149,8 +164,54 @@ class ZeroReducer(HooklessSync):
 
     # ------------------------------------------------------------ during backward
 
+    def _arrive(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Stage 2 (pooled): copy `param`'s gradient of this pass into its bucket's pooled buffer."""
+        grad, param.grad = param.grad, None
+        if grad is None:
+            return
+        if bucket.launched:
+            raise RuntimeError(f"the gradient of {self.names[id(param)]} arrived after its bucket was reduced")
+        whole = self._pooled(bucket)
+        off = self._offset[id(param)]
+        dst = whole[off: off + param.numel()].view_as(param)
+        if id(param) in bucket.state["seen"]:  # a second accumulation in one pass
+            dst.add_(grad)
+        else:
+            dst.copy_(grad)
+            bucket.state["seen"].add(id(param))
+
+    def _pooled(self, bucket: Bucket) -> torch.Tensor:
+        """Stage 2 (pooled): the bucket's whole buffer this pass, taken from the pool at its first use.
+
+        With every buffer out, the oldest bucket in flight is waited for and completed (which gives
+        its buffer back); a buffer is never taken while its reduce-scatter may still read it."""
+        whole = bucket.state.get("whole")
+        if whole is not None:
+            return whole
+        raw = self.pool.take()
+        while raw is None:
+            older = next((b for b in self.buckets.buckets if "raw" in b.state and b.handle is not None), None)
+            if older is None:  # every buffer out belongs to a bucket still filling
+                raw = self.pool.grow()
+                break
+            older.handle.wait()
+            self._complete(older)
+            raw = self.pool.take()
+        whole = pool_view(raw, bucket.numel(), bucket.buffer.dtype)
+        bucket.state.update(raw=raw, whole=whole, seen=set())
+        return whole
+
+    @staticmethod
+    def _fill_gaps(bucket: Bucket, whole: torch.Tensor) -> None:
+        """Zero what no gradient was copied into this pass: unused parameters and the padding."""
+        seen = bucket.state["seen"]
+        for p, off in zip(bucket.params, bucket.offsets):
+            if id(p) not in seen:
+                whole[off: off + p.numel()].zero_()
+        whole[bucket.offsets[-1] + bucket.params[-1].numel():].zero_()
+
     def _materialize(self, bucket: Bucket, grad: torch.Tensor | None) -> None:
-        """Stage 2: re-allocate a released bucket (zeroed) when its first gradient of a pass arrives.
+        """Stage 2 under a pipeline: re-allocate a released bucket (zeroed) when its first gradient arrives.
 
         Runs as a tensor hook, before autograd accumulates into `p.grad`, so the gradients
         accumulate into the bucket as in plain DP.
@@ -169,17 +230,24 @@ class ZeroReducer(HooklessSync):
         _free(bucket.buffer)
 
     def _launch(self, bucket: Bucket):
-        if self.stage == 2:  # bound the whole buckets alive: finish all but the previous one
-            for older in self.buckets.buckets[: max(0, bucket.index - 1)]:
-                if older.handle is not None:
-                    older.handle.wait()
-                    self._complete(older)
-        self._materialize(bucket, None)  # a bucket no gradient reached this pass is all zeros
-        src = bucket.buffer
+        if self.pool is not None:
+            src = self._pooled(bucket)
+            self._fill_gaps(bucket, src)
+        else:
+            if self.stage == 2:  # bound the whole buckets alive: finish all but the previous one
+                for older in self.buckets.buckets[: max(0, bucket.index - 1)]:
+                    if older.handle is not None:
+                        older.handle.wait()
+                        self._complete(older)
+            self._materialize(bucket, None)  # a bucket no gradient reached this pass is all zeros
+            src = bucket.buffer
         if self.wire_dtype is not None and self.wire_dtype != src.dtype:
             src = src.to(self.wire_dtype)
-        out = torch.empty(self.shard_len(bucket), dtype=src.dtype, device=src.device)
-        bucket.state.update(src=src, out=out)
+        shard = self.grad_shards[bucket.index] if self.stage == 2 else None
+        write = shard is not None and bucket.index in self._fresh and src.dtype == shard.dtype
+        self._fresh.discard(bucket.index)  # the step's first reduce-scatter writes the shard, later ones add
+        out = shard if write else torch.empty(self.shard_len(bucket), dtype=src.dtype, device=src.device)
+        bucket.state.update(src=src, out=out, add=shard is not None and not write)
         # reduce-scatter over dp, per segment: this rank receives the sum over ranks of its shard
         return _All([self.comm.reduce_scatter(out[off: off + (hi - lo) // self.n], src[lo:hi], self.axis,
                                               async_op=True)
@@ -190,12 +258,18 @@ class ZeroReducer(HooklessSync):
         if out is None:  # already completed early
             return
         bucket.state.pop("src", None)
+        add = bucket.state.pop("add")
         if self.stage == 1:
             for lo, hi, off in self.owned(bucket):
                 bucket.buffer[lo:hi].copy_(out[off: off + hi - lo])
-        else:
+            return
+        if add:
             self.grad_shards[bucket.index].add_(out)
+        if self.pool is None:
             self._release(bucket)
+            return
+        self.pool.give_back(bucket.state.pop("raw"))
+        del bucket.state["whole"], bucket.state["seen"]
 
     # ------------------------------------------------------------ grad-sync interface
 
@@ -214,26 +288,32 @@ class ZeroReducer(HooklessSync):
     def finish(self) -> None:
         self.settle()
         self.buckets.flush()
+        if self.pool is not None:
+            self.pool.release()  # between steps: the gradient shards only
 
     def zero_grad(self) -> None:
         if self.stage == 1:
             self.buckets.zero_grad()
             return
-        for shard in self.grad_shards:
-            shard.zero_()
+        self._fresh = set(range(len(self.buckets.buckets)))
+        for b, shard in zip(self.buckets.buckets, self.grad_shards):
+            if (self.wire_dtype or shard.dtype) != shard.dtype:  # reduced in another dtype: added, not written
+                shard.zero_()
         for b in self.buckets.buckets:
             if _allocated(b.buffer):
                 b.buffer.zero_()
 
     def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
         """Where `param`'s gradient accumulates before `finish()`: its (whole) view of the bucket."""
+        if self.pool is not None:
+            raise RuntimeError("ZeRO-2 outside a pipeline holds no whole gradient outside backward")
         if self.stage == 2:
             self._materialize(self.buckets.bucket_of(param), None)
         return param.grad
 
     def gradient_tensors(self) -> list[torch.Tensor]:
-        """Gradient storage of this rank (released stage-2 buckets count zero bytes)."""
-        return [b.buffer for b in self.buckets.buckets] + self.grad_shards
+        """Gradient storage of this rank (released stage-2 buckets and pool buffers count zero bytes)."""
+        return [b.buffer for b in self.buckets.buckets] + self.grad_shards + (self.pool.buffers if self.pool else [])
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return []  # the parameters are views of `param_flats`, already the module's parameters

@@ -17,6 +17,12 @@ per micro-batch instead of one per weight:
   outputs and walks the weight branches, nothing of the input's path. The results are added
   into `.grad` as a full backward would (the same values: every node computes what it would in
   one backward, only at another time).
+
+The analysis is a function of the graph's structure only, and every micro-batch of a stage
+builds the same structure. `backward_input(..., plans=dict, key=...)` therefore keeps it as
+positions in the graph's breadth-first order under `key`, with the graph's exact shape (each
+node's class and the positions of its children): a later graph of that shape takes the groups
+by position after one cheap walk; any other graph is analysed afresh.
 """
 
 from __future__ import annotations
@@ -91,14 +97,50 @@ def _analyse(out: torch.Tensor, inp: torch.Tensor) -> list[WeightGroup]:
     return [g for g in groups if g is not None and g.weights]
 
 
+def _walk(out: torch.Tensor) -> tuple[list, dict, tuple]:
+    """(nodes in breadth-first order, node -> position, the graph's shape: per node its class and
+    its children's positions, -1 for an edge without a node)."""
+    root = out.grad_fn
+    order, index, shape = [root], {root: 0}, []
+    for node in order:  # grows while walking
+        kids = []
+        for child, _ in node.next_functions:
+            if child is None:
+                kids.append(-1)
+                continue
+            position = index.get(child)
+            if position is None:
+                position = index[child] = len(order)
+                order.append(child)
+            kids.append(position)
+        shape.append((type(node), tuple(kids)))
+    return order, index, tuple(shape)
+
+
+def _planned(out: torch.Tensor, inp: torch.Tensor, plans: dict, key) -> list[WeightGroup]:
+    """`_analyse`, reusing the analysis of a graph of the same shape kept in `plans[key]`."""
+    order, index, shape = _walk(out)
+    target = inp.grad_fn if inp.grad_fn is not None else _accumulator(inp)
+    shape = (index.get(target), shape)
+    plan = plans.get(key)
+    if plan is not None and plan[0] == shape:
+        return [WeightGroup([order[i] for i in nodes], [order[j].variable for j in leaves], [order[j] for j in leaves])
+                for nodes, leaves in plan[1]]
+    groups = _analyse(out, inp)
+    plans[key] = (shape, [([index[n] for n in g.nodes], [index[leaf] for leaf in g.leaves]) for g in groups])
+    return groups
+
+
 def _accumulator(t: torch.Tensor):
     return t.view_as(t).grad_fn.next_functions[0][0]
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor) -> tuple[torch.Tensor, list]:
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor, plans: dict | None = None,
+                   key=None) -> tuple[torch.Tensor, list]:
     """I: the gradient of `inp` (`out`'s gradient `grad`; None when `out` is the scalar loss) and
-    what W needs (the groups hold the graph's nodes they need until W)."""
-    groups = _analyse(out, inp)
+    what W needs (the groups hold the graph's nodes they need until W). `plans`: analyses kept
+    between calls, under `key` (module docstring)."""
+    groups = _analyse(out, inp) if plans is None else _planned(out, inp, plans, key)
     vectors, leaves = [], []
     for group in groups:
         keep = [(w, leaf) for w, leaf in zip(group.weights, group.leaves) if w.dim() >= 2]

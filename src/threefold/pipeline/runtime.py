@@ -2,7 +2,13 @@
 
 One loop for every schedule. Runs of consecutive SEND/RECV actions are posted as one
 `Comm.batch_send_recv` on the "pp" axis (asynchronous: nothing waits at posting); a compute
-action waits only for the one message it needs, so transfers overlap compute. Activations
+action waits only for the one message it needs, so transfers overlap compute. On gloo (CPU)
+every receive of the step is posted at its start, in the schedule's order: gloo's
+point-to-point operations are independent (each matched by its peer in posting order, none
+waiting for another), so a message lands while its consumer's rank is still computing, where
+a receive posted at its place in the schedule leaves the transfer to start only then. NCCL
+runs a communicator's operations in order on one stream, so there (and under
+`debug.comm_semantics=nccl`) the receives stay at their places (posting.py). Activations
 cross stages detached: the receiving stage makes its input a leaf and sends the leaf's
 gradient back. Each micro-batch's backward adds into the parameters' `.grad` (gradient
 accumulation); the data-parallel sync then runs once, after the whole schedule.
@@ -24,13 +30,15 @@ import torch
 import torch.distributed
 
 from ..comm import Comm
-from ..models.moe import routers_aux_loss
+from ..models.moe import MoE, routers_aux_loss
 from ..observe.memory import SavedTensorMeter
 from . import backward_split
 from .adapter import PipelineAdapter
 from .schedules import COMM, Schedule
 from .stage import RankModule, Stage
 from .timeline import COMPUTE_KINDS, Event
+
+RECEIVES = ("RECV_F", "RECV_B")
 
 
 @dataclass
@@ -60,8 +68,10 @@ class ModuleCompute:
     """Runs the stages of a `RankModule`; gradients accumulate into `.grad` inside `grad_sync`."""
 
     def __init__(self, module: RankModule, adapter: PipelineAdapter, grad_sync=None,
-                 meter: SavedTensorMeter | None = None):
+                 meter: SavedTensorMeter | None = None, compile_stage=None):
         self.module = module
+        # `train.compile`: the stage's computation as one torch.compile region (parallel/compile.py)
+        self.run_stage = compile_stage(self.run_stage) if compile_stage is not None else self.run_stage
         self.adapter = adapter
         self.grad_sync = grad_sync
         self.meter = meter
@@ -69,6 +79,8 @@ class ModuleCompute:
         self.held = 0  # activation bytes held right now
         self.side_loss: torch.Tensor | float = 0.0  # this step's auxiliary losses of stages without the loss
         self._params = {}
+        self._plans: dict = {}  # stage index -> its graph's weight groups (backward_split.py)
+        self._routed: dict[int, bool] = {}  # stage index -> has routed experts (models/moe.py)
 
     def begin(self, global_tokens: int) -> None:
         self.scale = global_tokens
@@ -86,28 +98,38 @@ class ModuleCompute:
 
     def forward(self, stage, x, targets):
         meter = self.meter
-        if meter is not None:
-            meter.reset()
-            with meter.measure():
-                out, state = self._forward(stage, x, targets)
-            state.nbytes = meter.current
-            self.held += state.nbytes
-            meter.peak = max(meter.peak, self.held)
-            return out, state
-        return self._forward(stage, x, targets)
+        if meter is None:
+            return self._forward(stage, x, targets)
+        (out, state), state.nbytes = meter.count(self._meter_key(stage, x), lambda: self._forward(stage, x, targets))
+        self.held += state.nbytes
+        meter.peak = max(meter.peak, self.held)
+        return out, state
 
-    def _forward(self, stage: Stage, x: torch.Tensor, targets):
+    def _meter_key(self, stage: Stage, x: torch.Tensor):
+        """What fixes the bytes a stage's forward saves: the stage and its input's shape and dtype;
+        None (measure every time) for a stage with routed experts, whose saved shapes follow the routing."""
+        if stage.index not in self._routed:
+            self._routed[stage.index] = any(isinstance(m, MoE) for i in stage.layers for m in self.module.layer(i).modules())
+        return None if self._routed[stage.index] else (stage.index, tuple(x.shape), x.dtype)
+
+    def run_stage(self, stage: Stage, x: torch.Tensor, targets) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's computation: (embedding,) its layers (, norm, head and summed token loss) ->
+        (output or summed loss, the stage's routers' auxiliary losses (models/moe.py) or None)."""
         if stage.first:  # the embedding stays in the graph: nothing needs the token ids' gradient
-            inp, x = None, self.adapter.embed(self.module, x)
-        else:
-            inp = x.requires_grad_()
+            x = self.adapter.embed(self.module, x)
         layers = [self.module.layer(i) for i in stage.layers]
         for layer in layers:
             x = layer(x)
-        aux = routers_aux_loss(layers)  # the stage's routers' auxiliary losses (models/moe.py), or None
+        aux = routers_aux_loss(layers)
         if stage.last:
-            loss_sum = self.adapter.head_loss(self.module, x, targets)
-            loss_sum = loss_sum if aux is None else loss_sum + aux
+            x = self.adapter.head_loss(self.module, x, targets)
+        return x, aux
+
+    def _forward(self, stage: Stage, x: torch.Tensor, targets):
+        inp = None if stage.first else x.requires_grad_()
+        x, aux = self.run_stage(stage, x, targets)
+        if stage.last:
+            loss_sum = x if aux is None else x + aux
             return loss_sum.detach(), MicroState(loss_sum / self.scale, inp)
         if aux is not None:  # into this stage's backward (as the loss's share) and the step's loss
             self.side_loss = self.side_loss + aux.detach().float()
@@ -134,7 +156,7 @@ class ModuleCompute:
             return None
         with self._sync():
             self._weights(stage, state)  # ZeRO-3's gather in W needs them; read while the graph is whole
-            dinput, state.groups = backward_split.backward_input(state.out, grad, state.inp)
+            dinput, state.groups = backward_split.backward_input(state.out, grad, state.inp, self._plans, stage.index)
         state.out = None  # the groups keep what W needs of the graph
         return dinput
 
@@ -211,6 +233,10 @@ class PipelineRuntime:
         self.meter = compute.meter
         self.actions = schedule.ranks[self.rank]
         assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
+        # gloo: every receive posted at the start of the step (module docstring)
+        self.receives_first = comm.semantics == "native" and comm.mesh.device.type == "cpu"
+        self._receives = tuple(a for a in self.actions if a.kind in RECEIVES)
+        self._rest = tuple(a for a in self.actions if a.kind not in RECEIVES)
 
     def _peer(self, stage: int) -> int:
         return self.schedule.stage_rank(stage)
@@ -231,7 +257,11 @@ class PipelineRuntime:
         states: dict[tuple, object] = {}
         sending: list = []  # (handle, tensor): a tensor must live until its send completed
         timeline = self.timeline = []
-        actions, n, i = self.actions, len(self.actions), 0
+        actions = self.actions
+        if self.receives_first and self._receives:
+            self._post(self._receives, micro_batches, inbox, outbox, device, timeline)
+            actions = self._rest
+        n, i = len(actions), 0
         while i < n:
             a = actions[i]
             if a.kind in COMM:

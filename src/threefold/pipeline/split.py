@@ -40,13 +40,14 @@ class PipelineSplit:
     seq_shards: int = 1  # sequence parallelism: each tp rank holds 1/tp of the sequence between stages
 
     def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32,
-                weights: list[torch.Tensor] | None = None) -> PipelineRuntime:
+                weights: list[torch.Tensor] | None = None, compile_stage=None) -> PipelineRuntime:
         """The interpreter for this rank. `weights`: every tensor holding weights (under ZeRO-3 the
-        shards and the whole forms), which the activation meter must not count."""
+        shards and the whole forms), which the activation meter must not count. `compile_stage`:
+        what turns a stage's computation into its compiled form (`train.compile`), or None."""
         if weights is None:
             weights = list(self.module.parameters()) + list(self.module.buffers())
         meter = SavedTensorMeter(exclude=weights)
-        compute = ModuleCompute(self.module, self.adapter, grad_sync, meter)
+        compute = ModuleCompute(self.module, self.adapter, grad_sync, meter, compile_stage)
         # the tied weights' gradients as the sync holds them after the schedule: whole and not yet
         # reduced over dp (plain DP, ZeRO 1-2), or this rank's reduced shard (ZeRO-3); both ends alike
         gradient_of = grad_sync.gradient_of if grad_sync is not None else (lambda p: p.grad)
