@@ -27,26 +27,13 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import torch.nn.functional as F
 
 from threefold.config import load_config
 from threefold.models.decoder import build_model
 from threefold.models.loss import TokenCrossEntropy
-from threefold.observe.memory import SavedTensorMeter
-
-
-def allocation_peak(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+from threefold.observe.memory import SavedTensorMeter, allocation_peak
 
 
 def main() -> None:

@@ -87,10 +87,8 @@ def test_loss_in_pieces_equals_cross_entropy_on_the_whole_logits():
     the gradients of the head's input and weight within 1e-6, for pieces along the sequence and
     along rows; autograd keeps nothing of vocabulary size and the allocation peak is lower."""
     import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
-
     from threefold.models.loss import TokenCrossEntropy, head_loss, piece_tokens, pieces
-    from threefold.observe.memory import SavedTensorMeter
+    from threefold.observe.memory import SavedTensorMeter, allocation_peak
 
     torch.manual_seed(0)
     b, s, h, vocab = 4, 48, 16, 2048
@@ -101,17 +99,17 @@ def test_loss_in_pieces_equals_cross_entropy_on_the_whole_logits():
         x = x0.clone().requires_grad_()
         head.weight.grad = None
         meter = SavedTensorMeter(exclude=[head.weight])
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = {}
+
+        def step():
             with meter.measure():
-                loss = (head_loss(head, TokenCrossEntropy(), x, targets, chunk) if chunk is not None else
-                        F.cross_entropy((x @ head.weight.T).flatten(0, 1).float(), targets.flatten(), reduction="sum"))
-            loss.backward()
-        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
-        live = peak = 0
-        for e in events:
-            live += e.nbytes()
-            peak = max(peak, live)
+                out["loss"] = (head_loss(head, TokenCrossEntropy(), x, targets, chunk) if chunk is not None else
+                               F.cross_entropy((x @ head.weight.T).flatten(0, 1).float(), targets.flatten(),
+                                               reduction="sum"))
+            out["loss"].backward()
+
+        peak = allocation_peak(step)
+        loss = out["loss"]
         return loss.detach(), x.grad, head.weight.grad.clone(), meter.peak, peak
 
     ref_loss, ref_dx, ref_dw, ref_saved, ref_peak = run(None)

@@ -12,6 +12,23 @@ import contextlib
 import torch
 
 
+def allocation_peak(fn) -> int:
+    """Peak of bytes allocated and not yet freed while `fn()` runs, from torch.profiler's CPU
+    memory events (allocations minus frees, in order). For measurements, not for training loops:
+    the profiler slows what it watches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
