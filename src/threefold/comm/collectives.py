@@ -146,8 +146,9 @@ class _Shared:
         return self._waited or self.work.is_completed()
 
 
-class _Coalesced:
-    """The test mode's stand-in for NCCL's one Work per batch: complete when all of its ops are."""
+class AllOf:
+    """Several Works or handles as one: complete when all of them are (NCCL's one Work per batch in
+    the test mode, a coalesced all-gather's works, a bucket's per-segment reduce-scatters)."""
 
     def __init__(self, works: list):
         self.works = works
@@ -316,7 +317,7 @@ class Comm:
         with dist._coalescing_manager(group=group, async_ops=True) as cm:
             for output, input in zip(outputs, inputs):
                 _all_gather(output, input, group=group, async_op=True)
-        return Handle(_Coalesced(cm.works), record, self._completion)
+        return Handle(AllOf(cm.works), record, self._completion)
 
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False):
         """From the member with coordinate `src` along `axis` to all others, in place."""
@@ -416,7 +417,7 @@ class Comm:
             previous.wait()
         works = dist.batch_isend_irecv(ops)
         if self.semantics == "nccl" and len(works) > 1:
-            works = [_Coalesced(works)]
+            works = [AllOf(works)]
         # a Work is waited once only (gloo's send/receive works block on a second wait)
         works = [_Shared(w) for w in works]
         if self.semantics == "nccl":

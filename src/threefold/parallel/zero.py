@@ -67,7 +67,7 @@ import functools
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import AllOf, Comm
 from ..sharding import Placement
 from .bucket_pool import BufferPool
 from .bucket_pool import view as pool_view
@@ -97,17 +97,6 @@ def segments(numel: int, n: int, element_size: int) -> list[tuple[int, int]]:
     count = max(1, min(GATHER_SEGMENTS, numel * element_size // max(1, SEGMENT_MIN_BYTES)))
     size = -(-numel // (count * n)) * n or n
     return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)] or [(0, 0)]
-
-
-class _All:
-    """The handles of one bucket's segments, waited together."""
-
-    def __init__(self, handles: list):
-        self.handles = handles
-
-    def wait(self) -> None:
-        for handle in self.handles:
-            handle.wait()
 
 
 class ZeroReducer(HooklessSync):
@@ -249,9 +238,9 @@ class ZeroReducer(HooklessSync):
         out = shard if write else torch.empty(self.shard_len(bucket), dtype=src.dtype, device=src.device)
         bucket.state.update(src=src, out=out, add=shard is not None and not write)
         # reduce-scatter over dp, per segment: this rank receives the sum over ranks of its shard
-        return _All([self.comm.reduce_scatter(out[off: off + (hi - lo) // self.n], src[lo:hi], self.axis,
-                                              async_op=True)
-                     for (lo, hi), (_, _, off) in zip(self.segments[bucket.index], self.owned(bucket))])
+        return AllOf([self.comm.reduce_scatter(out[off: off + (hi - lo) // self.n], src[lo:hi], self.axis,
+                                               async_op=True)
+                      for (lo, hi), (_, _, off) in zip(self.segments[bucket.index], self.owned(bucket))])
 
     def _complete(self, bucket: Bucket) -> None:
         out = bucket.state.pop("out", None)
