@@ -72,11 +72,11 @@ from ..sharding import Placement
 from .bucket_pool import BufferPool
 from .bucket_pool import view as pool_view
 from .buckets import Bucket, GradientBuckets
+from .master import Piece
+from .model import HooklessSync
 
 GATHER_SEGMENTS = 4  # per bucket: the forward waits for the segment a module needs, not the whole bucket
 SEGMENT_MIN_BYTES = 2**20  # smaller buckets stay one segment (a collective's fixed cost would dominate)
-from .master import Piece
-from .model import HooklessSync
 
 
 def _free(t: torch.Tensor) -> None:
@@ -345,9 +345,9 @@ class ZeroReducer(HooklessSync):
         in the order the forward needs them; nothing waits here."""
         self._gather_due = False
         for b in reversed(self.buckets.buckets):  # the first layers are in the last bucket, at its end
-            flat = self.param_flats[b.index]
-            for i in reversed(range(len(self.segments[b.index]))):
-                (lo, hi), (own_lo, own_hi, _) = self.segments[b.index][i], self.owned(b)[i]
+            flat, owned = self.param_flats[b.index], self.owned(b)
+            for i in reversed(range(len(owned))):
+                (lo, hi), (own_lo, own_hi, _) = self.segments[b.index][i], owned[i]
                 self._gathers[(b.index, i)] = self.comm.all_gather(flat[lo:hi], flat[own_lo:own_hi].clone(),
                                                                    self.axis, async_op=True)
 
