@@ -285,7 +285,7 @@ class ZeroReducer(HooklessSync):
             self.buckets.zero_grad()
             return
         self._fresh = set(range(len(self.buckets.buckets)))
-        for b, shard in zip(self.buckets.buckets, self.grad_shards):
+        for shard in self.grad_shards:
             if (self.wire_dtype or shard.dtype) != shard.dtype:  # reduced in another dtype: added, not written
                 shard.zero_()
         for b in self.buckets.buckets:

@@ -220,11 +220,13 @@ class Zero3(HooklessSync):
     def _start_gather(self, unit: Unit) -> None:
         if unit.state != "sharded" or not unit.params:
             return
-        if not (from_copy := self._in_backward and self.hpz.ready(unit)) and self.weight_comm != "none":
+        # hpZ's backward: the forward's values from the node-local copy, over dp_intra only
+        from_copy = self._in_backward and self.hpz.ready(unit)
+        if self.weight_comm != "none" and not from_copy:  # 8 bits on the wire, dequantized into a staging buffer
             buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
             handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm, GATHER)
-        else:  # all-gather over dp of every parameter's chunks straight into its whole form's storage (hpZ's
-            buffer = None  # backward: the forward's values from the node-local copy, over dp_intra only)
+        else:  # every parameter's chunks straight into its whole form's storage (over dp, or hpZ's over dp_intra)
+            buffer = None
             for sp in unit.params:
                 sp.full.untyped_storage().resize_(sp.padded.numel() * sp.padded.element_size())
             handle = self.hpz.gather(unit) if from_copy else self.comm.all_gather_many(
