@@ -179,11 +179,7 @@ class Mesh:
 
     def _axis_rank_lists(self, axis: str) -> list[list[int]]:
         """The global ranks of every group of `axis` (dp, or edp under expert parallelism), in one order."""
-        dp_groups = self._dp_groups()
-        if axis == "dp":
-            return dp_groups
-        ep = self.layout.ep
-        return [g[i::ep] for g in dp_groups for i in range(ep)]
+        return self._dp_groups() if axis == "dp" else self._cut_dp(self.layout.ep)[1]
 
     def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
         """The ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep), and
@@ -216,16 +212,21 @@ class Mesh:
         grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
         return [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
 
+    def _cut_dp(self, run: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every dp group cut into runs of `run` consecutive members, and the members at the same
+        place of their runs: the global ranks of every group of the two axes, in one order."""
+        dp_groups = self._dp_groups()
+        return ([g[i: i + run] for g in dp_groups for i in range(0, len(g), run)],
+                [g[i::run] for g in dp_groups for i in range(run)])
+
     def _split_dp(self, run: int, axes: tuple[str, str], single_groups: bool) -> tuple[dict, dict]:
         """Cut every dp group into runs of `run` consecutive members (axis `axes[0]`) and the members
         at the same place of their runs (`axes[1]`): ({axis: this rank's group}, {axis: its ranks}).
         Every rank creates every group, in one order; with `single_groups` false, an axis of one
         member gets no group."""
-        dp_groups = self._dp_groups()
         me = dist.get_rank()
         groups, ranks = {}, {}
-        for axis, lists in ((axes[0], [g[i: i + run] for g in dp_groups for i in range(0, len(g), run)]),
-                            (axes[1], [g[i::run] for g in dp_groups for i in range(run)])):
+        for axis, lists in zip(axes, self._cut_dp(run)):
             if single_groups or len(lists[0]) > 1:
                 groups[axis], _ = dist.new_subgroups_by_enumeration(lists)
             ranks[axis] = next(members for members in lists if me in members)
