@@ -56,21 +56,22 @@ class Checkpointer:
             if peer_copy else None
         self._memory: MemoryFiles | None = None
 
-    def _agree(self, value: int, op=dist.ReduceOp.MIN) -> int:
-        """The reduction of `value` over the whole world (also a barrier)."""
-        t = torch.tensor([value], dtype=torch.int64, device=self.mesh.device)
+    def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """`t` reduced in place over the whole world (tp, dp and pp in turn; also a barrier)."""
         for axis in ("tp", "dp", "pp"):
             self.comm.all_reduce(t, axis, op=op, tag="checkpoint")
-        return int(t.item())
+        return t
+
+    def _agree(self, value: int, op=dist.ReduceOp.MIN) -> int:
+        """The reduction of `value` over the whole world (also a barrier)."""
+        return int(self._reduce(torch.tensor([value], dtype=torch.int64, device=self.mesh.device), op).item())
 
     def _gather_text(self, text: str, width: int = 256) -> list[str]:
         """Every rank's `text` (at most `width` bytes), by global rank: a sum of one-row tables."""
         raw = text.encode()[:width]
         t = torch.zeros(self.world_size, width, dtype=torch.int64, device=self.mesh.device)
         t[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
-        for axis in ("tp", "dp", "pp"):
-            self.comm.all_reduce(t, axis, tag="checkpoint")
-        return [bytes(v for v in row if v).decode(errors="replace") for row in t.cpu().tolist()]
+        return [bytes(v for v in row if v).decode(errors="replace") for row in self._reduce(t).cpu().tolist()]
 
     # ------------------------------------------------------------------ save
 
@@ -205,9 +206,7 @@ class Checkpointer:
         names = sorted(manifest.files)
         held = torch.tensor([int(n in memory.where) for n in names] or [0], dtype=torch.int64,
                             device=self.mesh.device)
-        for axis in ("tp", "dp", "pp"):
-            self.comm.all_reduce(held, axis, op=dist.ReduceOp.MIN, tag="checkpoint")
-        agreed = {n for n, h in zip(names, held.tolist()) if h}
+        agreed = {n for n, h in zip(names, self._reduce(held, dist.ReduceOp.MIN).tolist()) if h}
         memory.where = {n: a for n, a in memory.where.items() if n in agreed}
         return memory
 
@@ -229,9 +228,7 @@ class Checkpointer:
         gives one warning line for the world (the first such file of the lowest rank that had one)."""
         counts = torch.tensor([memory.from_memory, memory.from_storage, len(memory.fallbacks)], dtype=torch.int64,
                               device=self.mesh.device)
-        for axis in ("tp", "dp", "pp"):
-            self.comm.all_reduce(counts, axis, tag="checkpoint")
-        from_memory, from_storage, fallbacks = counts.tolist()
+        from_memory, from_storage, fallbacks = self._reduce(counts).tolist()
         reasons = [r for r in self._gather_text(memory.fallbacks[0] if memory.fallbacks else "") if r] \
             if fallbacks else []
         if self.rank == 0 and reasons:

@@ -166,7 +166,6 @@ class PeerCopies:
     """
 
     def __init__(self, rank: int, keepers: list[str]):
-        self.rank = rank
         self.nodes = list(dict.fromkeys(keepers))  # distinct keepers, by lowest rank
         self.mine = keepers[rank]
         index = self.nodes.index(self.mine)
@@ -226,9 +225,6 @@ class MemoryFiles:
         self.from_memory = 0
         self.from_storage = 0
         self.fallbacks: list[str] = []  # "name ...: why" of every file read from storage instead
-
-    def held(self) -> set[str]:
-        return set(self.where)
 
     def open(self, name: str):
         from safetensors.torch import load

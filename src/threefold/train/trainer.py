@@ -45,7 +45,8 @@ class LaunchedStep:
     loss_sum: torch.Tensor  # the global loss sum (all-reduced over pp and dp), on the device
     start: float  # perf_counter at its launch
     local_tokens: int
-    host: dict  # what the host knew at launch: world_size, microbatches, data_wait_s, mem
+    data_wait_s: float
+    mem: dict  # the memory figures at its launch
     moe: dict | None
     comm: dict  # the step's bytes by axis and op
 
@@ -219,7 +220,6 @@ class Trainer:
     def launch_step(self) -> LaunchedStep:
         """Issue the next step: data, forward/backward, sync, update, the loss all-reduce. Nothing is
         read back to the host; what the host already knows is recorded now (bytes, memory, timing)."""
-        cfg = self.cfg
         step = self.step + 1
         self.observer.step_begin(step)
         start = time.perf_counter()
@@ -234,13 +234,12 @@ class Trainer:
             self.comm.all_reduce(loss_sum, axis, tag="metrics")
         self.faults.step_end(step)
         self.step = step
-        host = {"world_size": self.mesh.world_size, "microbatches": cfg.train.microbatches, "data_wait_s": data_wait,
-                "mem": self.memory()}
+        mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
-                            host, moe, comm)
+                            data_wait, mem, moe, comm)
 
     def finish_step(self, launched: LaunchedStep) -> dict:
         """Read a launched step's figures (waits for it) and make its metrics record.
@@ -252,20 +251,20 @@ class Trainer:
         now = time.perf_counter()
         elapsed = now - max(launched.start, self._last_finish)
         self._last_finish = now
-        h = launched.host
         record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
-                  "world_size": h["world_size"], "microbatches": h["microbatches"], "step_time_s": elapsed,
-                  "data_wait_s": h["data_wait_s"], "skipped": bool(skipped), "loss_scale": loss_scale,
-                  "mem": h["mem"]}
+                  "world_size": self.mesh.world_size, "microbatches": self.cfg.train.microbatches,
+                  "step_time_s": elapsed, "data_wait_s": launched.data_wait_s, "skipped": bool(skipped),
+                  "loss_scale": loss_scale, "mem": launched.mem}
         record.update(self.observer.step_end(step, result.loss_sum, grad_norm, launched.local_tokens))
         if launched.moe is not None:
             record["moe"] = launched.moe
         record["comm"] = launched.comm
         if self.step == step:  # no step launched since: the bytes sent since its launch (observer's) are its own
             for axis, ops in self.comm.traffic.take_window().items():
+                into = record["comm"].setdefault(axis, {})
                 for op, n in ops.items():
-                    record["comm"].setdefault(axis, {})[op] = record["comm"].get(axis, {}).get(op, 0) + n
+                    into[op] = into.get(op, 0) + n
         if self.mesh.world_size > local_world_size():  # several nodes: the bytes of axes that cross them
             record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()
                                          if a in self.inter_node_axes}
