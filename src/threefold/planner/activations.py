@@ -128,13 +128,14 @@ def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse:
     return sum(items.values())
 
 
+def is_checkpointed(layer: int, policy: str, every: int) -> bool:
+    """Whether block `layer` (a global index) runs as a checkpointed region."""
+    return policy == "full" or (policy == "every-k" and layer % max(1, every) == 0)
+
+
 def checkpointed_layers(layers: range, policy: str, every: int) -> int:
     """How many of `layers` (global indices) run as checkpointed regions."""
-    if policy == "full":
-        return len(layers)
-    if policy == "every-k":
-        return sum(1 for i in layers if i % max(1, every) == 0)
-    return 0
+    return sum(1 for i in layers if is_checkpointed(i, policy, every))
 
 
 def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False,
@@ -143,7 +144,7 @@ def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: in
     k = checkpointed_layers(layers, policy, every) if policy in ("full", "every-k") else 0
     tables = rope_tables(m, x, hf) if len(layers) > k else 0  # one cached pair, if a block outside remat saves it
     if policy in ("full", "every-k"):
-        kept = [i for i in layers if not (policy == "full" or i % max(1, every) == 0)]
+        kept = [i for i in layers if not is_checkpointed(i, policy, every)]
         sparse = sum(m.is_moe_block(i) for i in kept)
         return (k * block_bytes(m, x, "full", hf) + (len(kept) - sparse) * block_bytes(m, x, "none", hf)
                 + sparse * block_bytes(m, x, "none", hf, True, ep) + tables)

@@ -43,10 +43,6 @@ QUANTIZED_BYTES = 1 + 4 / 256  # an 8-bit value and its share of the block's fp3
 MEETING_BYTES = 4  # a local SGD / DiLoCo meeting all-reduces fp32 masters (or deltas)
 
 
-def _chunks(st: Strategy) -> int:
-    return st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
-
-
 def _groups(st: Strategy, dense: float, expert: float) -> list[tuple[float, int]]:
     """(values, ranks) per reduction group: dense over dp, experts (when any) over edp."""
     return [(dense, st.dp), (expert, st.edp)] if expert else [(dense, st.dp)]
@@ -57,7 +53,7 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
     if st.dp == 1:
         return 0.0, 0.0
-    count = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st), st.ep)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep)
     _, grad_bytes, _ = bytes_per_param(st.precision)
     link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)  # an edp group spans the same nodes
     dense_trainable, expert = count.trainable - count.expert, count.expert

@@ -147,7 +147,7 @@ def held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple
 
 def peak_activations(w: Workload, st: Strategy, rank: int) -> float:
     """Activation bytes pipeline rank `rank` holds at its peak."""
-    v = st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
+    v = st.chunks
     chunks = rank_chunks(w.model, st.pp, rank, v)
     per = [chunk_bytes(w, st, c) for c in chunks]
     if st.pp == 1:
@@ -169,7 +169,7 @@ def in_flight(st: Strategy, stage: int) -> float:
 
 def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> MemoryBreakdown:
     """Memory of a rank at pipeline coordinate `stage`."""
-    v = st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
+    v = st.chunks
     count = rank_parameters(w.model, st.tp, st.pp, stage, v, st.ep)
     params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.dp, st.ep)
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))

@@ -78,15 +78,16 @@ def _crosses_nodes(c: Candidate, gpu: Gpu) -> bool:
     return st.dp > 1 and comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp).name == gpu.infiniband
 
 
-def _variants(c: Candidate, gpu: Gpu) -> list[tuple[str, object, str]]:
+def _variants(c: Candidate, gpu: Gpu) -> list[tuple[int, str, object, str]]:
+    """(risk order: ZeRO-3 options, then DiLoCo by period; name, strategy, risk) of the options for `c`."""
     st = c.strategy
     if st.zero == 3:  # hpZ needs 2 or more dp ranks per node and more than one node (the runtime refuses otherwise)
         hpz = 2 <= dp_per_node(st, gpu) < st.dp
-        return [(name, replace(st, **changes), risk) for name, changes, risk in ZERO3_OPTIONS
+        return [(order, name, replace(st, **changes), risk) for order, (name, changes, risk) in enumerate(ZERO3_OPTIONS)
                 if hpz or not changes.get("hpz")]
     if st.zero == 0:
-        return [(f"DiLoCo every {h} steps", replace(st, sync_every=h, outer="nesterov"), _periodic_risk(h, st.dp))
-                for h in PERIODS]
+        return [(len(ZERO3_OPTIONS) + i, f"DiLoCo every {h} steps", replace(st, sync_every=h, outer="nesterov"),
+                 _periodic_risk(h, st.dp)) for i, h in enumerate(PERIODS)]
     return []
 
 
@@ -97,23 +98,16 @@ def advise(result: PlanResult) -> SlowLinkAdvice | None:
     w, gpu, plan = result.workload, result.gpu, result.best
     tried = []
     for c in (c for c in result.candidates if c.fits and _crosses_nodes(c, gpu)):
-        for rank, (name, st, risk) in enumerate(_variants(c, gpu)):
+        for order, name, st, risk in _variants(c, gpu):
             v = evaluate(w, st, gpu)
             if v.fits:
-                tried.append((rank, name, v, risk))
+                tried.append((order, name, v, risk))
     if not tried:
         return None
-    gains = [(v.tokens_per_s / plan.tokens_per_s - 1, rank, name, v, risk) for rank, name, v, risk in tried]
+    gains = [(v.tokens_per_s / plan.tokens_per_s - 1, order, name, v, risk) for order, name, v, risk in tried]
     best_gain = max(g for g, *_ in gains)
     if best_gain < MIN_GAIN:
         return SlowLinkAdvice("", None, 0.0, best_gain, "", plan.time.dp_exposed_s)
     enough = [g for g in gains if g[0] >= SHARE_OF_GAIN * best_gain]
-    gain, _, name, v, risk = min(enough, key=lambda g: (_risk_order(g[2]), -g[0]))
+    gain, _, name, v, risk = min(enough, key=lambda g: (g[1], -g[0]))  # the least risky, then the fastest
     return SlowLinkAdvice(name, v, gain, best_gain, risk, plan.time.dp_exposed_s)
-
-
-def _risk_order(name: str) -> int:
-    names = [n for n, _, _ in ZERO3_OPTIONS]
-    if name in names:
-        return names.index(name)
-    return len(names) + PERIODS.index(int(name.split()[2]))

@@ -108,7 +108,7 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float,
 
 
 def _sparse_layers(w: Workload, st: Strategy, stage: int) -> int:
-    return sum(w.model.is_moe_block(i) for c in rank_chunks(w.model, st.pp, stage, _chunks(st)) for i in c.layers)
+    return sum(w.model.is_moe_block(i) for c in rank_chunks(w.model, st.pp, stage, st.chunks) for i in c.layers)
 
 
 def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float, float, float]:
@@ -116,7 +116,7 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     seconds of one micro-batch. A sparse block's MLP is whole on every tp rank: without sequence
     parallelism each tp rank computes it for all its tokens (planner/moe.py)."""
     m, s = w.model, w.seq_len
-    layers = stage_layers(m, st.pp, _chunks(st))[stage]
+    layers = stage_layers(m, st.pp, st.chunks)[stage]
     sparse = _sparse_layers(w, st, stage)
     tokens = st.micro_batch_size(w) * s
     share = executed_attention_share(w.attention)  # what the attention kernel really computes
@@ -156,17 +156,13 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
     return 2 * layers * one, backward_count * layers * one
 
 
-def _chunks(st: Strategy) -> int:
-    return st.virtual_stages if st.schedule == "interleaved" and st.pp > 1 else 1
-
-
 def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     best = None
-    per_rank = stage_layers(w.model, st.pp, _chunks(st))
+    per_rank = stage_layers(w.model, st.pp, st.chunks)
     heaviest = max(range(st.pp), key=lambda r: per_rank[r])
     for stage in sorted({0, heaviest, st.pp - 1}):  # the embedding, the most blocks, the head
         f, b, wgrad, redo = _stage_compute(w, st, gpu, stage)
-        layers = stage_layers(w.model, st.pp, _chunks(st))[stage]
+        layers = per_rank[stage]
         tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage))  # a replicated MoE: no MLP all-reduce
         ep_f, ep_b = _ep_comm(w, st, gpu, stage)
         p2p_f, p2p_b = p2p_seconds(w, st, gpu)
@@ -178,7 +174,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
-    count = rank_parameters(w.model, st.tp, st.pp, stage, _chunks(st), st.ep)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep)
     local = ((count.trainable - count.expert) / (st.dp if st.zero >= 1 else 1)
              + count.expert / (st.edp if st.zero >= 1 else 1))
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s

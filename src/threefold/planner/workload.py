@@ -70,6 +70,11 @@ class Strategy:
         return self.dp * self.tp * self.pp
 
     @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: the virtual stages of an interleaved pipeline, else 1."""
+        return self.virtual_stages if self.schedule == "interleaved" and self.pp > 1 else 1
+
+    @property
     def edp(self) -> int:
         """The dp ranks holding the same experts (dp / ep)."""
         return self.dp // self.ep
