@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return module.run(args)
     except UserError as e:
-        print(f"threefold: error: {e}", file=sys.stderr)
+        print(e.line(), file=sys.stderr)
         return 2
 
 

@@ -8,6 +8,10 @@ bug or an environment failure and exits 1 with its traceback.
 class UserError(Exception):
     """A mistake in the user's input (config, layout, paths), with the fix in the message."""
 
+    def line(self) -> str:
+        """The one line the CLI prints for it."""
+        return f"threefold: error: {self}"
+
 
 class ConfigError(UserError):
     """A config value is unknown, mistyped or inconsistent; `field` names the offending key."""

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             adopt_slurm_environment()
             cfg = _claim_in_launched_world(cfg, args.overwrite)
         cfg.validate(launched_world_size())
-        _train(cfg)
+        _train(cfg, worker=True)
         return 0
     from .multinode import launch_nodes, node_options
 
@@ -165,16 +165,33 @@ def _claim_in_launched_world(cfg, overwrite: bool):
     return rundir.adopt(cfg)
 
 
-def _train(cfg) -> None:
+def _train(cfg, worker: bool = False) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from .trainer import train
 
     try:
         record(train)(cfg)  # under the elastic agent: writes this rank's error for the launcher to report
-    except UserError:
+    except UserError as e:
         _leave_world()
+        if worker:
+            _exit_with_user_error(e)
         raise
+
+
+def _exit_with_user_error(e: UserError) -> None:
+    """A worker of a launched world ends a user error with exit code 2 at once. Its error is
+    recorded and it has left the world; the interpreter's teardown can still abort the process
+    (a communicator thread destroyed while joinable: "terminate called without an active
+    exception"), and a rank that aborts first makes the agent stop the others before they exit
+    with 2, so the launcher would report a crash instead of the user's one line."""
+    import os
+    import sys
+
+    print(e.line(), file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def _leave_world() -> None:
