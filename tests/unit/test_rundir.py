@@ -14,7 +14,10 @@ from threefold.train import rundir
 
 
 def claim(out, *overrides, overwrite=False):
-    return rundir.claim(load_config(None, [f"run.out={out}", *overrides]), overwrite)
+    """Claim `out` as a run that then ends (its lock released)."""
+    cfg, lock = rundir.claim(load_config(None, [f"run.out={out}", *overrides]), overwrite)
+    lock.release()
+    return cfg
 
 
 def finished_run(out):
@@ -60,7 +63,7 @@ def test_overwrite_moves_the_old_run_aside_and_keeps_its_files(tmp_path):
     (moved,) = tmp_path.glob("run.old-*")
     assert json.loads((moved / "run.json").read_text())["run_id"] == first.run.id
     assert (moved / "metrics.jsonl").exists() and (moved / "checkpoints" / "step-00000001" / "manifest.json").exists()
-    assert second.run.id != first.run.id and sorted(os.listdir(tmp_path / "run")) == ["run.json"]
+    assert second.run.id != first.run.id and sorted(os.listdir(tmp_path / "run")) == [".lock", "run.json"]
 
 
 def test_default_out_is_a_fresh_directory_linked_from_latest(tmp_path, monkeypatch):
@@ -124,3 +127,54 @@ def test_the_model_hash_ignores_how_the_loss_is_computed():
     older = {k: v for k, v in model.items() if k != "loss_chunk"}
     assert model_hash(model) == model_hash(older) == model_hash({**model, "loss_chunk": 64})
     assert model_hash(model) != model_hash({**model, "vocab": 512})
+
+
+def test_a_running_run_holds_its_directory_until_it_ends(tmp_path):
+    out = tmp_path / "run"
+    cfg, lock = rundir.claim(load_config(None, [f"run.out={out}"]))
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with lock:
+        for overwrite in (False, True):
+            with pytest.raises(UserError) as err:
+                claim(out, overwrite=overwrite)
+            assert f"pid {os.getpid()}" in str(err.value) and "still running" in str(err.value)
+        assert not list(tmp_path.glob("run.old-*"))  # --overwrite moved nothing while the run runs
+    assert claim(out, "checkpoint.resume=auto").run.id == cfg.run.id  # once it ended, it can be continued
+
+
+def test_every_model_field_changes_the_function_but_the_documented_ones():
+    """A field added to ModelConfig is compared by a resume unless it is listed, with its reason."""
+    from dataclasses import fields
+
+    from threefold.config_sections import ModelConfig
+
+    names = {f.name for f in fields(ModelConfig)}
+    assert set(rundir.NOT_FUNCTION) <= names and all(rundir.NOT_FUNCTION.values())
+    assert set(rundir.FUNCTION_FIELDS) == names - set(rundir.NOT_FUNCTION)
+    for key in ("hidden", "heads", "kv_heads", "norm_eps", "position", "rope_theta", "mlp", "norm",
+                "tie_embeddings", "vocab", "experts", "experts_top_k", "head_size", "bias"):
+        assert key in rundir.FUNCTION_FIELDS, key
+
+
+def test_a_resume_takes_only_its_own_runs_state_or_the_same_models(tmp_path):
+    cfg = load_config(None, [f"run.out={tmp_path}", "run.id=aaaa", "checkpoint.resume=auto"])
+    model = cfg.to_dict()["model"]
+    ckpt = tmp_path / "checkpoints" / "step-00000004"
+    rundir.check_resume(ckpt, {"model": model, "run": {"id": "aaaa"}}, cfg)
+    rundir.check_resume(ckpt, {"model": model, "run": {"id": ""}}, cfg)  # written before run ids
+    with pytest.raises(UserError) as err:
+        rundir.check_resume(ckpt, {"model": model, "run": {"id": "bbbb"}}, cfg)
+    assert "belongs to run bbbb, not to run aaaa" in str(err.value) and str(ckpt) in str(err.value)
+    explicit = load_config(None, [f"run.out={tmp_path}", "run.id=aaaa", f"checkpoint.resume={tmp_path}"])
+    rundir.check_resume(ckpt, {"model": model, "run": {"id": "bbbb"}}, explicit)  # another run, the same model
+    # how the loss is computed, the initial values and the loss weights are no part of the function
+    rundir.check_resume(ckpt, {"model": {**model, "loss_chunk": 8, "init_std": 1.0, "router_aux_weight": 0.5}},
+                        explicit)
+    older = {k: v for k, v in model.items() if k != "vocab_multiple"}  # a field the writer did not have yet
+    rundir.check_resume(ckpt, {"model": older}, explicit)
+    with pytest.raises(UserError) as err:
+        rundir.check_resume(ckpt, {"model": {**model, "heads": 8, "norm_eps": 0.1}}, explicit)
+    text = str(err.value)
+    assert "heads 8 -> 4" in text and "norm_eps 0.1 -> 1e-05" in text and "checkpoint.init_from" in text, text
+    with pytest.raises(UserError, match="does not say which model"):
+        rundir.check_resume(ckpt, {}, explicit)

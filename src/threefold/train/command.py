@@ -6,6 +6,7 @@ Importing this module does not import torch: `threefold train --help` answers at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import typing
 from pathlib import Path
@@ -114,11 +115,13 @@ def run(args: argparse.Namespace) -> int:
             from ..launch import redirect_worker_output
 
             redirect_worker_output(Path(args.log_dir))
+        lock = None
         if not args.worker:  # torchrun / Slurm / many nodes: the first process of the first attempt claims it
             adopt_slurm_environment()
-            cfg = _claim_in_launched_world(cfg, args.overwrite)
-        cfg.validate(launched_world_size())
-        _train(cfg, worker=True)
+            cfg, lock = _claim_in_launched_world(cfg, args.overwrite)
+        with lock or contextlib.nullcontext():  # rank 0 holds the run directory's lock (rundir.RunLock)
+            cfg.validate(launched_world_size())
+            _train(cfg, worker=True)
         return 0
     from .multinode import launch_nodes, node_options
 
@@ -127,11 +130,12 @@ def run(args: argparse.Namespace) -> int:
         return launch_nodes(cfg, args, nodes, overrides_from(args))
     cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
     check_data(cfg)
-    cfg = rundir.claim(cfg, args.overwrite)
-    print_warnings(cfg)
-    if args.nproc:
-        return _launch(cfg, args)
-    _train(cfg)
+    cfg, lock = rundir.claim(cfg, args.overwrite)
+    with lock:  # this process (the launcher of --nproc) holds the run directory for the run's whole life
+        print_warnings(cfg)
+        if args.nproc:
+            return _launch(cfg, args)
+        _train(cfg)
     return 0
 
 
@@ -162,7 +166,9 @@ def _claim_in_launched_world(cfg, overwrite: bool):
         print_warnings(cfg)
         print_node_warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))
         return rundir.claim(cfg, overwrite)  # the others wait for rank 0 in the rendezvous
-    return rundir.adopt(cfg)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 of a restart: the run directory is this run's again
+        return rundir.adopt(cfg), rundir.lock_directory(Path(cfg.run.out))
+    return rundir.adopt(cfg), None
 
 
 def _train(cfg, worker: bool = False) -> None:

@@ -7,14 +7,26 @@ to continue that run, a new `--out`, or `--overwrite`, which moves the old run a
 never deletes it). `--resume auto` continues only a run of the same model. Without `--out`
 every run gets a fresh `runs/<date>-<time>` directory and `runs/latest` points at it.
 
+While a run runs, it holds an exclusive kernel lock (`fcntl.flock`) on `DIR/.lock`, which names
+its host and pid: a second run started there, at the same instant or later, exits 2 naming the
+holder, and `--overwrite` refuses to move a running run aside. The kernel releases the lock when
+the holder ends, however it ends (a kill too), so a stale `.lock` file never blocks a new run.
+
+A resume takes only its own run's state (`check_resume`): `--resume auto` refuses a checkpoint of
+another run, and an explicit `--resume PATH` refuses a checkpoint of a model that computes another
+function (`FUNCTION_FIELDS`); `checkpoint.init_from` starts a new run from another model's weights.
+
 Plain Python (no torch): the launcher claims the directory before starting any process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 import uuid
@@ -22,9 +34,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import Config
+from ..config_sections import ModelConfig
 from ..errors import ConfigError, UserError
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".lock"  # flock-ed by the run that runs in the directory; holds its host and pid
 RUNS_ROOT = Path("runs")
 _STARTUP_FILES = {RUN_FILE, "config.toml", "logs"}  # written before a run's first step
 
@@ -56,13 +70,95 @@ def read_run(out: Path) -> dict | None:
 
 
 def default_out(root: Path = RUNS_ROOT) -> Path:
-    """A fresh `runs/<date>-<time>` directory (a suffix when two runs start in the same second)."""
+    """A fresh `runs/<date>-<time>` directory, created here (a suffix when two runs start in the
+    same second: the creation is atomic, so two runs never pick the same one)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
     out, n = root / stamp, 1
-    while out.exists():
-        n += 1
-        out = root / f"{stamp}-{n}"
-    return out
+    while True:
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            n += 1
+            out = root / f"{stamp}-{n}"
+
+
+class RunLock:
+    """The exclusive lock of a run on its directory (`DIR/.lock`), held until `release` or until
+    the process ends; the kernel drops it when the holder dies, however it dies."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+
+def lock_directory(out: Path, overwrite: bool = False) -> RunLock:
+    """Take the exclusive lock of directory `out` (created if absent) for this process.
+
+    Raises UserError (exit 2, one line naming the holder's host and pid) when another process holds
+    it. Atomic: of any number of processes starting at the same instant exactly one gets it.
+    """
+    path = out / LOCK_FILE
+    while True:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError("run.out", f"cannot create the run directory's lock file {path} ({e.strerror}); "
+                              "choose a writable --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            if overwrite:
+                raise UserError(f"run.out: '{out}' is in use by a run that is still running ({holder}); --overwrite "
+                                "moves aside only a run that has ended: stop that run first, or choose a new "
+                                "--out") from None
+            raise UserError(f"run.out: '{out}' is in use by a run that is still running ({holder}); wait for it to "
+                            "end (then --resume auto continues it), or choose a new --out") from None
+        except OSError as e:
+            os.close(fd)
+            raise ConfigError("run.out", f"cannot lock {path} ({e.strerror}): the file system of --out does not "
+                              "support file locks; choose --out on another file system") from None
+        try:
+            here, mine = os.stat(path), os.fstat(fd)
+            if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the directory was moved aside (--overwrite) between open and lock: lock the new one
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}) + "\n")
+              .encode(), 0)
+    return RunLock(path, fd)
+
+
+def _holder(fd: int, wait_s: float = 2.0) -> str:
+    """`host H, pid P, since T` from a lock file another process holds (it writes them just after
+    taking the lock: wait a moment for them)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode())
+            return f"host {info['host']}, pid {info['pid']}, since {info['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.monotonic() > deadline:
+                return "a process that has not written its host and pid"
+            time.sleep(0.01)
 
 
 def point_latest(out: Path, root: Path = RUNS_ROOT) -> None:
@@ -75,10 +171,12 @@ def point_latest(out: Path, root: Path = RUNS_ROOT) -> None:
     os.replace(tmp, latest)
 
 
-def claim(cfg: Config, overwrite: bool = False) -> Config:
-    """Make `cfg.run.out` this run's directory; returns the config with `run.out` and `run.id` set.
+def claim(cfg: Config, overwrite: bool = False) -> tuple[Config, RunLock]:
+    """Make `cfg.run.out` this run's directory; returns the config with `run.out` and `run.id` set,
+    and the directory's lock, which the caller holds for the run's whole life (see RunLock).
 
-    Raises UserError (exit 2, one line) when the directory belongs to another run.
+    Raises UserError (exit 2, one line) when the directory belongs to another run, or another
+    process holds its lock (a run still running there).
     """
     default = not cfg.run.out
     out = default_out() if default else Path(cfg.run.out)
@@ -86,19 +184,25 @@ def claim(cfg: Config, overwrite: bool = False) -> Config:
         out = out.resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError("run.out", f"'{out}' is a file, not a directory; give a directory with --out")
-    if overwrite and _holds_a_run(out):
-        moved = move_aside(out)
-        print(f"threefold: moved the previous run in {out} to {moved}", file=sys.stderr, flush=True)
-    run_id = _continued_run(out, cfg) if _holds_a_run(out) else None
-    if run_id is None:
-        run_id = uuid.uuid4().hex[:12]
-        out.mkdir(parents=True, exist_ok=True)
-        run = {"run_id": run_id, "config_hash": model_hash(cfg.to_dict()["model"]),
-               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        _write_atomic(out / RUN_FILE, json.dumps(run, indent=1) + "\n")
-    if default:
-        point_latest(out)
-    return replace(cfg, run=replace(cfg.run, out=str(out), id=run_id))
+    lock = lock_directory(out, overwrite)  # before anything is read or written there
+    try:
+        if overwrite and _holds_a_run(out):
+            moved = move_aside(out)  # the lock goes with it: no one claims the old run while it moves
+            print(f"threefold: moved the previous run in {out} to {moved}", file=sys.stderr, flush=True)
+            lock.release()
+            lock = lock_directory(out, overwrite)
+        run_id = _continued_run(out, cfg) if _holds_a_run(out) else None
+        if run_id is None:
+            run_id = uuid.uuid4().hex[:12]
+            run = {"run_id": run_id, "config_hash": model_hash(cfg.to_dict()["model"]),
+                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            _write_atomic(out / RUN_FILE, json.dumps(run, indent=1) + "\n")
+        if default:
+            point_latest(out)
+    except BaseException:
+        lock.release()
+        raise
+    return replace(cfg, run=replace(cfg.run, out=str(out), id=run_id)), lock
 
 
 def adopt(cfg: Config) -> Config:
@@ -151,16 +255,21 @@ def _continued_run(out: Path, cfg: Config) -> str:
                             f"(model hash {run.get('config_hash')} != {mine}); its checkpoints do not fit this "
                             "model: choose a new --out, or pass --overwrite to move it aside")
         return str(run.get("run_id", ""))
-    # a directory written before run files existed: its checkpoints name their model
+    # a directory written before run files existed (or whose run file was lost): its checkpoints
+    # name their model, and the run that wrote them, which this start continues
+    run_id = ""
     for manifest in sorted((out / "checkpoints").glob("step-*/manifest.json")):
         try:
-            model = json.loads(manifest.read_text()).get("config", {}).get("model")
-        except (OSError, ValueError):
+            written = json.loads(manifest.read_text()).get("config", {})
+            model, run = written.get("model"), written.get("run", {})
+        except (OSError, ValueError, AttributeError):
             continue
         if model is not None and model_hash(model) != mine:
             raise UserError(f"checkpoint.resume: {manifest.parent} was written by a run of another model; "
                             "choose a new --out, or pass --overwrite to move that run aside")
-    run_id = uuid.uuid4().hex[:12]
+        if isinstance(run, dict) and run.get("id"):
+            run_id = str(run["id"])
+    run_id = run_id or uuid.uuid4().hex[:12]
     run = {"run_id": run_id, "config_hash": mine, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _write_atomic(out / RUN_FILE, json.dumps(run, indent=1) + "\n")
     return run_id
@@ -170,3 +279,58 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------ what a resume may take
+
+# `[model]` fields that do not change the function a checkpoint's weights compute, and why; every
+# other field of ModelConfig (a field added later too) must be equal for a resume to take a checkpoint
+NOT_FUNCTION = {
+    "preset": "a name for the values of the other fields, which are compared themselves",
+    "loss_chunk": "how the loss is computed (in pieces or at once), not what it is",
+    "init_std": "the initial values, which the checkpoint's replace",
+    "router_aux_weight": "a weight of the training loss (like the learning rate), not of the model",
+    "router_z_weight": "a weight of the training loss (like the learning rate), not of the model",
+}
+FUNCTION_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_FUNCTION)
+_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+
+def model_differences(written: dict, model: dict) -> list[str]:
+    """`field a -> b` for each function-changing field in which model config `written` (a
+    checkpoint's; a missing field is the default it had when it did not exist) differs from `model`."""
+    out = []
+    for name in FUNCTION_FIELDS:
+        theirs, mine = written.get(name, _MODEL_DEFAULTS[name]), model.get(name, _MODEL_DEFAULTS[name])
+        if theirs != mine:
+            out.append(f"{name} {theirs} -> {mine}")
+    return out
+
+
+def check_resume(ckpt: Path, written: dict, cfg: Config) -> None:
+    """Raise UserError (exit 2, one line) unless the run of `cfg` may resume checkpoint `ckpt`, whose
+    writer's config is `written` (the manifest's `config`).
+
+    `--resume auto` takes only a checkpoint of this directory's run (the run id of run.json, which
+    `cfg.run.id` carries); any resume takes only a checkpoint of a model computing the same function.
+    """
+    if cfg.checkpoint.resume == "auto":
+        mine = cfg.run.id
+        if not mine and cfg.run.out:  # a library caller that did not claim the directory
+            mine = str((read_run(Path(cfg.run.out)) or {}).get("run_id", ""))
+        run = written.get("run")
+        theirs = str(run.get("id", "")) if isinstance(run, dict) else ""
+        if mine and theirs and theirs != mine:  # "": written before run ids (its model is compared below)
+            raise UserError(f"checkpoint.resume: {ckpt} belongs to run {theirs}, not to run {mine} of "
+                            f"{Path(cfg.run.out) / RUN_FILE}; --resume auto continues only its own run: move that "
+                            f"checkpoint out of the directory, or continue it with --resume {ckpt} and a new --out")
+    model = written.get("model")
+    if not isinstance(model, dict):
+        raise UserError(f"checkpoint.resume: {ckpt} does not say which model wrote it (no config.model in its "
+                        "manifest), so it cannot be resumed; start a new run from its weights with "
+                        "checkpoint.init_from (threefold ckpt export writes them)")
+    diff = model_differences(model, cfg.to_dict()["model"])
+    if diff:
+        raise UserError(f"checkpoint.resume: {ckpt} was written by another model ({', '.join(diff)}): a resume "
+                        "continues the same model; to start a new run from its weights, export them (threefold "
+                        "ckpt export) and pass --set checkpoint.init_from=FILE, or give the model of the checkpoint")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import Checkpointer, TrainingState, import_model
+from ..checkpoint import Checkpointer, TrainingState, import_model, read_manifest
 from ..checkpoint.hf import pretrained
 from ..comm import Comm
 from ..config import Config
@@ -31,7 +31,7 @@ from ..parallel.precision import set_tf32
 from .autosave import AutoSave
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
-from .rundir import run_directory, update_run
+from .rundir import check_resume, run_directory, update_run
 from .step import StepResult, TrainStep
 from .summary import print_summary
 
@@ -125,6 +125,7 @@ class Trainer:
         ck = self.cfg.checkpoint
         path = self.checkpointer.find_resume(ck.resume)
         if path is not None:
+            check_resume(path, read_manifest(path).config, self.cfg)  # only this run's state, or the same model's
             manifest = self.checkpointer.load(path, self.training_state())
             self.step = manifest.step
             self.optimizer.after_load(manifest.step, any(n.endswith("/master") for n in manifest.tensors))
