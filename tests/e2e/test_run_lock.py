@@ -178,9 +178,9 @@ def test_resume_path_refuses_a_checkpoint_of_another_model_and_names_the_fields(
     root, out, _ = trained
     ckpt = out / "checkpoints" / "step-00000002"
     run = threefold("train", *QUICK, "--steps", "3", "--resume", str(ckpt), "--out", str(root / "other-model"),
-                    "--set", "model.heads=8", "--set", "model.norm_eps=0.1")
+                    "--set", "model.heads=8", "--set", "model.kv_heads=8", "--set", "model.norm_eps=0.1")  # same shapes
     lines = [line for line in run.stderr.strip().splitlines() if line.startswith("threefold: error:")]
     assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
     assert "heads 4 -> 8" in lines[0] and "norm_eps 1e-05 -> 0.1" in lines[0], lines[0]
-    assert "kv_heads" not in lines[0] and "checkpoint.init_from" in lines[0], lines[0]
+    assert "kv_heads 4 -> 8" in lines[0] and "checkpoint.init_from" in lines[0], lines[0]
     assert not (root / "other-model" / "metrics.jsonl").exists()
