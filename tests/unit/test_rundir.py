@@ -49,12 +49,13 @@ def test_resume_auto_continues_only_a_run_of_the_same_model(tmp_path):
 
 
 def test_stale_checkpoints_of_another_model_are_refused_without_a_run_file(tmp_path):
-    finished_run(tmp_path / "run")
+    first = finished_run(tmp_path / "run")
     (tmp_path / "run" / "run.json").unlink()  # a directory from before run files
     with pytest.raises(UserError) as err:
         claim(tmp_path / "run", "checkpoint.resume=auto", "model.hidden=64")
     assert "step-00000001" in str(err.value) and "another model" in str(err.value)
-    assert claim(tmp_path / "run", "checkpoint.resume=auto").run.id  # the same model adopts the directory
+    # the same model adopts the directory, as the run its checkpoints name (so --resume auto takes them)
+    assert claim(tmp_path / "run", "checkpoint.resume=auto").run.id == first.run.id
 
 
 def test_overwrite_moves_the_old_run_aside_and_keeps_its_files(tmp_path):
