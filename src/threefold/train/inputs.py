@@ -41,7 +41,9 @@ def check_data(cfg: Config) -> None:
 
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably not as meant; printed once, by the process that starts the job."""
-    found = []
+    from ..config_checks import nil_effect_warnings
+
+    found = nil_effect_warnings(cfg)
     c = cfg.compress
     if c.method == "dgc" and cfg.train.optimizer == "adamw" and c.dgc_momentum_correction:
         found.append("compress.method=dgc with train.optimizer=adamw: DGC's momentum correction "
