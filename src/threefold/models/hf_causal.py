@@ -139,4 +139,5 @@ def causal_spec(directory: Path, config, seed: int) -> ModelSpec:
         init=hf_init(config, seed),
         tied=tied,
         hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
+        selective=("layer.self_attn",),  # the library computes attention inside its attention module
     )

@@ -121,4 +121,5 @@ def gpt2_spec(directory: Path, config, seed: int) -> ModelSpec:
         tied=tied,
         local_hooks=freeze_key_bias,
         hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
+        selective=("attn",),  # GPT2Attention: projections and the attention itself
     )

@@ -151,4 +151,5 @@ def moe_spec(directory: Path, config, seed: int) -> ModelSpec:
         init=hf_init(config, seed),
         tied=tied,
         hf=HFFormat(moe_renames(arch) + HF_RENAMES, raw, Path(directory)),
+        selective=("layer.self_attn",),
     )
