@@ -33,7 +33,27 @@ def read_config_json(directory: Path) -> dict:
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
         raise UserError(f"{path}: architectures={arch} is not supported; supported: {', '.join(SUPPORTED)}")
+    _refuse_attention_variants(raw, path)
     return raw
+
+
+# attention features a config can ask for that the families here do not compute: refused, never ignored
+_UNBUILT = {"attn_logit_softcapping": "a soft-cap of the attention logits",
+            "final_logit_softcapping": "a soft-cap of the output logits",
+            "attention_chunk_size": "chunked (local) attention", "query_pre_attn_scalar": "a query scale",
+            "sliding_window_pattern": "alternating local/global layers"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _refuse_attention_variants(raw: dict, path: Path) -> None:
+    for key, what in _UNBUILT.items():
+        if raw.get(key) not in (None, 0, 0.0, False):
+            raise UserError(f"{path}: {key}={raw[key]} asks for {what}, which threefold does not implement; "
+                            f"remove {key} (or set it to null) only if the model was trained without it")
+    unknown = sorted(set(raw.get("layer_types") or ()) - set(_LAYER_TYPES))
+    if unknown:
+        raise UserError(f"{path}: layer_types holds {', '.join(unknown)}, which threefold does not implement "
+                        f"(it builds {' and '.join(_LAYER_TYPES)})")
 
 
 def model_fields(directory: Path) -> dict:
