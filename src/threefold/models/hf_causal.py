@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf_config import read_config_json
+from ..hf_config import DROPOUT, read_config_json
 from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
@@ -49,12 +49,22 @@ HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.",
 
 def load_hf_config(directory: Path):
     """The `transformers` config object of the directory (nothing downloaded: a local path)."""
-    read_config_json(directory)
+    raw = read_config_json(directory)
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(directory))
+    config.architectures = raw["architectures"]  # checked against model_type, or taken from it
     config._attn_implementation = "sdpa"  # causal without a mask; eager would need one
+    for key in DROPOUT:  # trained without dropout (hf_config.DROPOUT); the export says so
+        if key in config.to_dict():
+            setattr(config, key, 0.0)
     return config
+
+
+def trained_config(directory: Path) -> dict:
+    """config.json as it was trained: its dropout at 0 (what `ckpt export --hf` writes)."""
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    return {**raw, **{key: 0.0 for key in DROPOUT if key in raw}}
 
 
 def attention_windows(config) -> list[int | None]:
@@ -165,6 +175,6 @@ def causal_spec(directory: Path, config, seed: int) -> ModelSpec:
         adapter=CausalAdapter(tied),
         init=hf_init(config, seed),
         tied=tied,
-        hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
+        hf=HFFormat(HF_RENAMES, trained_config(directory), Path(directory)),
         selective=("layer.self_attn",),  # the library computes attention inside its attention module
     )

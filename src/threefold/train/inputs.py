@@ -43,13 +43,26 @@ def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably not as meant; printed once, by the process that starts the job."""
     from ..config_checks import nil_effect_warnings
 
-    found = nil_effect_warnings(cfg)
+    found = nil_effect_warnings(cfg) + _dropout_warnings(cfg)
     c = cfg.compress
     if c.method == "dgc" and cfg.train.optimizer == "adamw" and c.dgc_momentum_correction:
         found.append("compress.method=dgc with train.optimizer=adamw: DGC's momentum correction "
                      "(compress.dgc_momentum_correction) assumes momentum SGD; set train.optimizer=sgd (with a larger "
                      "train.lr, e.g. 0.1-0.5), or compress.dgc_momentum_correction=false")
     return found
+
+
+def _dropout_warnings(cfg: Config) -> list[str]:
+    if not cfg.model.preset.startswith("hf:"):
+        return []
+    from ..hf_config import dropout_asked, read_config_json
+
+    asked = dropout_asked(read_config_json(Path(cfg.model.preset[3:])))
+    if not asked:
+        return []
+    listed = ", ".join(f"{k}={v}" for k, v in asked.items())
+    return [f"model.preset: config.json asks for dropout ({listed}); threefold trains without dropout, and "
+            "`ckpt export --hf` writes 0 for these keys"]
 
 
 def print_warnings(cfg: Config) -> None:
