@@ -84,7 +84,12 @@ def _validate(c: S, world_size: int) -> S:
     _validate_tensor_parallel(p, m, t)
     validate_experts(c, dp)
     if t.seq_len > m.max_seq:
-        raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
+        if m.preset.startswith("hf:") and m.position == "learned":
+            raise ConfigError("train.seq_len", f"{t.seq_len} exceeds the {m.max_seq} rows of the model's learned "
+                              f"position table (n_positions in config.json); use train.seq_len <= {m.max_seq}")
+        longer = " (a longer context than config.json's: allowed, with one warning)" if m.preset.startswith("hf:") else ""
+        raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq"
+                          f"{longer}, e.g. model.max_seq={t.seq_len}")
     if t.global_batch % (dp * t.microbatches):
         raise ConfigError(
             "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
