@@ -118,6 +118,14 @@ def _hf_model_fields(preset: str, given: dict) -> dict:
     except UserError as e:
         raise ConfigError("model.preset", str(e)) from None
     for key, value in given.items():
+        if key == "max_seq" and fields_["position"] == "rope":
+            continue  # a longer context than config.json's is a fine-tuning choice (warned: train/inputs.py)
+        if key == "max_seq" and value <= fields_[key]:
+            continue  # a shorter one uses part of the learned position table
+        if key == "max_seq":
+            raise ConfigError("model.max_seq", f"{value} exceeds the {fields_[key]} rows of {preset[3:]}'s learned "
+                              "position table (n_positions in config.json), which has no rows to add; keep "
+                              f"train.seq_len <= {fields_[key]}")
         if key in fields_ and fields_[key] != value:
             raise ConfigError(f"model.{key}", f"{value} contradicts {preset[3:]}/config.json ({fields_[key]}); "
                               "the model directory defines the architecture: drop the override")

@@ -8,9 +8,9 @@ other way round.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .config_sections import CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig
 from .errors import ConfigError, UserError
@@ -84,7 +84,12 @@ def _validate(c: S, world_size: int) -> S:
     _validate_tensor_parallel(p, m, t)
     validate_experts(c, dp)
     if t.seq_len > m.max_seq:
-        raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq")
+        if m.preset.startswith("hf:") and m.position == "learned":
+            raise ConfigError("train.seq_len", f"{t.seq_len} exceeds the {m.max_seq} rows of the model's learned "
+                              f"position table (n_positions in config.json); use train.seq_len <= {m.max_seq}")
+        longer = " (a longer context than config.json's: allowed, with one warning)" if m.preset.startswith("hf:") else ""
+        raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq={m.max_seq}; raise model.max_seq"
+                          f"{longer}, e.g. model.max_seq={t.seq_len}")
     if t.global_batch % (dp * t.microbatches):
         raise ConfigError(
             "train.global_batch", f"{t.global_batch} is not divisible by dp x microbatches = {dp} x {t.microbatches}; "
@@ -116,6 +121,9 @@ def _validate(c: S, world_size: int) -> S:
         raise ConfigError("parallel.zero_hpz", f"hpZ keeps a node-local copy of ZeRO-3's weight shards; set "
                           f"parallel.zero=3 (got zero={p.zero}), or parallel.zero_hpz=false")
     _validate_debug(c)
+    for rule, key in nil_effects(c, dp):
+        if rule.refuse:
+            raise ConfigError(key, rule.message(key, c))
     if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
     return replace(c, parallel=replace(p, dp=dp), model=m, compress=_compress_warmup(c.compress, t.steps))
@@ -166,7 +174,12 @@ def compress_warmup(c: CompressConfig, steps: int) -> int:
 
 
 def _compress_warmup(c: CompressConfig, steps: int) -> CompressConfig:
+    if c.method not in _WARMED_UP:
+        return c  # the key means nothing to the other methods (left at its default: see NIL_EFFECTS)
     return replace(c, warmup_steps=compress_warmup(c, steps))
+
+
+_WARMED_UP = ("onebit", "powersgd")  # the compressors that start after compress.warmup_steps dense steps
 
 
 def parse_layout(text: str, key: str) -> tuple[int, int, int]:
@@ -337,3 +350,108 @@ def parse_split(text: str, num_layers: int, num_stages: int) -> list[int]:
         raise ConfigError("pipeline.split", f"boundaries {cuts} must increase strictly within 1..{num_layers - 1} "
                           "so that every stage holds at least one layer")
     return bounds
+
+
+# --- options that change nothing ---------------------------------------------------------------
+# Every key whose effect depends on another setting (an axis of the layout, a policy, a method) is
+# listed with the condition under which it does something. A key set away from its default while
+# its condition is false is refused (or, where a smaller world can legitimately reach the
+# condition - dp shrinking to 1 on an elastic restart, a job tried on one process - warned). A
+# unit test holds every field of the sections against this table, so a new key must be placed.
+
+
+@dataclass(frozen=True)
+class NilEffect:
+    keys: tuple[str, ...]  # "section.field"
+    applies: Callable[[Sections, int], bool]  # (config, dp) -> whether the keys do anything
+    needs: str  # the condition, as the user would set it
+    refuse: bool = True
+
+    def message(self, key: str, c: Sections) -> str:
+        value = _values(c)[key]
+        return (f"{value!r} has no effect unless {self.needs}; set that, or drop {key}"
+                + ("" if self.refuse else " (it is ignored in this run)"))
+
+
+def _sgd(c: Sections, dp: int) -> bool:
+    return c.train.optimizer == "sgd"
+
+
+NIL_EFFECTS: tuple[NilEffect, ...] = (
+    NilEffect(("parallel.sequence_parallel",), lambda c, dp: c.parallel.tp > 1, "parallel.tp > 1"),
+    NilEffect(("pipeline.schedule", "pipeline.virtual_stages", "pipeline.split", "pipeline.balance"),
+              lambda c, dp: c.parallel.pp > 1, "parallel.pp > 1"),
+    NilEffect(("remat.every",), lambda c, dp: c.remat.policy == "every-k", "remat.policy=every-k"),
+    NilEffect(("remat.targets",), lambda c, dp: c.remat.policy == "selective", "remat.policy=selective"),
+    NilEffect(("precision.initial_scale", "precision.growth_interval", "precision.growth_factor",
+               "precision.backoff_factor"), lambda c, dp: c.precision.compute == "fp16",
+              "precision.compute=fp16 (the loss scaler)"),
+    NilEffect(("train.beta1", "train.beta2", "train.eps"), lambda c, dp: not _sgd(c, dp), "train.optimizer=adamw"),
+    NilEffect(("train.momentum", "train.nesterov"), _sgd, "train.optimizer=sgd"),
+    NilEffect(("train.outer_lr", "train.outer_momentum"), lambda c, dp: c.train.outer_optimizer != "none",
+              "train.outer_optimizer=nesterov (DiLoCo)"),
+    NilEffect(("train.sync_warmup_steps", "train.sync_optimizer_state"), lambda c, dp: c.train.periodic,
+              "train.sync_every > 1 (or an outer optimizer / EASGD)"),
+    NilEffect(("train.eval_batches",), lambda c, dp: c.train.eval_every > 0, "train.eval_every > 0"),
+    NilEffect(("compress.dgc_sparsity", "compress.dgc_warmup_steps", "compress.dgc_momentum",
+               "compress.dgc_momentum_correction", "compress.dgc_local_clip"),
+              lambda c, dp: c.compress.method == "dgc", "compress.method=dgc"),
+    NilEffect(("compress.onebit_adam",), lambda c, dp: c.compress.method == "onebit", "compress.method=onebit"),
+    NilEffect(("compress.powersgd_rank",), lambda c, dp: c.compress.method == "powersgd", "compress.method=powersgd"),
+    NilEffect(("compress.error_feedback",), lambda c, dp: c.compress.method in ("dgc", "onebit", "powersgd"),
+              "compress.method is dgc, onebit or powersgd"),
+    NilEffect(("compress.warmup_steps",), lambda c, dp: c.compress.method in _WARMED_UP,
+              "compress.method is onebit or powersgd"),
+    NilEffect(("checkpoint.mtbf_hours", "checkpoint.restart_seconds"),
+              lambda c, dp: c.checkpoint.save_every == "auto", "checkpoint.save_every=auto"),
+    NilEffect(("debug.hang_timeout_s", "debug.hang_grace_s"), lambda c, dp: c.debug.watchdog, "debug.watchdog=true"),
+    NilEffect(("debug.straggler_ratio",), lambda c, dp: c.debug.stats, "debug.stats=true"),
+    NilEffect(("fault.step", "fault.kind", "fault.module", "fault.delay_s", "fault.layout", "fault.hold_file"),
+              lambda c, dp: c.fault.rank >= 0, "fault.rank >= 0"),
+    # dp = 1: nothing crosses dp; a smaller elastic world or a trial on one process reaches it legitimately
+    NilEffect(("compress.method", "compress.hierarchical", "parallel.bucket_mb", "debug.replica_check_every",
+               "train.sync_every", "train.outer_optimizer", "train.easgd_alpha"),
+              lambda c, dp: dp > 1, "dp > 1 (more than one data-parallel replica)", refuse=False),
+)
+
+# The fields whose effect depends on no other setting (or whose dependence is a check of its own
+# above, e.g. parallel.offload needing ZeRO). Together with NIL_EFFECTS they cover every field of
+# these sections; the other sections (model, data, run) describe the job itself.
+ALWAYS_EFFECTIVE = frozenset({
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.zero", "parallel.ep", "parallel.zero_weight_comm",
+    "parallel.zero_grad_comm", "parallel.zero_hpz", "parallel.offload", "parallel.elastic_world",
+    "precision.compute", "precision.reduce_dtype", "precision.tf32", "remat.policy",
+    "train.steps", "train.global_batch", "train.microbatches", "train.seq_len", "train.optimizer", "train.lr",
+    "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.seed",
+    "train.deterministic", "train.eval_every", "train.compile",
+    "checkpoint.save_every", "checkpoint.async_save", "checkpoint.resume", "checkpoint.keep",
+    "checkpoint.init_from", "checkpoint.peer_copy",
+    "debug.history", "debug.watchdog", "debug.fingerprint_every", "debug.stats", "debug.nan_check", "debug.trace",
+    "debug.dump_params", "debug.comm_semantics", "debug.compile_backend", "fault.rank",
+})
+
+
+def nil_effects(c: Sections, dp: int) -> list[tuple[NilEffect, str]]:
+    """(rule, key) for every key set away from its default where it changes nothing."""
+    values, defaults = _values(c), _values(Sections())
+    return [(rule, key) for rule in NIL_EFFECTS if not rule.applies(c, dp)
+            for key in rule.keys if values[key] != defaults[key]]
+
+
+def _values(c: Sections) -> dict[str, object]:
+    """Every field of the sections by its key, "section.field"."""
+    return {f"{section}.{name}": value for section, fields_ in asdict(c).items() for name, value in fields_.items()}
+
+
+def nil_effect_warnings(c: Sections) -> list[str]:
+    """The warned (not refused) no-op keys of a validated config, as `key: message` lines."""
+    p = c.parallel
+    if not p.dp:
+        return []  # not validated yet (a torchrun process before its world size is known)
+    return [f"{key}: {rule.message(key, c)}" for rule, key in nil_effects(c, p.dp) if not rule.refuse]
+
+
+def checked_fields() -> set[str]:
+    """Every field of the sections that NIL_EFFECTS and ALWAYS_EFFECTIVE must place."""
+    described = {"model", "data", "run"}  # the job itself, not a strategy's setting
+    return {key for key in _values(Sections()) if key.split(".")[0] not in described}

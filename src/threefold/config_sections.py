@@ -121,7 +121,9 @@ class PrecisionConfig:
 class RematConfig:
     policy: Literal["none", "full", "selective", "every-k"] = "none"
     every: int = 2  # for every-k: checkpoint one block in every k
-    targets: str = "attn.core"  # for selective: comma-separated parts of each block (submodules or methods)
+    # for selective: comma-separated parts of each block (submodules or methods); "" = the model family's own
+    # (ModelSpec.selective: attn.core for the reference decoder, layer.self_attn / attn for Hugging Face models)
+    targets: str = ""
 
 
 @dataclass(frozen=True)

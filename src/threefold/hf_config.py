@@ -17,7 +17,14 @@ from pathlib import Path
 from .errors import UserError
 
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", *MOE)
+# config.json's model_type -> the architecture threefold builds for it
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED = tuple(ARCHITECTURES.values())
+# dropout a config.json may ask for; every family trains without it (masks drawn per rank would break tensor
+# parallelism and parity), so the start warns and an export writes 0
+DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
 def read_config_json(directory: Path) -> dict:
@@ -30,10 +37,52 @@ def read_config_json(directory: Path) -> dict:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e}); give the config.json that save_pretrained wrote") from None
-    arch = (raw.get("architectures") or ["?"])[0]
+    raw["architectures"] = [_architecture(raw, path)]
+    _refuse_attention_variants(raw, path)
+    return raw
+
+
+def _architecture(raw: dict, path: Path) -> str:
+    """The architecture config.json claims, checked against its model_type (which picks the library's
+    config class); without `architectures`, the model_type's."""
+    kind = raw.get("model_type")
+    arch = (raw.get("architectures") or [None])[0]
+    if arch is None:
+        if kind not in ARCHITECTURES:
+            raise UserError(f"{path}: no architectures and model_type={kind} is not supported; supported model "
+                            f"types: {', '.join(ARCHITECTURES)}")
+        return ARCHITECTURES[kind]
     if arch not in SUPPORTED:
         raise UserError(f"{path}: architectures={arch} is not supported; supported: {', '.join(SUPPORTED)}")
-    return raw
+    if kind is not None and ARCHITECTURES.get(kind) != arch:
+        raise UserError(f"{path}: architectures={arch} but model_type={kind}, which is "
+                        f"{ARCHITECTURES.get(kind, 'not a supported type')}; a config.json describes one model: "
+                        "restore the one the weights were saved with")
+    return arch
+
+
+def dropout_asked(raw: dict) -> dict[str, float]:
+    """The dropout probabilities above 0 that a config.json asks for."""
+    return {key: raw[key] for key in DROPOUT if isinstance(raw.get(key), (int, float)) and raw[key] > 0}
+
+
+# attention features a config can ask for that the families here do not compute: refused, never ignored
+_UNBUILT = {"attn_logit_softcapping": "a soft-cap of the attention logits",
+            "final_logit_softcapping": "a soft-cap of the output logits",
+            "attention_chunk_size": "chunked (local) attention", "query_pre_attn_scalar": "a query scale",
+            "sliding_window_pattern": "alternating local/global layers"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _refuse_attention_variants(raw: dict, path: Path) -> None:
+    for key, what in _UNBUILT.items():
+        if raw.get(key) not in (None, 0, 0.0, False):
+            raise UserError(f"{path}: {key}={raw[key]} asks for {what}, which threefold does not implement; "
+                            f"remove {key} (or set it to null) only if the model was trained without it")
+    unknown = sorted(set(raw.get("layer_types") or ()) - set(_LAYER_TYPES))
+    if unknown:
+        raise UserError(f"{path}: layer_types holds {', '.join(unknown)}, which threefold does not implement "
+                        f"(it builds {' and '.join(_LAYER_TYPES)})")
 
 
 def model_fields(directory: Path) -> dict:

@@ -91,3 +91,60 @@ def test_the_checks_read_only_the_sections():
         tree = ast.parse((root / f"{name}.py").read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert not imported & {"config", "threefold.config"}, f"{name}.py imports config.py"
+
+
+# Each mistake above, and the fix its message suggests: the fix is written in the message, and with
+# it applied the config validates (or fails on something else, more specific).
+FOLLOWED = [
+    (["model.foo=1"], 1, [], "unknown key"),
+    (["train.seq_len=100"], 1, ["model.max_seq=100"], "model.max_seq=100"),
+    (["parallel.tp=2", "parallel.pp=2"], 6, ["parallel.pp=1"], "product is 6"),
+    (["parallel.zero=4"], 1, ["parallel.zero=3"], "choose 0, 1, 2 or 3"),
+    (["train.global_batch=6"], 4, ["train.global_batch=8"], "multiple of 4"),
+    (["model.heads=5"], 1, ["model.heads=4"], "model.heads=5"),
+    (["parallel.pp=3"], 3, ["model.layers=3"], "at most 2 stages"),
+    (["train.optimizer=sgd", "train.momentum=1.0"], 1, ["train.momentum=0.9"], "e.g. 0.9"),
+    (["train.nesterov=true"], 1, ["train.optimizer=sgd"], "optimizer=sgd"),
+    (["parallel.sequence_parallel=true"], 1, ["parallel.tp=1", "parallel.sequence_parallel=false"], "parallel.tp > 1"),
+    (["pipeline.schedule=zb-h1"], 1, ["pipeline.schedule=1f1b"], "parallel.pp > 1"),
+    (["parallel.offload=optimizer"], 1, ["parallel.zero=1"], "--zero 1"),
+]
+
+
+@pytest.mark.parametrize("mistake, world, fix, says", FOLLOWED)
+def test_the_suggested_fix_leads_to_a_run(mistake, world, fix, says):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, mistake).validate(world)
+    assert says in str(info.value), str(info.value)
+    fixed = [m for m in mistake if m.split("=")[0] not in {f.split("=")[0] for f in fix}] + fix
+    if mistake == ["model.foo=1"]:
+        fixed = []  # "unknown key": drop it
+    try:
+        load_config(None, fixed).validate(world)
+    except ConfigError as e:  # a different, more specific mistake is fine; the same one is not
+        assert e.field != info.value.field, f"the fix for {info.value} leads back to {e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_longer_context_for_a_hugging_face_model(family, tmp_path):
+    """--seq-len past config.json's positions: a rope family is told to raise model.max_seq, which then runs
+    with one warning; a learned-position family (GPT-2) is told the limit, which then runs."""
+    pytest.importorskip("transformers")
+    from tests.hf_tasks import save_tiny
+    from threefold.train.inputs import warnings_for
+
+    directory = save_tiny(family, tmp_path / family)  # 64 positions
+    base = [f"model.preset=hf:{directory}", "train.global_batch=2"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, base + ["train.seq_len=200"]).validate(1)
+    if family == "llama":
+        assert "model.max_seq=200" in str(info.value)
+        cfg = load_config(None, base + ["train.seq_len=200", "model.max_seq=200"]).validate(1)
+        (warning,) = [w for w in warnings_for(cfg) if w.startswith("model.max_seq")]
+        assert "exceeds the 64 positions" in warning
+    else:
+        assert "train.seq_len <= 64" in str(info.value)
+        with pytest.raises(ConfigError, match="learned position table"):
+            load_config(None, base + ["model.max_seq=200"])
+        cfg = load_config(None, base + ["train.seq_len=64"]).validate(1)
+        assert not [w for w in warnings_for(cfg) if w.startswith("model.max_seq")]

@@ -173,3 +173,28 @@ def test_hf_model_refuses_data_of_another_tokenizer(tmp_path):
     message = str(refused.value)
     assert "\n" not in message and "'other'" in message and "'llama'" in message and "d_other" in message
     assert config(tmp_path / "d_ours").model.vocab == 320
+
+
+def test_tokenizers_are_compared_by_what_they_do(tmp_path):
+    """A tokenizer saved again through transformers' PreTrainedTokenizerFast (a new post-processor,
+    another file hash) is the same tokenizer; one with a changed normaliser, or another vocabulary, is
+    refused naming that part first."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    ours = train_tokenizer(tmp_path / "ours", vocab=300)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ours / "tokenizer.json"), eos_token="<|endoftext|>")
+    fast.save_pretrained(str(tmp_path / "resaved"))
+    original, resaved = load_tokenizer(ours).identity, load_tokenizer(tmp_path / "resaved").identity
+    assert original.sha256 != resaved.sha256  # the file changed ...
+    check_tokenizer_match(original, resaved, tmp_path / "data")  # ... the tokenizer did not
+    edited = json.loads((ours / "tokenizer.json").read_text())
+    edited["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "lower").mkdir()
+    (tmp_path / "lower" / "tokenizer.json").write_text(json.dumps(edited))
+    (tmp_path / "lower" / "tokenizer_config.json").write_text((ours / "tokenizer_config.json").read_text())
+    with pytest.raises(UserError, match="whose normalizer differs"):
+        check_tokenizer_match(original, load_tokenizer(tmp_path / "lower").identity, tmp_path / "data")
+    other = load_tokenizer(train_tokenizer(tmp_path / "other", vocab=280)).identity
+    with pytest.raises(UserError, match="whose vocabulary differs"):
+        check_tokenizer_match(original, other, tmp_path / "data")

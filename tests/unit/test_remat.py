@@ -97,3 +97,36 @@ def test_a_region_is_wrapped_once():
     block = model.blocks[0]
     assert block.forward.__wrapped__.__func__ is type(block).forward
     assert block.attn.core.__wrapped__.__func__ is type(block.attn).core
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_selective_uses_the_families_own_names(family, tmp_path):
+    """`remat.policy=selective` with no targets recomputes the family's attention (ModelSpec.selective):
+    the same loss and gradients bit for bit, fewer saved bytes; a wrong name lists the model's real parts."""
+    from tests.hf_tasks import save_tiny
+    from threefold.models.registry import hf_spec
+    from threefold.models.spec import build_whole
+
+    spec = hf_spec(save_tiny(family, tmp_path / family), seed=0)
+    assert spec.selective != ("attn.core",)
+
+    def once(policy):
+        model = build_whole(spec)
+        regions = apply_remat(model, policy, spec.selective) if policy else []
+        tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+        meter = SavedTensorMeter(exclude=list(model.parameters()))
+        with meter.measure():
+            loss = model(tokens, tokens)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, meter.current, \
+            regions
+
+    loss0, grads0, bytes0, _ = once(None)
+    loss1, grads1, bytes1, regions = once(RematConfig("selective"))
+    assert len(regions) == 2 and all(r.endswith(spec.selective[0]) for r in regions)
+    assert torch.equal(loss0, loss1) and grads0.keys() == grads1.keys()
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    assert bytes1 < bytes0
+    with pytest.raises(ConfigError) as e:
+        apply_remat(build_whole(spec), RematConfig("selective", targets="attn.core"), spec.selective)
+    assert spec.selective[0] in str(e.value) and "mlp" in str(e.value)

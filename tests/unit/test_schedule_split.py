@@ -56,7 +56,8 @@ def test_balance_by_measured_time():
     layer_costs, first, last = measured_costs(model, DecoderAdapter(), cfg.model, (2, 8), torch.device("cpu"),
                                               repeats=1)
     assert len(layer_costs) == 4 and all(c > 0 for c in layer_costs) and first > 0 and last > 0
-    cfg = _cfg("model.layers=4", "train.global_batch=2", "train.seq_len=8", "pipeline.balance=time")
+    cfg = _cfg("model.layers=4", "train.global_batch=2", "train.seq_len=8", "pipeline.balance=time", "parallel.pp=2",
+               world=2)
     stages = plan_stages(model, DecoderAdapter(), cfg, 2)
     assert stages[0].layers.start == 0 and stages[-1].layers.stop == 4 and len(stages) == 2
 

@@ -118,8 +118,9 @@ def data_tokenizer(source: str, sources: str) -> TokenizerIdentity | None:
     paths = [p for p, _ in mixture_of(sources)] if sources else [source] if is_prepared(source) else []
     identities = [(p, tokenizer_of(p)) for p in paths]
     for path, identity in identities[1:]:
-        if identity.sha256 != identities[0][1].sha256:
+        differs = identity.first_difference(identities[0][1])
+        if differs is not None:
             raise UserError(f"data.sources: '{path}' was tokenized by the {identity.describe()}, but "
-                            f"'{identities[0][0]}' by the {identities[0][1].describe()}; prepare every source "
-                            "with one tokenizer")
+                            f"'{identities[0][0]}' by the {identities[0][1].describe()} (their {differs} differs); "
+                            "prepare every source with one tokenizer")
     return identities[0][1] if identities else None

@@ -13,9 +13,13 @@ the shape every threefold family has (models/spec.py):
 
 so one pipeline adapter, one set of strategies and one checkpoint format serve them; the
 Hugging Face checkpoint names are a rename of prefixes (`HF_RENAMES`). Attention is the
-library's SDPA path without a mask (causal); the key-projection bias (Qwen2) is frozen, its
-gradient being identically zero; Mistral's sliding window is not applied, so
-train.seq_len must not exceed it (checked).
+library's SDPA path: causal without a mask, or, in a layer the config gives a sliding window
+(Mistral and Mixtral `sliding_window`: every layer; Qwen2/Qwen3 `use_sliding_window` with
+`max_window_layers`, read through the config's `layer_types`), a banded causal boolean mask
+(query i sees keys i - window < j <= i, as the library's own mask) built per block for the
+whole sequence, so it holds under tensor and sequence parallelism, pipeline stages and
+recomputation alike. The key-projection bias (Qwen2) is frozen, its gradient being identically
+zero.
 
 Tensor plan: exactly the reference decoder's - q by heads, k/v by key/value heads (or
 replicated when there are fewer than tp), o row-parallel, gate/up column, down row, the
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf_config import read_config_json
+from ..hf_config import DROPOUT, read_config_json
 from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
@@ -45,26 +49,58 @@ HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.",
 
 def load_hf_config(directory: Path):
     """The `transformers` config object of the directory (nothing downloaded: a local path)."""
-    read_config_json(directory)
+    raw = read_config_json(directory)
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(directory))
+    config.architectures = raw["architectures"]  # checked against model_type, or taken from it
     config._attn_implementation = "sdpa"  # causal without a mask; eager would need one
+    for key in DROPOUT:  # trained without dropout (hf_config.DROPOUT); the export says so
+        if key in config.to_dict():
+            setattr(config, key, 0.0)
     return config
 
 
-class HFBlock(nn.Module):
-    """One library decoder layer, given the rotary position embeddings of the whole sequence."""
+def trained_config(directory: Path) -> dict:
+    """config.json as it was trained: its dropout at 0 (what `ckpt export --hf` writes)."""
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    return {**raw, **{key: 0.0 for key in DROPOUT if key in raw}}
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
+
+def attention_windows(config) -> list[int | None]:
+    """Per layer, the sliding window of its attention (None: full causal), as the library decides it."""
+    raw = config.to_dict()
+    window = raw.get("sliding_window") or None
+    types = raw.get("layer_types")
+    if types is None:  # Mistral, Mixtral: one window for every layer (or none)
+        return [window] * raw["num_hidden_layers"]
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, s, s) boolean: query i attends key j when i - window < j <= i."""
+    i = torch.arange(s, device=device).unsqueeze(1)
+    j = torch.arange(s, device=device).unsqueeze(0)
+    return ((j <= i) & (j > i - window)).view(1, 1, s, s)
+
+
+class HFBlock(nn.Module):
+    """One library decoder layer, given the rotary position embeddings of the whole sequence (and the
+    banded mask of its sliding window, when it has one)."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, window: int | None = None):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
+        self.window = window
         self.seq_parts = 1  # sequence parallelism: the input is one of seq_parts chunks of the sequence
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x_bsh.shape[1] * self.seq_parts, device=x_bsh.device).unsqueeze(0)
-        return self.layer(x_bsh, position_embeddings=self.rotary(x_bsh, positions), position_ids=positions)
+        s = x_bsh.shape[1] * self.seq_parts
+        positions = torch.arange(s, device=x_bsh.device).unsqueeze(0)
+        mask = window_mask(s, self.window, x_bsh.device) if self.window is not None and s > self.window else None
+        return self.layer(x_bsh, position_embeddings=self.rotary(x_bsh, positions), position_ids=positions,
+                          attention_mask=mask)
 
 
 class HFCausalLM(nn.Module):
@@ -78,7 +114,8 @@ class HFCausalLM(nn.Module):
         with torch.device("cpu"):  # the rotary table is computed, not loaded: real values even under meta
             rotary_cls = type(library.model.rotary_emb)
             self.embed = library.model.embed_tokens
-            self.blocks = nn.ModuleList(HFBlock(layer, rotary_cls(config=config)) for layer in library.model.layers)
+            self.blocks = nn.ModuleList(HFBlock(layer, rotary_cls(config=config), window)
+                                        for layer, window in zip(library.model.layers, attention_windows(config)))
         self.norm = library.model.norm
         self.head = library.lm_head
         self.loss = TokenCrossEntropy()
@@ -138,5 +175,6 @@ def causal_spec(directory: Path, config, seed: int) -> ModelSpec:
         adapter=CausalAdapter(tied),
         init=hf_init(config, seed),
         tied=tied,
-        hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
+        hf=HFFormat(HF_RENAMES, trained_config(directory), Path(directory)),
+        selective=("layer.self_attn",),  # the library computes attention inside its attention module
     )

@@ -10,14 +10,14 @@ Linear's). Its tensor plan splits that fused tensor as three blocks - each rank 
 same heads of q, of k and of v (`ColumnParallel(fused=3)`, a strided Placement) - so the
 library's `split(split_size)` still finds q, k, v, with `split_size` set to the local width.
 MLP `c_fc` is column-parallel, both `c_proj` row-parallel (Conv1D: `transposed`). Dropout is
-turned off (config.*_pdrop = 0): masks drawn per rank would break tensor parallelism and parity.
+turned off (config.*_pdrop = 0, as for every family: hf_config.DROPOUT), and the export's
+config.json says 0: masks drawn per rank would break tensor parallelism and parity.
 The key part of c_attn's bias is frozen (its gradient is identically zero, as the reference
 decoder's key bias).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from ..plans import ColumnParallel, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
+from .hf_causal import trained_config
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
 HF_RENAMES = ((r"^embed\.wte\.", "transformer.wte."), (r"^embed\.wpe\.", "transformer.wpe."),
@@ -108,8 +109,6 @@ def freeze_key_bias(module: nn.Module) -> None:
 
 
 def gpt2_spec(directory: Path, config, seed: int) -> ModelSpec:
-    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        setattr(config, key, 0.0)
     config._attn_implementation = "sdpa"
     tied = {"head.weight": "embed.wte.weight"}
     return ModelSpec(
@@ -120,5 +119,6 @@ def gpt2_spec(directory: Path, config, seed: int) -> ModelSpec:
         init=gpt2_init(config, seed),
         tied=tied,
         local_hooks=freeze_key_bias,
-        hf=HFFormat(HF_RENAMES, json.loads((Path(directory) / "config.json").read_text()), Path(directory)),
+        hf=HFFormat(HF_RENAMES, trained_config(directory), Path(directory)),
+        selective=("attn",),  # GPT2Attention: projections and the attention itself
     )

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..hf_config import MoEShape, moe_shape
 from .decoder import causal_forward
-from .hf_causal import HF_RENAMES, HFCausalLM, hf_init, hf_plan
+from .hf_causal import HF_RENAMES, HFCausalLM, hf_init, hf_plan, trained_config
 from .moe import MoE
 from .spec import ROW, CausalAdapter, HFFormat, ModelSpec
 
@@ -150,5 +150,6 @@ def moe_spec(directory: Path, config, seed: int) -> ModelSpec:
         adapter=CausalAdapter(tied),
         init=hf_init(config, seed),
         tied=tied,
-        hf=HFFormat(moe_renames(arch) + HF_RENAMES, raw, Path(directory)),
+        hf=HFFormat(moe_renames(arch) + HF_RENAMES, trained_config(directory), Path(directory)),
+        selective=("layer.self_attn",),
     )

@@ -134,6 +134,9 @@ class ModelSpec:
     local_hooks: Callable[[nn.Module], None] | None = None
     hf: HFFormat | None = None
     weights: WeightSource | None = None
+    # the parts of every block that `remat.policy=selective` recomputes unless remat.targets names others:
+    # the family's own module names (submodules or methods, relative to blocks.<i>)
+    selective: tuple[str, ...] = ("attn.core",)
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -148,8 +151,12 @@ def build_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Modul
     """The whole model on `device` with its initial (seeded) values: for references and tests."""
     with torch.device("meta"):
         model = spec.build()
+    # buffers a family builds with an explicit device (a Hugging Face model's rotary tables) keep their values
+    kept = {name: b.clone() for name, b in model.named_buffers() if b.device.type != "meta"}
     model.to_empty(device=device)
     with torch.no_grad():
+        for name, value in kept.items():
+            model.get_buffer(name).copy_(value)
         seen = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in seen:

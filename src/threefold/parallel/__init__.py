@@ -93,7 +93,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     if spec.local_hooks is not None:
         spec.local_hooks(model)
     # 3. activation checkpointing
-    regions = apply_remat(model, cfg.remat)
+    regions = apply_remat(model, cfg.remat, spec.selective)
     # 4. mixed precision
     precision = apply_precision(model, cfg.precision, mesh.device.type)
     # 5. gradient sync over dp

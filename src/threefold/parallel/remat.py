@@ -8,8 +8,10 @@ Policies (`remat.policy`):
     none        save everything (fastest, most memory)
     full        every transformer block (`blocks.<i>`) is a region: only block inputs are kept
     every-k     blocks whose index is a multiple of `remat.every` are regions
-    selective   only the named parts of each block (`remat.targets`, default `attn.core`: the
-                softmax attention, whose saved state grows with seq_len^2 but is cheap to redo)
+    selective   only the named parts of each block (`remat.targets`; by default the family's own,
+                `ModelSpec.selective`: the reference decoder's `attn.core`, the softmax attention whose
+                saved state grows with seq_len^2 but is cheap to redo; a Hugging Face model's attention
+                module)
 
 Results are bit-identical to no checkpointing: the recomputation repeats the same kernels on
 the same inputs (and the RNG state is restored for it).
@@ -86,6 +88,11 @@ def _wrap_forward(module: nn.Module) -> None:
         module.forward = checkpointed(module.forward)
 
 
+def block_parts(block: nn.Module, depth: int = 2) -> list[str]:
+    """The names a selective target can take in `block`: its submodules down to `depth` levels."""
+    return [name for name, _ in block.named_modules() if name and name.count(".") < depth]
+
+
 def _wrap_target(block_name: str, block: nn.Module, target: str) -> str:
     """Wrap `target` (a submodule path or `path.method`) inside `block`; returns its full name."""
     full = f"{block_name}.{target}"
@@ -102,15 +109,17 @@ def _wrap_target(block_name: str, block: nn.Module, target: str) -> str:
         owner = None
     fn = getattr(owner, method, None) if owner is not None else None
     if not callable(fn) or isinstance(fn, nn.Module):
+        parts = ", ".join(block_parts(block))
         raise ConfigError("remat.targets", f"'{target}' is neither a submodule nor a method of {block_name}; "
-                          "name parts of a block such as attn.core, attn or mlp")
+                          f"name parts of this model's blocks: {parts}")
     if fn not in _WRAPPED:
         setattr(owner, method, checkpointed(fn))
     return full
 
 
-def apply_remat(model: nn.Module, cfg: RematConfig) -> list[str]:
-    """Wrap the regions `cfg.policy` selects; returns their names."""
+def apply_remat(model: nn.Module, cfg: RematConfig, family_targets: tuple[str, ...] = ("attn.core",)) -> list[str]:
+    """Wrap the regions `cfg.policy` selects; returns their names. `family_targets`: what selective
+    recomputes when remat.targets is empty (the model family's ModelSpec.selective)."""
     if cfg.policy == "none":
         return []
     blocks = blocks_of(model)
@@ -124,9 +133,7 @@ def apply_remat(model: nn.Module, cfg: RematConfig) -> list[str]:
                 _wrap_forward(block)
                 regions.append(name)
     elif cfg.policy == "selective":
-        targets = [t.strip() for t in cfg.targets.split(",") if t.strip()]
-        if not targets:
-            raise ConfigError("remat.targets", "is empty; name parts of a block, e.g. attn.core")
+        targets = [t.strip() for t in cfg.targets.split(",") if t.strip()] or list(family_targets)
         for _, name, block in blocks:
             regions += [_wrap_target(name, block, t) for t in targets]
     return regions

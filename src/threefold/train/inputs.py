@@ -41,13 +41,44 @@ def check_data(cfg: Config) -> None:
 
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably not as meant; printed once, by the process that starts the job."""
-    found = []
+    from ..config_checks import nil_effect_warnings
+
+    found = nil_effect_warnings(cfg) + _dropout_warnings(cfg) + _context_warnings(cfg)
     c = cfg.compress
     if c.method == "dgc" and cfg.train.optimizer == "adamw" and c.dgc_momentum_correction:
         found.append("compress.method=dgc with train.optimizer=adamw: DGC's momentum correction "
                      "(compress.dgc_momentum_correction) assumes momentum SGD; set train.optimizer=sgd (with a larger "
                      "train.lr, e.g. 0.1-0.5), or compress.dgc_momentum_correction=false")
     return found
+
+
+def _dropout_warnings(cfg: Config) -> list[str]:
+    if not cfg.model.preset.startswith("hf:"):
+        return []
+    from ..hf_config import dropout_asked, read_config_json
+
+    asked = dropout_asked(read_config_json(Path(cfg.model.preset[3:])))
+    if not asked:
+        return []
+    listed = ", ".join(f"{k}={v}" for k, v in asked.items())
+    return [f"model.preset: config.json asks for dropout ({listed}); threefold trains without dropout, and "
+            "`ckpt export --hf` writes 0 for these keys"]
+
+
+def _context_warnings(cfg: Config) -> list[str]:
+    if not cfg.model.preset.startswith("hf:"):
+        return []
+    from ..hf_config import model_fields, read_config_json
+
+    directory = Path(cfg.model.preset[3:])
+    trained = model_fields(directory)["max_seq"]
+    if cfg.model.max_seq <= trained:
+        return []
+    scaling = read_config_json(directory).get("rope_scaling")
+    how = (f"config.json's rope_scaling ({scaling.get('rope_type') or scaling.get('type')}) applies" if scaling else
+           "positions past it are new to the model; consider a rope_scaling entry in config.json")
+    return [f"model.max_seq: {cfg.model.max_seq} exceeds the {trained} positions the model was trained for "
+            f"(max_position_embeddings); {how}"]
 
 
 def print_warnings(cfg: Config) -> None:
