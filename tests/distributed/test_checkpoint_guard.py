@@ -15,8 +15,10 @@ def _save_then_backward(out: str) -> dict:
     from threefold.checkpoint.state import TrainingState
     from threefold.comm import Comm
     from threefold.comm.compression import StatelessHook
+    from threefold.config import TrainConfig
     from threefold.mesh import Layout, Mesh
     from threefold.parallel.data import DataParallelReducer
+    from threefold.parallel.master import ShardedOptimizer
     from threefold.sharding import Placement
 
     class Residual(StatelessHook):  # a compression hook's memory: updated in place at every launch
@@ -42,7 +44,7 @@ def _save_then_backward(out: str) -> dict:
     try:
         step()  # residual 1
         checkpointer = ck.Checkpointer(Path(out), mesh, comm, async_save=True)
-        checkpointer.guard(torch.optim.SGD([w], lr=0.1))  # as the trainer does: the snapshot overlaps backward
+        checkpointer.guard(ShardedOptimizer([], TrainConfig()))  # as the trainer does: the snapshot overlaps backward
         state = TrainingState([("w", w)], {"w": Placement.whole("w", (4,))}, rank_state=reducer,
                               layout={"dp": 1})
         checkpointer.save(1, state, {"layout": {"dp": 1}, "data": {}, "config": {}})
