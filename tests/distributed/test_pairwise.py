@@ -84,7 +84,8 @@ def _same_layout_resume(case: dict, results: list[tuple]) -> str | None:
         if resumed["resumed_from"] != step_dir_name(SAVED):
             return f"rank {first['rank']} resumed from {resumed['resumed_from']}"
         if resumed["losses"] != first["losses"][SAVED:]:
-            return f"rank {first['rank']}: losses {resumed['losses']} after the resume, {first['losses'][SAVED:]} without"
+            return (f"rank {first['rank']}: losses {resumed['losses']} after the resume, "
+                    f"{first['losses'][SAVED:]} without")
         for key, value in first["params"].items():
             if not torch.equal(resumed["params"][key], value):
                 return f"rank {first['rank']}: {key} differs after the resume"
