@@ -90,8 +90,8 @@ class HooklessSync:
         return {}  # nothing per rank beyond the optimizer's shards
 
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
-        """No per-rank state, and the tensors a checkpoint reads (ZeRO-3's shards, expert weights)
-        change only in the optimizer step, whose own hook runs first: nothing to call."""
+        """No per-rank state, and the tensors a checkpoint reads (ZeRO-3's shards) change only in
+        the optimizer step, whose own hook runs first: nothing to call."""
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state:
