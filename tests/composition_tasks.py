@@ -23,9 +23,37 @@ def train_layout(overrides: list[str], out: str) -> dict:
             "params": {n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()},
             "placements": dict(trainer.parallel.placements),
             "coords": (mesh.rank("dp"), mesh.rank("tp"), mesh.rank("pp")), "rank": mesh.global_rank,
-            "resumed_from": trainer.resumed_from.name if trainer.resumed_from else None}
+            "resumed_from": trainer.resumed_from.name if trainer.resumed_from else None,
+            "loaded": [line for line in err.getvalue().splitlines() if line.startswith("threefold: loaded")]}
 
 
 def train_many(runs: list[tuple[list[str], str]]) -> list[dict]:
     """Several trainings in one world task (one round trip to the processes)."""
     return [train_layout(overrides, out) for overrides, out in runs]
+
+
+@contextlib.contextmanager
+def own_keeper():
+    """A peer-copy keeper of this rank's own, as if every rank were a node (the launcher's job)."""
+    import os
+
+    from threefold.checkpoint.peer import KEEPER_ENV, Keeper
+
+    keeper = Keeper()
+    os.environ[KEEPER_ENV] = keeper.address
+    try:
+        yield keeper
+    finally:
+        keeper.close()
+        del os.environ[KEEPER_ENV]
+
+
+def train_and_resume(runs: list[tuple[list[str], str, tuple[list[str], str] | None, bool]]) -> list[tuple]:
+    """Each run, then its resume (overrides, out) when it has one, in one world task; `peer`: both
+    with a keeper of this rank's own. Returns (run, resumed or None) per run."""
+    out = []
+    for overrides, run_out, resume, peer in runs:
+        with own_keeper() if peer else contextlib.nullcontext():
+            first = train_layout(overrides, run_out)
+            out.append((first, train_layout(*resume) if resume is not None else None))
+    return out

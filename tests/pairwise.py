@@ -25,6 +25,10 @@ FACTORS: dict[str, tuple] = {
     "precision": ("fp32", "bf16", "fp16"),
     "compress": ("none", "bf16", "powersgd", "dgc"),
     "offload": (False, True),
+    # every case saves; then resumes from its first checkpoint under the same layout (saved
+    # synchronously, asynchronously, or read back from the peer keepers' memory), or under another
+    # layout (one process) from a synchronous save
+    "checkpoint": ("sync", "async", "peer", "relayout"),
 }
 SPARSE = ("powersgd", "dgc")  # replace the all-reduce of plain data parallelism
 
@@ -100,12 +104,17 @@ def _without(case: dict, pair: tuple) -> dict:
 
 
 def overrides(case: dict) -> list[str]:
-    """The case as config overrides (tiny model, 4 layers, 2 micro-batches)."""
+    """The case as config overrides (tiny model, 4 layers, 2 micro-batches); when and what it saves
+    and resumes is the test's."""
     out = [f"parallel.dp={case['dp']}", f"parallel.tp={case['tp']}", f"parallel.pp={pp_size(case)}",
            f"parallel.sequence_parallel={str(case['sp']).lower()}", f"parallel.zero={case['zero']}",
            f"remat.policy={case['remat']}", f"precision.compute={case['precision']}",
            f"compress.method={case['compress']}",
            f"parallel.offload={'optimizer' if case['offload'] else 'none'}"]
+    if case["checkpoint"] == "async":
+        out.append("checkpoint.async_save=true")
+    if case["checkpoint"] == "peer":
+        out.append("checkpoint.peer_copy=true")
     if case["pp"] != "none":
         out.append(f"pipeline.schedule={case['pp']}")
     if case["pp"] == "interleaved":

@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 def _save_then_backward(out: str) -> dict:
-    import time
+    import threading
 
     import torch
     from safetensors.torch import load_file
@@ -15,13 +15,21 @@ def _save_then_backward(out: str) -> dict:
     from threefold.checkpoint.state import TrainingState
     from threefold.comm import Comm
     from threefold.comm.compression import StatelessHook
+    from threefold.config import TrainConfig
     from threefold.mesh import Layout, Mesh
     from threefold.parallel.data import DataParallelReducer
+    from threefold.parallel.master import ShardedOptimizer
     from threefold.sharding import Placement
+
+    # the snapshot is copied only once the next backward has reached the state: at its guard, or
+    # (without one) after its in-place update - an order of events, not a delay that load can undo
+    reached, armed = threading.Event(), threading.Event()
 
     class Residual(StatelessHook):  # a compression hook's memory: updated in place at every launch
         def launch(self, bucket, comm, axis):
             bucket.state.setdefault("residual", torch.zeros(4)).add_(1)
+            if armed.is_set():
+                reached.set()
 
         def complete(self, bucket):
             pass
@@ -37,19 +45,27 @@ def _save_then_backward(out: str) -> dict:
             (w * 2).sum().backward()
         reducer.finish()
 
-    slow_snapshot = ck.snapshot
-    ck.snapshot = lambda *a, **k: (time.sleep(0.5), slow_snapshot(*a, **k))[1]  # the copy starts late
+    real_snapshot = ck.snapshot
+
+    def late_snapshot(*args, **kwargs):
+        reached.wait(timeout=300)  # an upper bound only
+        return real_snapshot(*args, **kwargs)
+
+    ck.snapshot = late_snapshot
     try:
         step()  # residual 1
         checkpointer = ck.Checkpointer(Path(out), mesh, comm, async_save=True)
-        checkpointer.guard(torch.optim.SGD([w], lr=0.1))  # as the trainer does: the snapshot overlaps backward
+        real_wait = checkpointer.wait_staged
+        checkpointer.wait_staged = lambda: (reached.set(), real_wait())[1]  # registered by the guards below
+        checkpointer.guard(ShardedOptimizer([], TrainConfig()))  # as the trainer does: the snapshot overlaps backward
         state = TrainingState([("w", w)], {"w": Placement.whole("w", (4,))}, rank_state=reducer,
                               layout={"dp": 1})
         checkpointer.save(1, state, {"layout": {"dp": 1}, "data": {}, "config": {}})
+        armed.set()
         step()  # residual 2, once the snapshot has its copy
         checkpointer.close()
     finally:
-        ck.snapshot = slow_snapshot
+        ck.snapshot = real_snapshot
     (data,) = Path(out).glob("step-*/*.safetensors")
     saved = [t for name, t in load_file(data).items() if "residual" in name]
     return {"saved": saved[0].tolist(), "now": reducer.state_dict()["bucket.0.residual"].tolist()}

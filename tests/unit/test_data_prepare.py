@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from tokenizers import Tokenizer
 
 from tests.data_helpers import PY_GLOB, prepare, rows, train_tokenizer, write_hf_dataset, write_jsonl, write_parquet
 from threefold.cli import main
+from threefold.data.prepare import KILL_AFTER_ENV
 from threefold.data.prepared import open_split
 from threefold.data.tokenizer import check_tokenizer_match, load_tokenizer
 from threefold.errors import UserError
@@ -79,16 +79,14 @@ def test_killed_prepare_resumes_to_identical_shards(tmp_path):
             "--shard-mb", "0.001", "--val-fraction", "0.25", "--no-progress"]
     assert main(args) == 0
     broken = [a if a != str(tmp_path / "whole") else str(tmp_path / "broken") for a in args]
-    env = dict(os.environ, PYTHONPATH=SRC)
-    child = subprocess.Popen([sys.executable, "-m", "threefold", *broken], env=env, start_new_session=True,
-                             stderr=subprocess.DEVNULL)
-    parts = tmp_path / "broken" / "parts"
-    while child.poll() is None and len(list(parts.glob("*.json")) if parts.is_dir() else []) < 3:
-        time.sleep(0.01)
-    os.killpg(child.pid, signal.SIGKILL)  # the driver and its worker
-    child.wait()
-    committed = len(list(parts.glob("*.json")))
-    assert not (tmp_path / "broken" / "index.json").exists() and 3 <= committed < 40, committed
+    # killed by the preparation itself once 3 tasks are committed (its test hook), not by a poll
+    # racing it: on a busy machine the child could finish all 40 before a poll saw 3
+    env = dict(os.environ, PYTHONPATH=SRC, **{KILL_AFTER_ENV: "3"})
+    child = subprocess.run([sys.executable, "-m", "threefold", *broken], env=env, stderr=subprocess.DEVNULL,
+                           timeout=300)
+    assert child.returncode == -signal.SIGKILL
+    committed = len(list((tmp_path / "broken" / "parts").glob("*.json")))
+    assert not (tmp_path / "broken" / "index.json").exists() and committed == 3, committed
     assert main(broken) == 0
     assert _shard_bytes(tmp_path / "broken") == _shard_bytes(tmp_path / "whole")
 

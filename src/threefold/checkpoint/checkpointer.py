@@ -25,7 +25,7 @@ from ..mesh import AXES, EXPERT_AXES, Mesh
 from .format import CheckpointError, Manifest, partial_dir_name, read_manifest
 from .peer import MemoryFiles, PeerCopies
 from .reader import load_entries
-from .state import TrainingState, capture_rng, restore_rng
+from .state import TrainingState, UpdateGuard, capture_rng, restore_rng
 from .verify import find_checkpoint_dir, verify_files
 from .writer import BackgroundWriter, complete_checkpoints, finalize, remove_partials, snapshot, write_rank
 
@@ -47,7 +47,7 @@ class Checkpointer:
         self._staged = threading.Event()  # set while no snapshot is in flight
         self._staged.set()
         self._guarded = False
-        self._guarded_states: list = []  # rank states whose in-place updates wait for the snapshot
+        self._guarded_states: list[UpdateGuard] = []  # whose in-place updates wait for the snapshot
         self.last_stall_s = 0.0  # how long the last save() held up training
         self.last_write_s = 0.0  # how long the last save's writing took (in the background when async)
         # checkpoint.peer_copy: the keepers of this world (every rank's node's launcher), and the
@@ -93,7 +93,9 @@ class Checkpointer:
             partial.mkdir()
         self._agree(0)  # the partial directory exists before anyone writes into it
         if self.async_save and state.rank_state is not None:
-            self._guard_rank_state(state.rank_state)
+            # compression residuals and momenta change in place in the next backward, ZeRO-1/2's
+            # parameters in its all-gathers: those updates wait for the snapshot too
+            self._guard(state.rank_state)
         entries = state.entries()
         rng = capture_rng(self.mesh.device)
         meta = {**meta, "extra": state.extra()}
@@ -129,18 +131,16 @@ class Checkpointer:
             self._agree(0)  # visible to every rank on return
         self.last_stall_s += time.perf_counter() - start
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `optimizer.step()` - the only thing that changes what a checkpoint saves - wait for
-        the snapshot of an async save in flight. Without a guard, async saves snapshot at once."""
-        optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+    def guard(self, optimizer: UpdateGuard) -> None:
+        """Make the optimizer's update - what changes the parameters and the states a checkpoint
+        saves - wait for the snapshot of an async save in flight. Without it, async saves snapshot at once."""
+        self._guard(optimizer)
         self._guarded = True
 
-    def _guard_rank_state(self, rank_state) -> None:
-        """Compression residuals and momenta change in place during the next backward (not in the
-        optimizer step): their updates wait for the snapshot too."""
-        if not any(s is rank_state for s in self._guarded_states):
-            rank_state.register_update_pre_hook(self.wait_staged)
-            self._guarded_states.append(rank_state)
+    def _guard(self, updater: UpdateGuard) -> None:
+        if not any(u is updater for u in self._guarded_states):
+            updater.register_update_pre_hook(self.wait_staged)
+            self._guarded_states.append(updater)
 
     def wait_staged(self) -> None:
         """Block until the snapshot of the save in flight is in host memory (counted as stall)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -143,13 +143,21 @@ def restore_rng(states: dict[str, str], device: torch.device) -> None:
         raise CheckpointError(f"the checkpoint's RNG state cannot be restored ({e})") from None
 
 
-class RankState(Protocol):
+class UpdateGuard(Protocol):
+    """What changes, in place, tensors that a checkpoint copies, and says so first: the optimizer
+    (parameters, masters, moments), the gradient sync (ZeRO-1/2's parameter all-gathers, a
+    compression hook's residuals), a periodic sync (replica state). An async save's snapshot runs
+    on another thread; every such change waits for it through this hook (`Checkpointer.guard`)."""
+
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` before each in-place change of a tensor that a checkpoint reads from this object."""
+
+
+class RankState(UpdateGuard, Protocol):
     """Tensors of one rank alone (the gradient sync's compression residuals and momenta)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
-    def register_update_pre_hook(self, hook) -> None:
-        """Call `hook()` before anything updates the tensors in place (an async save's guard)."""
 
 
 @dataclass

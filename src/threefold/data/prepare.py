@@ -18,12 +18,14 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -35,6 +37,11 @@ FORMAT = 1
 INDEX = "index.json"
 PLAN = "plan.json"
 SPLITS = ("train", "val")
+# A test hook: with this set to N and one worker (the tasks run in the command's process), the
+# command kills itself (SIGKILL, as an OOM kill would) right after the N-th task of this run is
+# committed, so a test interrupts a preparation at a point the preparation reaches instead of
+# racing it. Unset (as always outside the tests): nothing happens.
+KILL_AFTER_ENV = "THREEFOLD_PREPARE_KILL_AFTER"
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,7 @@ def prepare(opts: PrepareOptions) -> dict:
     todo = [i for i in range(len(tasks)) if i not in parts]
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
     start, tokens, busy = time.perf_counter(), 0, 0.0
+    committed = _kill_after(os.environ)
     bar = _bar(opts.progress, sum(u.size for i in todo for u in tasks[i]))
     if todo and workers == 1:  # in this process: no start-up cost
         global _TOKENIZER
@@ -218,6 +226,7 @@ def prepare(opts: PrepareOptions) -> dict:
         for i in todo:
             tokens, busy = _collect(parts, run_task(i, [u.to_dict() for u in tasks[i]], str(opts.out),
                                                     opts.val_fraction, plan["dtype"], opts.skip_bad), bar, tokens, busy)
+            committed()
     elif todo:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
                                  initargs=(opts.tokenizer,)) as pool:
@@ -235,6 +244,19 @@ def prepare(opts: PrepareOptions) -> dict:
     index = _write_index(opts, plan, [parts[i] for i in range(len(tasks))])
     return {"index": index, "tokens": tokens, "worker_seconds": busy, "seconds": time.perf_counter() - start,
             "workers": workers, "already": False}
+
+
+def _kill_after(env: Mapping[str, str]) -> Callable[[], None]:
+    """What runs after each task this run commits: the `KILL_AFTER_ENV` test hook."""
+    limit, count = int(env.get(KILL_AFTER_ENV) or 0), 0
+
+    def committed() -> None:
+        nonlocal count
+        count += 1
+        if count == limit:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return committed
 
 
 def _collect(parts: dict, done: dict, bar, tokens: int, busy: float) -> tuple[int, float]:

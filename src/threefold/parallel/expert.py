@@ -130,6 +130,11 @@ class ExpertParallelSync(HooklessSync):
         self.dense.gather_for(params)
         self.experts.gather_for(params)
 
+    def register_update_pre_hook(self, hook) -> None:
+        """Both syncs call `hook()` before they change what a checkpoint reads (ZeRO-1/2's all-gathers)."""
+        self.dense.register_update_pre_hook(hook)
+        self.experts.register_update_pre_hook(hook)
+
 
 class TensorSequenceShards:
     """The `SequenceShards` (models/moe.py) of sequence parallelism: the tp ranks hold the parts of

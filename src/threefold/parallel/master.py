@@ -96,7 +96,7 @@ class ShardedOptimizer:
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor] | None = None,
                  offload: bool = False, after_step: Callable[[], None] | None = None):
         self.pieces = pieces
-        self._pre_hooks: list[Callable] = []
+        self._pre_hooks: list[Callable[[], None]] = []
         self.offload = offload
         self.after_step = after_step
         fp32_init = fp32_init or {}
@@ -169,9 +169,9 @@ class ShardedOptimizer:
                     master.grad.mul_(inv_scale)
         return self.masters, self.placements
 
-    def register_step_pre_hook(self, hook: Callable) -> None:
-        """Run hook(optimizer, args, kwargs) before every step (as torch optimizers do): an async
-        checkpoint snapshot in flight must finish before the update changes what it copies."""
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook()` before every step (checkpoint.state.UpdateGuard): an async checkpoint
+        snapshot in flight must finish before the update changes what it copies."""
         self._pre_hooks.append(hook)
 
     @torch.no_grad()
@@ -182,7 +182,7 @@ class ShardedOptimizer:
         counts as they were (the copies back and the gathers then move unchanged values). Read on
         the host only without a fused kernel (CPU masters, 1-bit Adam)."""
         for hook in self._pre_hooks:
-            hook(self, (), {})
+            hook()
         if found_inf is not None and not self.inner.defaults.get("fused"):
             if bool(found_inf):  # a host read: only without a fused kernel (CPU, 1-bit Adam)
                 for master in self.masters:  # nothing changes; the gradients are dropped

@@ -51,6 +51,10 @@ class GradSync(Protocol):
     def optimizer_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """What the compression needs in place of the torch optimizer over the masters (1-bit Adam)."""
 
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        """`hook()` before the sync changes in place what a checkpoint reads (checkpoint.state.UpdateGuard):
+        its per-rank state, or the parameters (ZeRO-1/2's all-gathers of the updated shards)."""
+
 
 class Periodic(Protocol):
     """Periodic synchronisation over dp (local SGD, DiLoCo, EASGD: local_sgd.py): when the replicas
@@ -68,7 +72,7 @@ class Periodic(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
-    def register_update_pre_hook(self, hook) -> None: ...
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None: ...  # before the replica state changes
 
 
 class HooklessSync:
@@ -84,6 +88,10 @@ class HooklessSync:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}  # nothing per rank beyond the optimizer's shards
+
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        """No per-rank state, and the tensors a checkpoint reads (ZeRO-3's shards) change only in
+        the optimizer step, whose own hook runs first: nothing to call."""
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -126,6 +127,7 @@ class ZeroReducer(HooklessSync):
         self.segments = [segments(b.numel(), self.n, b.buffer.element_size()) for b in self.buckets.buckets]
         self._gathers: dict[tuple[int, int], object] = {}  # (bucket, segment) -> all-gather in flight
         self._gather_due = False  # the optimizer stepped; the all-gathers start with the next forward
+        self._update_pre_hooks: list[Callable[[], None]] = []  # before the all-gathers write the parameters
         for b in self.buckets.buckets:
             flat = torch.zeros(b.numel(), dtype=b.buffer.dtype, device=b.buffer.device)
             for p, off in zip(b.params, b.offsets):
@@ -344,12 +346,18 @@ class ZeroReducer(HooklessSync):
         """Start every segment's all-gather over dp (this rank's updated range to every replica),
         in the order the forward needs them; nothing waits here."""
         self._gather_due = False
+        for hook in self._update_pre_hooks:  # e.g. an async checkpoint still copying the parameters
+            hook()
         for b in reversed(self.buckets.buckets):  # the first layers are in the last bucket, at its end
             flat, owned = self.param_flats[b.index], self.owned(b)
             for i in reversed(range(len(owned))):
                 (lo, hi), (own_lo, own_hi, _) = self.segments[b.index][i], owned[i]
                 self._gathers[(b.index, i)] = self.comm.all_gather(flat[lo:hi], flat[own_lo:own_hi].clone(),
                                                                    self.axis, async_op=True)
+
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        """`hook()` runs before the all-gathers write the updated shards into the parameters."""
+        self._update_pre_hooks.append(hook)
 
     def settle(self) -> None:
         """Wait for every parameter all-gather still due or in flight: the parameters are whole after it."""
