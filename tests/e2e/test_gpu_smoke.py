@@ -72,3 +72,19 @@ def test_gpu_sh_refuses_a_bad_budget_and_skips_what_the_budget_leaves_out(tmp_pa
     assert "== llama-compare: skipped, 0s of the budget left, it needs 150s" in (tmp_path / "b" / "gpu.log").read_text()
     results = json.loads((tmp_path / "b" / "results.json").read_text())
     assert results["budget_s"] == 5 and results["sync"] is None and results["status"]["sync"]["rc"] == "skip"
+
+
+def test_a_failing_stage_is_recorded_and_the_next_one_runs(tmp_path):
+    """Every stage fails (an interpreter that exits 3 for all but the final merge): gpu.sh still runs each
+    one, records 3 for each, writes results.json and ends non-zero."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *"gpu_checks.py merge"*) exec "{sys.executable}" "$@" ;; esac\n'
+                      'echo "stage failed on purpose" >&2\nexit 3\n')
+    python.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(python))
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--smoke"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    codes = status(tmp_path / "out")
+    assert run.returncode == 1 and list(codes) == STAGES and set(codes.values()) == {"3"}, (codes, run.stdout[-2000:])
+    assert (tmp_path / "out" / "gpu.log").read_text().count("stage failed on purpose") == len(STAGES)
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["status"]["llama-compare"]["rc"] == "3"
