@@ -52,7 +52,11 @@ def preflight(args) -> int:
     dev = device(args.smoke)
     found: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                    "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
-    found["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        version = torch.cuda.nccl.version()  # a tuple (an int in older torch)
+        found["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    else:
+        found["nccl"] = None
     smi = shutil.which("nvidia-smi")
     if smi:
         query = "name,memory.total,driver_version,clocks.max.sm,power.limit,mig.mode.current"
@@ -260,7 +264,8 @@ def main() -> int:
     p.add_argument("--budget", type=float)
     p.add_argument("--elapsed", type=float)
     args = parser.parse_args()
-    return {"preflight": preflight, "sync": sync, "summary": summary, "bitwise": bitwise, "merge": merge}[args.command](args)
+    commands = {"preflight": preflight, "sync": sync, "summary": summary, "bitwise": bitwise, "merge": merge}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@
 
 Sides, each with its usual settings, in one process, alternating rounds of `--steps` steps:
 
-* **threefold** - `Trainer.train_one_step` (bf16 parameters, fp32 masters, the whole step:
-  sampler, forward/backward, gradient norm and clipping, AdamW, metrics record), its forward
-  and loss compiled (`train.compile=true`) on CUDA;
+* **threefold** - `Trainer.launch_step` / `finish_step` (bf16 parameters, fp32 masters, the whole
+  step: sampler, forward/backward, gradient norm and clipping, AdamW, metrics record), compiled
+  per block (`train.compile=true`);
 * **plain** - the same model (threefold's decoder, built from the same config) in a plain loop:
-  fp32 parameters under `torch.autocast(bfloat16)`, `torch.compile(model)`, clipping, fused AdamW;
+  fp32 parameters under `torch.autocast(bfloat16)`, `torch.compile(model)`, SDPA, clipping, fused
+  AdamW;
 * **hf** (llama models only, when `transformers` is importable) - Hugging Face `LlamaForCausalLM`
   built from a `LlamaConfig` with the same shape, compiled, the same loop. The GPU machine the
   project uses has no transformers: this side is then skipped and says so.
@@ -23,7 +24,8 @@ launched, and the last step's at the end of the round. Time is wall time of each
 work included, with a device synchronisation at its end (every wait counted). Rounds alternate
 the order of the sides; the device's memory peak is reset before each side's round, so each
 side's peak is its own (`peak_memory_gib`; `step_memory_gib` is the peak above what was
-allocated when the round began: the step's own working set, without the other sides' weights). tokens/s = batch x seq x steps / time. MFU = FLOP/s / peak, FLOPs per token
+allocated when the round began: the step's own working set, without the other sides' weights).
+tokens/s = batch x seq x steps / time. MFU = FLOP/s / peak, FLOPs per token
 6 N + 12 L h s (N all parameters, L layers, h hidden, s sequence: weights forward + backward, plus
 attention scores and values). Peak = the device's dense bf16 peak: H200 SXM 989 TFLOP/s, H200 NVL
 835 (detected from the device name), H100 SXM 989, A100 312, or `--peak-tflops`.
