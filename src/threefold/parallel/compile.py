@@ -15,8 +15,8 @@ dp's buckets, ZeRO-1/2's bucket reduce-scatters, ZeRO-3's per-unit reduce-scatte
 the whole backward, so no communication overlapped it. Per region, the head's and the last
 blocks' gradients are complete while the earlier blocks' backward still runs, and their buckets
 are issued then (tests/distributed/test_compile.py records the order). The blocks share one
-compiled graph (dynamo guards on the module's type and structure, the parameters are inputs),
-so compilation time does not grow with the depth; the code between regions (the loop over the
+compiled graph (the same code and structure; dynamo makes the parameters graph inputs), so
+compilation time does not grow with the depth; the code between regions (the loop over the
 blocks, the routers' auxiliary losses) stays eager, a few Python calls per block.
 
 Under a pipeline each stage's computation (`ModuleCompute.run_stage`: its embedding, layers,
