@@ -1,32 +1,120 @@
 #!/usr/bin/env bash
-# On a CUDA machine, from the source tree (no install; needs only torch, safetensors, numpy, tqdm,
-# matplotlib):  bash bench/gpu.sh        (docs/gpu.md)
-# 1. the NCCL path: threefold's own launcher and trainer on one GPU (nccl backend);
-# 2. side by side, alternating rounds, wall time with host work: threefold's trainer (bf16) against a
-#    compiled plain PyTorch loop, GPT-2 124M and a ~1.2B Llama built from a config; tokens/s and MFU
-#    against the device's dense bf16 peak (H200 SXM 989 / NVL 835 TFLOP/s, from the device name).
-#    The Hugging Face Llama side runs only where transformers is installed (it says when it is skipped).
-set -euo pipefail
+# One GPU run that answers every GPU question, in at most --budget seconds (default 540), from the
+# source tree (no install; needs torch, safetensors, numpy; no pytest, transformers or tokenizers):
+#
+#     bash bench/gpu.sh [--budget SECONDS] [--smoke]        (docs/gpu.md, "The benchmark")
+#
+# Stages, in this order, each under `timeout` (at most its own limit and what is left of the budget;
+# a stage that needs more than is left is skipped and says so), none stopping the others:
+#   preflight      nvidia-smi, torch / CUDA / NCCL versions, triton, cc, Python.h, one tiny compile
+#   sync           host syncs inside a step (torch.cuda.set_sync_debug_mode) for dp, ZeRO-3, bf16, fp16: 0
+#   run-*          tiny `threefold train --nproc 1` runs (NCCL): bf16, fp16, ZeRO-3, optimizer offload
+#   save, resume, bitwise   an async save at step 3 of 6, a run resumed from it, checkpoints compared bitwise
+#   gpt2-train     GPT-2 124M through `threefold train --compile` (its own loop), tokens/s and MFU
+#   gpt2-compare   bench/gpu_compare.py: threefold against a compiled plain PyTorch loop, alternating
+#                  rounds, with a 3-step torch.profiler summary per side
+#   llama-compare  the ~1.2B Llama (Llama 3.2 1B's shape, threefold's reference decoder), last, when time is left
+# Files in $OUT (default runs/gpu-<UTC time>): gpu.log (everything printed), status.tsv (stage, exit
+# code or "skip", seconds, note), results.json (every figure), results/<stage>.json, the runs' directories.
+# --smoke runs every stage on CPU with tiny shapes (aot_eager compiles; the sync counts say "n/a").
+set -uo pipefail  # no -e: a failing stage is recorded and the next one runs
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+ROOT=$PWD
+SMOKE=0
+BUDGET=540
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --smoke) SMOKE=1 ;;
+        --budget) BUDGET=${2:?--budget needs SECONDS}; shift ;;
+        --budget=*) BUDGET=${1#*=} ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        *) echo "gpu.sh: unknown option '$1' (--budget SECONDS, --smoke)" >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$BUDGET" in ''|*[!0-9]*) echo "gpu.sh: --budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+OUT=${OUT:-runs/gpu-$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT/results" || exit 2
+OUT=$(cd "$OUT" && pwd)
+if [ -e "$OUT/status.tsv" ]; then echo "gpu.sh: $OUT already holds a run (status.tsv); set OUT to a new directory" >&2; exit 2; fi
+export OUT PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/threefold-gpu}
-export OUT
-mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu.log") 2>&1
+LOGGER=$!
+START=$SECONDS
+RESERVE=5  # kept for the results at the end
+printf 'stage\trc\tseconds\tnote\n' > "$OUT/status.tsv"
 
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
-uptime || true
-echo "== NCCL path: threefold train --nproc 1 on cuda"
-$PY -m threefold train --nproc 1 --model tiny --steps 10 --global-batch 8 --seq-len 64 --set run.device=cuda \
-    --no-progress --out "$OUT/nccl-run"
-tail -n 1 "$OUT/nccl-run/metrics.jsonl"
-if $PY -c "import pytest" 2>/dev/null; then
-    echo "== tests/gpu (NCCL training, no host sync inside a step)"
-    $PY -m pytest -q -p no:cacheprovider tests/gpu
+# stage NAME LIMIT_S NEED_S CMD...: run CMD under timeout (LIMIT_S, or less when less is left), or skip it
+# when less than NEED_S is left; the exit code (124: timed out) goes to status.tsv
+stage() {
+    local name=$1 limit=$2 need=$3
+    shift 3
+    local left=$((BUDGET - (SECONDS - START) - RESERVE))
+    if [ "$left" -lt "$need" ]; then
+        echo "== $name: skipped, ${left}s of the budget left, it needs ${need}s"
+        printf '%s\tskip\t0\tbudget: %ss left, needs %ss\n' "$name" "$left" "$need" >> "$OUT/status.tsv"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (at $((SECONDS - START))s, timeout ${limit}s): $*"
+    local t0=$SECONDS rc
+    timeout -k 10 "$limit" "$@"
+    rc=$?
+    local note=""
+    [ "$rc" -eq 124 ] && note="timed out after ${limit}s"
+    echo "== $name: exit $rc after $((SECONDS - t0))s"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$note" >> "$OUT/status.tsv"
+}
+
+R=$OUT/results
+TRAIN=("$PY" -m threefold train --nproc 1 --no-progress --set run.plot=false --set run.collective_timeout_s=60)
+if [ "$SMOKE" = 1 ]; then
+    FLAG=(--smoke)
+    DEV=(--set run.device=cpu)
+    TINY=(--model tiny --global-batch 4 --seq-len 32)
+    GPT2=(--model tiny --steps 5 --global-batch 4 --seq-len 32 --set debug.compile_backend=aot_eager)
+    GPT2_CMP=(--smoke --model tiny)
+    LLAMA_CMP=(--smoke --model tiny-llama)
 else
-    echo "== tests/gpu skipped: pytest is not installed"
+    FLAG=()
+    DEV=(--set run.device=cuda)
+    TINY=(--model tiny --global-batch 8 --seq-len 64)
+    GPT2=(--model gpt2-124m --steps 30 --global-batch 16 --seq-len 1024 --precision bf16)
+    GPT2_CMP=(--model gpt2-124m --batch 16 --seq-len 1024 --rounds 4 --steps 10)
+    LLAMA_CMP=(--model llama-1b --batch 4 --seq-len 2048 --rounds 3 --steps 5)
 fi
-echo "== GPT-2 124M, bf16: threefold vs compiled plain loop"
-$PY bench/gpu_compare.py --model gpt2-124m --batch 16 --seq-len 1024 --rounds 5 --steps 10 --out "$OUT/gpt2"
-echo "== Llama ~1.2B (Llama 3.2 1B shape), bf16: threefold vs compiled plain loop (vs HF if installed)"
-$PY bench/gpu_compare.py --model llama-1b --batch 4 --seq-len 2048 --rounds 5 --steps 5 --out "$OUT/llama"
+
+echo "== gpu.sh: out=$OUT budget=${BUDGET}s smoke=$SMOKE $(date -u +%FT%TZ)"
+uptime || true
+stage preflight 60 20 "$PY" bench/gpu_checks.py preflight --json "$R/preflight.json" "${FLAG[@]}"
+stage sync 150 30 "$PY" bench/gpu_checks.py sync --json "$R/sync.json" --scratch "$OUT/sync" "${FLAG[@]}"
+for run in "bf16:--precision bf16" "fp16:--precision fp16" "zero3:--zero 3" \
+           "offload:--zero 1 --set parallel.offload=optimizer"; do
+    # shellcheck disable=SC2086  # the options of each run are words
+    stage "run-${run%%:*}" 90 15 "${TRAIN[@]}" "${TINY[@]}" "${DEV[@]}" --steps 6 ${run#*:} --out "$OUT/run-${run%%:*}"
+done
+SAVE=(--steps 6 --save-every 3 --async-save --deterministic)
+stage save 90 15 "${TRAIN[@]}" "${TINY[@]}" "${DEV[@]}" "${SAVE[@]}" --out "$OUT/save"
+stage resume 90 15 "${TRAIN[@]}" "${TINY[@]}" "${DEV[@]}" "${SAVE[@]}" --out "$OUT/resume" \
+    --resume "$OUT/save/checkpoints/step-00000003"
+stage bitwise 30 5 "$PY" bench/gpu_checks.py bitwise --json "$R/save_resume.json" --step 6 "$OUT/save" "$OUT/resume"
+stage runs-figures 30 5 "$PY" bench/gpu_checks.py summary --json "$R/runs.json" --skip 1 \
+    bf16="$OUT/run-bf16" fp16="$OUT/run-fp16" zero3="$OUT/run-zero3" offload="$OUT/run-offload"
+stage gpt2-train 240 60 "${TRAIN[@]}" "${GPT2[@]}" "${DEV[@]}" --compile --out "$OUT/gpt2-train"
+stage gpt2-train-figures 30 5 "$PY" bench/gpu_checks.py summary --json "$R/gpt2_train.json" --flat --skip 5 \
+    gpt2="$OUT/gpt2-train"
+stage gpt2-compare 300 90 "$PY" bench/gpu_compare.py "${GPT2_CMP[@]}" --profile-steps 3 \
+    --json "$R/gpt2_compare.json" --out "$OUT/gpt2-compare"
+# the Llama last, only when enough is left (the Hugging Face side needs transformers; absent, it is skipped)
+stage llama-compare 300 150 "$PY" bench/gpu_compare.py "${LLAMA_CMP[@]}" --json "$R/llama_compare.json" \
+    --out "$OUT/llama-compare"
+
+"$PY" bench/gpu_checks.py merge "$OUT" --budget "$BUDGET" --elapsed "$((SECONDS - START))" \
+    $([ "$SMOKE" = 1 ] && echo --smoke)
+echo "== gpu.sh: done in $((SECONDS - START))s; stages:"
+column -t -s $'\t' "$OUT/status.tsv" 2>/dev/null || cat "$OUT/status.tsv"
+FAILED=$(awk -F'\t' 'NR > 1 && $2 != "0" && $2 != "skip"' "$OUT/status.tsv" | wc -l)
+exec >&- 2>&-
+wait "$LOGGER" 2>/dev/null
+[ "$FAILED" -eq 0 ]

@@ -1,15 +1,22 @@
-"""`train.compile`: the whole forward and loss under torch.compile gives the eager run's training,
-within 1e-5 (relative, per parameter) after 3 steps, on plain dp, on tp with sequence parallelism
-and selective recomputation (whose collectives run eagerly inside the compiled region: graph
-breaks, docs/gpu.md) and on a 2-stage pipeline (one region per stage).
+"""`train.compile`: the forward and loss under torch.compile, one region per block and per other
+top-level module (parallel/compile.py), give the eager run's training, within 1e-5 (relative, per
+parameter) after 3 steps, on plain dp, ZeRO-2, ZeRO-3, on tp with sequence parallelism and
+selective recomputation (whose collectives run eagerly inside the compiled regions: graph breaks,
+docs/gpu.md) and on a 2-stage pipeline (one region per stage).
 
-The graphs dynamo captured are counted too, so a new graph break fails here: plain dp and each
-pipeline stage are one graph without a break; under tp every break is at one of Comm's
-collectives, and the number of graphs is the one docs/gpu.md lists (bench/compile_breaks.py).
-The bytes `Comm` counts per step and axis are the eager run's: collectives inside the compiled
-region still run through it.
+The graphs dynamo captured are counted too, so a new graph break fails here: plain dp is five
+graphs (embed, one shared by both blocks, norm, head, loss) without a break, each pipeline stage
+one graph; under tp every break is at one of Comm's collectives, and the number of graphs is the
+one docs/gpu.md lists (bench/compile_breaks.py). The bytes `Comm` counts per step and axis are
+the eager run's: collectives inside the compiled regions still run through it.
 
-The default test compiles with the `aot_eager` backend (dynamo's capture and AOT autograd's joint
+The gradient communication overlaps the compiled backward: the order of operations of one
+backward, recorded as they are issued (Comm's listeners for the reductions over dp, a hook on the
+end of each compiled backward node), has the first bucket's all-reduce (plain dp), reduce-scatter
+(ZeRO-2) or unit's reduce-scatter (ZeRO-3) before the last compiled node ends - with the whole
+model as one region every reduction came after its one backward node.
+
+The default tests compile with the `aot_eager` backend (dynamo's capture and AOT autograd's joint
 graph, no code generation), which is what can go wrong in threefold's own code: hooks, remat and
 the tensor-parallel regions being traced. Inductor's C++ code generation takes ~30 s for the dp
 case alone on a loaded 2-core machine, so that run is opt-in: THREEFOLD_SLOW=1."""
@@ -19,15 +26,20 @@ import re
 
 import pytest
 
-from tests.helpers import max_rel_err, train_and_report
+from tests.helpers import make_config, max_rel_err, train_and_report
 
 BASE = ["model.preset=tiny-llama", "train.global_batch=4", "train.seq_len=16", "train.steps=3"]
 LAYOUTS = {"dp": ["parallel.dp=2"],
+           "zero2": ["parallel.dp=2", "parallel.zero=2"],
+           "zero3": ["parallel.dp=2", "parallel.zero=3"],
            "tp": ["parallel.tp=2", "parallel.sequence_parallel=true", "remat.policy=selective"],
            "pp": ["parallel.pp=2", "train.microbatches=2"]}
-# graphs dynamo compiles over the 3 steps (no recompilation after the first): one per region for dp
-# and per stage for pp; tp's region is cut at each collective (docs/gpu.md)
-GRAPHS = {"dp": 1, "pp": 1, "tp": 19}
+# graphs dynamo compiles over the 3 steps (no recompilation after the first): without a pipeline one per
+# region - embed, the blocks (one graph for both), norm, head, loss - more where a collective inside a
+# region cuts it (tp; ZeRO-2's wait for a segment of the parameter all-gather); one per stage for pp
+GRAPHS = {"dp": 5, "zero2": 6, "zero3": 5, "pp": 1, "tp": 20}
+# the sync's reductions over dp, as Comm records them
+REDUCTIONS = {"all_reduce", "reduce_scatter"}
 
 
 def compiled_and_eager(out: str, backend: str, layouts: dict) -> dict:
@@ -60,15 +72,77 @@ def _check(results, counts: bool = True):
             if not counts:
                 continue
             assert graphs == GRAPHS[name], f"rank {rank}, {name}: {graphs} graphs, not {GRAPHS[name]}: {breaks}"
-            if name == "tp":
+            if name in ("tp", "zero2"):
                 stops = {re.search(r"Skip inlining function <function ([\w.]+)", r).group(1) for r in breaks}
-                assert stops <= {"Comm.all_gather", "Comm.reduce_scatter", "Comm.all_reduce"}, stops
+                assert stops <= {"Comm.all_gather", "Comm.reduce_scatter", "Comm.all_reduce", "Handle.wait"}, stops
             else:
                 assert not breaks, f"rank {rank}, {name}: graph breaks {list(breaks)}"
 
 
 def test_compiled_forward_and_loss_train_as_eager_ones(worlds, tmp_path):
     _check(worlds(2).run(compiled_and_eager, str(tmp_path), "aot_eager", LAYOUTS))
+
+
+def compiled_nodes(root) -> list:
+    """The backward nodes of compiled regions in the autograd graph below `root`."""
+    found, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in node.name():
+            found.append(node)
+        todo += [n for n, _ in node.next_functions]
+    return found
+
+
+def backward_order(out: str, backend: str, layouts: dict) -> dict:
+    """Per layout, one compiled step's backward as the events issued in order: ("reduce", op) for each
+    reduction over dp Comm records, ("end", k) when the k-th compiled backward node ends."""
+    from threefold.train.trainer import Trainer
+
+    found = {}
+    for name, overrides in layouts.items():
+        # small buckets: each block's gradients are a bucket (or more) of their own
+        trainer = Trainer(make_config(BASE + overrides + ["train.compile=true", f"debug.compile_backend={backend}",
+                                                          "parallel.bucket_mb=0.001", "data.prefetch=0"],
+                                      f"{out}/{name}"))
+        trainer.train_one_step()  # compiles every region
+        parallel, sync = trainer.parallel, trainer.parallel.grad_sync
+        micro_batches, _ = trainer.loader.get(trainer.step)
+        parallel.settle()
+        sync.zero_grad()
+        events = []
+        with sync.micro_batch(last=True):
+            mb = micro_batches[0]
+            loss = parallel.module(mb.inputs, mb.targets)
+            nodes = compiled_nodes(loss.grad_fn)
+            for k, node in enumerate(nodes):
+                node.register_hook(lambda *_, k=k: events.append(("end", k)))
+            trainer.comm.listeners.append(
+                lambda r: events.append(("reduce", r.op)) if r.op in REDUCTIONS and r.axis == "dp" else None)
+            (loss / trainer.global_tokens).backward()
+        sync.finish()
+        trainer.comm.listeners.pop()
+        trainer.loader.close()
+        found[name] = (len(nodes), events)
+    return found
+
+
+def test_gradient_reductions_are_issued_during_the_compiled_backward(worlds, tmp_path):
+    layouts = {name: LAYOUTS[name] for name in ("dp", "zero2", "zero3")}
+    for rank, found in enumerate(worlds(2).run(backward_order, str(tmp_path), "aot_eager", layouts)):
+        for name, (nodes, events) in found.items():
+            ends = [i for i, e in enumerate(events) if e[0] == "end"]
+            reductions = [i for i, e in enumerate(events) if e[0] == "reduce"]
+            assert reductions and len(ends) == nodes, (rank, name, nodes, events)
+            # the first reduction is issued while compiled backward nodes are still to run
+            still_to_run = sum(i > reductions[0] for i in ends)
+            assert still_to_run >= 2, \
+                f"rank {rank}, {name}: the first reduction over dp came after {nodes - still_to_run} of the " \
+                f"{nodes} compiled backward nodes: {events}"
+            assert nodes >= 5, (rank, name, nodes)  # embed, two blocks, norm, head, loss (head and loss may be one)
 
 
 @pytest.mark.slow

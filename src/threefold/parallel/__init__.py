@@ -14,7 +14,7 @@ the meta device, so no rank ever holds the whole model:
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
                              (or periodic: local SGD, DiLoCo, EASGD                (parallel/local_sgd.py))
                              (with ep > 1: dense over dp, experts over edp        parallel/expert.py)
-    6. compile               torch.compile of the whole forward and loss, per model or per
+    6. compile               torch.compile per block and per other top-level module, or per
                              pipeline stage (`train.compile`)                      (parallel/compile.py)
 
 Why this order: tensor parallelism replaces modules, so everything after it sees the sharded
@@ -99,8 +99,9 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
                                                                         split is not None, expert_names)
-    # 6. torch.compile of the whole forward and loss, last: it traces the hooks every step above
-    # installed (under a pipeline, each stage's computation: the runtime below compiles it)
+    # 6. torch.compile, one region per block and per other top-level module, last: it traces the hooks
+    # every step above installed inside a region (under a pipeline, each stage's computation: the
+    # runtime below compiles it)
     apply_compile(model, cfg.train.compile, cfg.debug.compile_backend, pipelined=split is not None)
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",

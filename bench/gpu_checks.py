@@ -1,0 +1,272 @@
+"""The checks and figures of `bench/gpu.sh` that are not a training run, one subcommand each.
+
+    python bench/gpu_checks.py preflight --json P [--smoke]   versions, triton, cc, Python.h, one tiny compile
+    python bench/gpu_checks.py sync --json P [--smoke]        host syncs inside a step: dp, ZeRO-3, bf16, fp16
+    python bench/gpu_checks.py summary --json P NAME=RUN...   figures of finished `threefold train` runs
+    python bench/gpu_checks.py bitwise --json P A B --step N  a resumed run's checkpoint equals the whole run's
+    python bench/gpu_checks.py merge OUT                      OUT/results/*.json + OUT/status.tsv -> OUT/results.json
+
+Each writes its figures as JSON (`--json`) and exits non-zero when its check fails, so gpu.sh records
+the failure in status.tsv and goes on. Nothing here needs pytest: the GPU machine has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_compare import device_peak, flops_per_token  # noqa: E402
+
+# stages whose figures results.json carries under these keys (gpu.sh writes OUT/results/<key>.json)
+RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "llama_compare")
+
+
+def write(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(json.dumps(data, default=str))
+
+
+def device(smoke: bool) -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+
+
+# ------------------------------------------------------------------ preflight
+
+
+def preflight(args) -> int:
+    dev = device(args.smoke)
+    found: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                   "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    if torch.cuda.is_available():
+        version = torch.cuda.nccl.version()  # a tuple (an int in older torch)
+        found["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    else:
+        found["nccl"] = None
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = "name,memory.total,driver_version,clocks.max.sm,power.limit,mig.mode.current"
+        run = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        found["nvidia_smi"] = (run.stdout or run.stderr).strip()
+    else:
+        found["nvidia_smi"] = None
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        found["triton"] = None
+    found["cc"] = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    found["python_h"] = str(header) if header.exists() else None
+    for name in ("transformers", "pytest", "safetensors", "numpy"):
+        try:
+            found[name] = __import__(name).__version__
+        except ImportError:
+            found[name] = None
+    # one tiny inductor compile on the device: C++ (CPU) or triton (CUDA) code generation end to end
+    start = time.perf_counter()
+    try:
+        fn = torch.compile(lambda x: (x.sin() * 2 + 1).sum(), backend="inductor", dynamic=False)
+        x = torch.randn(64, device=dev)
+        ok = torch.allclose(fn(x), (x.sin() * 2 + 1).sum())
+        found["tiny_compile"] = "ok" if ok else "wrong result"
+    except Exception as exc:  # the figure is the failure itself: gpu.sh goes on with the next stage
+        found["tiny_compile"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    found["tiny_compile_s"] = round(time.perf_counter() - start, 2)
+    needed = [found["cc"], found["python_h"], found["tiny_compile"] == "ok"]
+    if dev.type == "cuda":
+        needed.append(found["triton"])
+    found["ok"] = all(needed)
+    write(args.json, found)
+    return 0 if found["ok"] else 1
+
+
+# ------------------------------------------------------------------ host syncs inside a step
+
+SYNC_CASES = {"dp": ["precision.compute=fp32"], "zero3": ["parallel.zero=3"], "bf16": ["precision.compute=bf16"],
+              "fp16": ["precision.compute=fp16"]}
+
+
+def syncs_per_step(overrides: list[str], out: str, dev: torch.device, steps: int = 3) -> float | str:
+    """The blocking device-to-host waits torch's sync debug mode reports inside one step (its mean over
+    `steps` steps after two warm-up steps); "n/a" off CUDA (the step runs, nothing is counted)."""
+    from threefold.config import load_config
+    from threefold.train.trainer import Trainer
+
+    cfg = load_config(None, [f"run.out={out}", "run.progress=false", "run.plot=false", "model.preset=tiny",
+                             "train.global_batch=8", "train.seq_len=32", "train.steps=100", "data.prefetch=0",
+                             f"run.device={dev.type}", *overrides])
+    trainer = Trainer(cfg)
+    try:
+        for _ in range(2):
+            trainer.train_one_step()
+        counted = 0
+        for i in range(steps):
+            step = trainer.step + 1 + i
+            micro_batches, _ = trainer.loader.get(step - 1)
+            if dev.type != "cuda":
+                trainer.step_fn(step, micro_batches, trainer.global_tokens).read()
+                continue
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = trainer.step_fn(step, micro_batches, trainer.global_tokens)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counted += sum("synchroniz" in str(w.message) for w in caught)
+            result.read()
+        return counted / steps if dev.type == "cuda" else "n/a"
+    finally:
+        trainer.loader.close()
+
+
+def sync(args) -> int:
+    dev = device(args.smoke)
+    found, failed = {}, False
+    for name, overrides in SYNC_CASES.items():
+        try:
+            found[name] = syncs_per_step(overrides, f"{args.scratch}/{name}", dev)
+        except Exception as exc:
+            found[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        failed |= found[name] not in (0, 0.0, "n/a")
+        print(f"sync {name}: {found[name]}", flush=True)
+    write(args.json, {"syncs_per_step": found, "expected": 0, "device": dev.type, "ok": not failed})
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------ finished runs
+
+
+def run_figures(run: Path, skip: int, peak_tflops: float | None) -> dict:
+    from threefold.config import load_config
+    from threefold.train.metrics import read_metrics
+
+    rows = read_metrics(run / "metrics.jsonl")
+    timed = rows[skip:] if len(rows) > skip else rows[1:] or rows  # short runs: all but the first
+    tokens_per_s = sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    figures = {"steps": len(rows), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+               "finite": all(r["loss"] == r["loss"] and abs(r["loss"]) != float("inf") for r in rows),
+               "skipped_steps": sum(bool(r.get("skipped")) for r in rows),
+               "tokens_per_s": tokens_per_s, "step_s_median": statistics.median(r["step_time_s"] for r in timed),
+               "peak_memory_bytes": max(r["mem"]["peak"] for r in rows), "timed_steps": len(timed)}
+    cfg = load_config(run / "config.toml")
+    figures["flops_per_token"] = flops_per_token(cfg.model, cfg.train.seq_len)
+    name = torch.cuda.get_device_name() if cfg.run.device == "cuda" and torch.cuda.is_available() else "cpu"
+    peak = peak_tflops * 1e12 if peak_tflops else device_peak(name)
+    figures["mfu"] = figures["flops_per_token"] * tokens_per_s / peak if peak else None
+    figures["peak_tflops"] = peak / 1e12 if peak else None
+    return figures
+
+
+def summary(args) -> int:
+    found, failed = {}, False
+    for item in args.runs:
+        name, _, run = item.partition("=")
+        try:
+            found[name] = run_figures(Path(run), args.skip, args.peak_tflops)
+            failed |= not found[name]["finite"]
+        except (OSError, KeyError, ValueError) as exc:
+            found[name] = f"failed: {type(exc).__name__}: {exc}"
+            failed = True
+    write(args.json, found if len(found) > 1 or not args.flat else next(iter(found.values())))
+    return 1 if failed else 0
+
+
+def bitwise(args) -> int:
+    """The checkpoint of step N of a run resumed from an async save equals the uninterrupted run's, tensor
+    for tensor, and the resumed steps' losses are the uninterrupted ones."""
+    from safetensors.torch import load_file
+
+    from threefold.checkpoint.format import step_dir_name
+    from threefold.train.metrics import read_metrics
+
+    whole, resumed = Path(args.whole), Path(args.resumed)
+    files = sorted((whole / "checkpoints" / step_dir_name(args.step)).glob("*.safetensors"))
+    differ, tensors = [], 0
+    for f in files:
+        a, b = load_file(f), load_file(resumed / "checkpoints" / step_dir_name(args.step) / f.name)
+        if set(a) != set(b):
+            differ.append(f"{f.name}: keys {sorted(set(a) ^ set(b))[:5]}")
+        for key in set(a) & set(b):
+            tensors += 1
+            if a[key].dtype != b[key].dtype or a[key].shape != b[key].shape or not torch.equal(a[key], b[key]):
+                differ.append(f"{f.name}:{key}")
+    losses = {r["step"]: r["loss"] for r in read_metrics(whole / "metrics.jsonl")}
+    again = {r["step"]: r["loss"] for r in read_metrics(resumed / "metrics.jsonl")}
+    loss_equal = bool(again) and all(losses.get(s) == v for s, v in again.items())
+    ok = bool(files) and not differ and loss_equal
+    write(args.json, {"files": len(files), "tensors": tensors, "differing": differ[:20], "resumed_steps": sorted(again),
+                      "losses_equal": loss_equal, "bitwise": ok})
+    return 0 if ok else 1
+
+
+def merge(args) -> int:
+    out = Path(args.out)
+    status = {}
+    lines = (out / "status.tsv").read_text().splitlines() if (out / "status.tsv").exists() else []
+    for line in lines[1:]:
+        name, rc, seconds, *note = line.split("\t")
+        status[name] = {"rc": rc, "seconds": float(seconds), "note": note[0] if note else ""}
+    results: dict = {"status": status, "smoke": args.smoke, "budget_s": args.budget, "elapsed_s": args.elapsed}
+    for key in RESULT_KEYS:
+        path = out / "results" / f"{key}.json"
+        try:
+            results[key] = json.loads(path.read_text()) if path.exists() else None
+        except ValueError as exc:
+            results[key] = f"unreadable: {exc}"
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("preflight")
+    p.add_argument("--json", required=True)
+    p.add_argument("--smoke", action="store_true")
+    p = sub.add_parser("sync")
+    p.add_argument("--json", required=True)
+    p.add_argument("--scratch", default=os.environ.get("OUT", "/tmp/threefold-gpu") + "/sync")
+    p.add_argument("--smoke", action="store_true")
+    p = sub.add_parser("summary")
+    p.add_argument("--json", required=True)
+    p.add_argument("--skip", type=int, default=3, help="first steps left out of the timing (warm-up, compile)")
+    p.add_argument("--peak-tflops", type=float)
+    p.add_argument("--flat", action="store_true", help="one run: its figures at the top level")
+    p.add_argument("runs", nargs="+", metavar="NAME=RUN_DIR")
+    p = sub.add_parser("bitwise")
+    p.add_argument("--json", required=True)
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("whole")
+    p.add_argument("resumed")
+    p = sub.add_parser("merge")
+    p.add_argument("out")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--budget", type=float)
+    p.add_argument("--elapsed", type=float)
+    args = parser.parse_args()
+    commands = {"preflight": preflight, "sync": sync, "summary": summary, "bitwise": bitwise, "merge": merge}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
