@@ -13,20 +13,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.checkpoint_layouts import save_synthetic, tp_split, zero_shard
+from tests.checkpoint_layouts import local_entries, save_synthetic, tp_split, zero_shard
 from tests.unit.test_checkpoint_slices import full_tensors, layout
 from threefold.checkpoint import export_model
 from threefold.checkpoint.format import (MANIFEST, CheckpointError, FileInfo, Manifest, Slice, TensorInfo,
-                                         first_overlap, parse_manifest, partial_dir_name, piece_key, read_manifest,
+                                         first_overlap, parse_manifest, partial_dir_name, read_manifest,
                                          step_dir_name)
 from threefold.checkpoint.pieces import local_pieces
 from threefold.checkpoint.reader import load_entries
 from threefold.checkpoint.verify import verify
 from threefold.checkpoint.writer import finalize
 from threefold.cli import main
-from threefold.sharding import Placement
-
-from tests.checkpoint_layouts import local_entries
 
 
 # ---------------------------------------------------------------------- the overlap test itself

@@ -89,7 +89,8 @@ class SliceReader:
         if file not in self._open:
             path = self.directory / file
             if not self.follow_links and path.is_symlink():
-                raise CheckpointError(f"{path}: is a symbolic link; a checkpoint's files must be its own (not followed)")
+                raise CheckpointError(f"{path}: is a symbolic link; a checkpoint's files must be its own "
+                                      "(not followed)")
             try:
                 self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             except (SafetensorError, OSError, ValueError) as e:
