@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     inspect = sub.add_parser("inspect", help="layout, step, data position, files and tensors of a checkpoint")
     inspect.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
     inspect.add_argument("--json", action="store_true", help="print the manifest (without RNG states) as JSON")
-    check = sub.add_parser("verify", help="check completeness, sizes and sha256 of every file")
+    check = sub.add_parser("verify", help="check that it loads: the manifest and its exact cover, every "
+                                          "file's safetensors header against it, sizes and sha256")
     check.add_argument("dir", help="checkpoint, checkpoints/ or run directory")
     export = sub.add_parser("export", help="write the model as one safetensors file, or as a Hugging Face "
                                            "model directory (--hf)")
@@ -84,7 +85,7 @@ def check(path: Path) -> int:
             print(f"FAILED {problem}", file=sys.stderr)
         return 1
     print(f"OK {ckpt}: step {manifest.step}, {len(manifest.files)} files, {_size(manifest.total_bytes())}, "
-          f"{len(manifest.tensors)} tensors complete, checksums match")
+          f"{len(manifest.tensors)} tensors complete, headers match the manifest, checksums match")
     return 0
 
 

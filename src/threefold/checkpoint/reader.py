@@ -8,7 +8,8 @@ The layout the checkpoint was written with never matters: only boxes do.
 The source is an index {tensor name: TensorInfo} - a checkpoint's manifest, or the header of a
 single Hugging Face-style safetensors file of full tensors (`index_of_file`). A `FileSource`
 may supply some files' tensors from memory (peer.py: the in-memory copies of a checkpoint);
-the others are read from the directory.
+the others are read from the directory. A file that is a symbolic link is refused unless the
+caller allows links (a Hugging Face cache links its files to blobs; a checkpoint never does).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .format import CheckpointError, Slice, TensorInfo
+from .format import SAFETENSORS_DTYPES, CheckpointError, Slice, TensorInfo
 from .pieces import intersect, local_pieces, local_view, relative
 from .state import Entry
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
 
 
 _DTYPE_CODES = {getattr(torch, name): code for code, name in _SAFETENSORS_DTYPES.items()}
@@ -74,9 +74,10 @@ class SliceReader:
     """Open safetensors files of one directory on demand (or take them from `source`); read
     boxes of stored slices."""
 
-    def __init__(self, directory: Path, source: FileSource | None = None):
+    def __init__(self, directory: Path, source: FileSource | None = None, follow_links: bool = False):
         self.directory = Path(directory)
         self.source = source
+        self.follow_links = follow_links
         self._stack = contextlib.ExitStack()
         self._open: dict[str, object] = {}
 
@@ -87,6 +88,9 @@ class SliceReader:
                 self._open[file] = _LoadedFile(tensors)
         if file not in self._open:
             path = self.directory / file
+            if not self.follow_links and path.is_symlink():
+                raise CheckpointError(f"{path}: is a symbolic link; a checkpoint's files must be its own "
+                                      "(not followed)")
             try:
                 self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             except (SafetensorError, OSError, ValueError) as e:
@@ -125,15 +129,17 @@ class SliceReader:
 
 @torch.no_grad()
 def load_entries(directory: Path, index: dict[str, TensorInfo], entries: list[Entry],
-                 missing_ok: tuple[str, ...] = (), source: FileSource | None = None) -> list[str]:
+                 missing_ok: tuple[str, ...] = (), source: FileSource | None = None,
+                 follow_links: bool = False) -> list[str]:
     """Fill every entry from the index; returns the names of entries absent from it.
 
     An entry whose name starts with one of `missing_ok` may be absent (e.g. optimizer state in
     an exported model file); any other absence, or a global shape that differs, is an error.
-    `source` supplies files from memory (the others are read from `directory`).
+    `source` supplies files from memory (the others are read from `directory`); symbolic links
+    are read only with `follow_links`.
     """
     absent = []
-    with SliceReader(directory, source) as reader:
+    with SliceReader(directory, source, follow_links) as reader:
         for entry in entries:
             info = index.get(entry.name)
             if info is None:

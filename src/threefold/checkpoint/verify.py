@@ -1,10 +1,21 @@
-"""Verification (completeness, sizes, sha256) and the choice of the checkpoint to resume from."""
+"""Verification (completeness, loadability, sizes, sha256) and finding a checkpoint directory.
+
+A checkpoint verifies when it would load: its manifest passes the schema and the exact cover
+check (format.py), and every data file is a regular file (not a symbolic link) of the listed
+size and sha256 whose safetensors header parses and holds, under each slice's key, a tensor of
+that slice's dtype and shape - no more keys, no fewer. A manifest's claimed shapes are then
+backed by stored bytes before anything is allocated for them.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
-from .format import MANIFEST, CheckpointError, Manifest, read_manifest, step_of
+from safetensors import SafetensorError, safe_open
+
+from .format import (MANIFEST, CheckpointError, Manifest, Slice, read_manifest, read_safetensors_header,
+                     step_of)
 from .writer import complete_checkpoints, file_sha256
 
 
@@ -24,9 +35,13 @@ def find_checkpoint_dir(path: Path) -> Path:
 def verify_files(ckpt: Path, manifest: Manifest, files: list[str] | None = None) -> list[str]:
     """Problems with the listed data files (all when `files` is None): missing, truncated, altered."""
     problems = []
+    slices = slices_by_file(manifest)
     for name in (sorted(manifest.files) if files is None else files):
         info = manifest.files[name]
         path = Path(ckpt) / name
+        if path.is_symlink():
+            problems.append(f"{path}: a symbolic link (a checkpoint's files must be its own; not followed)")
+            continue
         if not path.is_file():
             problems.append(f"{path}: missing")
             continue
@@ -34,9 +49,46 @@ def verify_files(ckpt: Path, manifest: Manifest, files: list[str] | None = None)
         if size != info.bytes:
             problems.append(f"{path}: {size} bytes, the manifest says {info.bytes} (truncated or altered)")
             continue
+        try:
+            check_file(path, manifest, slices.get(name, []))
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
         if file_sha256(path) != info.sha256:
             problems.append(f"{path}: sha256 mismatch (the file is corrupt)")
     return problems
+
+
+def slices_by_file(manifest: Manifest) -> dict[str, list[tuple[str, Slice]]]:
+    """{file: [(tensor name, slice)]}: what the manifest says each file holds."""
+    out: dict[str, list[tuple[str, Slice]]] = defaultdict(list)
+    for name, info in manifest.tensors.items():
+        for s in info.slices:
+            out[s.file].append((name, s))
+    return out
+
+
+def check_file(path: Path, manifest: Manifest, held: list[tuple[str, Slice]]) -> None:
+    """The safetensors file `path` holds exactly the slices `held` (keys, dtypes, shapes), its
+    header's offsets are consistent, and safetensors itself opens it; CheckpointError if not."""
+    header = read_safetensors_header(path)
+    for name, s in held:
+        stored = header.get(s.key)
+        dtype = manifest.tensors[name].dtype
+        if stored is None:
+            raise CheckpointError(f"{path}: has no tensor '{s.key}', which the manifest lists for {name}")
+        if stored.dtype != dtype or stored.shape != tuple(s.shape):
+            raise CheckpointError(f"{path}: tensor '{s.key}' is {stored.dtype} {list(stored.shape)}, the manifest "
+                                  f"says {dtype} {list(s.shape)}")
+    extra = sorted(set(header) - {s.key for _, s in held})
+    if extra:
+        raise CheckpointError(f"{path}: holds {len(extra)} tensor(s) the manifest does not list (first "
+                              f"'{extra[0]:.80}')")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu"):
+            pass
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def verify(ckpt: Path) -> tuple[Manifest | None, list[str]]:
