@@ -131,3 +131,20 @@ def test_a_token_id_outside_the_vocabulary_stops_the_step_naming_it(bad, tmp_pat
     text = str(err.value)
     assert text.startswith("data: step 2 read token id") and f" {bad} " in text and "data.source 'synthetic'" in text
     assert "vocabulary of 256" in text, text
+
+
+def test_training_on_a_changed_shard_exits_2_in_one_line(tmp_path, capsys, alone):
+    from tests.data_helpers import PY_GLOB, prepare
+    from threefold.cli import main
+
+    assert prepare(tmp_path / "data", PY_GLOB) == 0
+    (shard,) = (tmp_path / "data" / "shards").glob("train-*.bin")
+    tokens = np.fromfile(shard, dtype="<u2")
+    tokens[100:2100] = 32  # 2000 spaces: size, boundaries and max_token as the index says
+    tokens.tofile(shard)
+    capsys.readouterr()
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "data"), "--steps", "2", "--global-batch", "2",
+                 "--seq-len", "16", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("threefold: error: data: shard '"), errors
+    assert str(shard) in errors[0] and "prepare the directory again" in errors[0]
