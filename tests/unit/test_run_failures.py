@@ -112,3 +112,77 @@ def test_a_checkpoint_directory_removed_during_the_save_is_one_line(async_save, 
     text = str(err.value)
     assert text.startswith(f"checkpoint: {tmp_path / 'run' / 'checkpoints'} was removed while step 1 was saved")
     assert "--resume auto" in text and "\n" not in text, text
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("threefold: error: "), err
+    return err[0]
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    from threefold.cli import main
+
+    config = tmp_path / "run.toml"
+    config.write_bytes("[train]\nsteps = 2 # caf\u00e9\n".encode("latin-1"))
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert "--config" in line and str(config) in line and "not UTF-8" in line and "0xe9" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key, text", [("train.lr", "nan"), ("train.lr", "inf"), ("train.lr", "-inf"),
+                                       ("train.grad_clip", "inf"), ("train.weight_decay", "nan"),
+                                       ("model.norm_eps", "nan"), ("run.collective_timeout_s", "inf"),
+                                       ("checkpoint.mtbf_hours", "inf")])
+def test_float_options_must_be_finite(key, text):
+    from threefold.config import load_config
+    from threefold.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={text}"]).validate(1)
+    assert str(err.value) == f"{key}: must be a finite number, got {float(text)}"
+
+
+def test_lr_inf_from_the_command_line_and_nan_from_toml_exit_2(tmp_path, capsys):
+    from threefold.cli import main
+
+    assert main(["train", "--lr", "inf", "--steps", "2", "--no-progress", "--out", str(tmp_path / "a")]) == 2
+    assert _one_error_line(capsys) == "threefold: error: train.lr: must be a finite number, got inf"
+    (tmp_path / "c.toml").write_text("[train]\nlr = nan\n")
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "b")]) == 2
+    assert _one_error_line(capsys) == "threefold: error: train.lr: must be a finite number, got nan"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_read_only_run_directory_is_one_line(tmp_path, monkeypatch, capsys):
+    from threefold.cli import main
+    from threefold.train import rundir
+
+    def read_only(path, text):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path.with_name(f".{path.name}.1234")))
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(rundir, "_write_atomic", read_only)  # as on a read-only mount (root ignores chmod)
+    assert main(["train", "--steps", "2", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"threefold: error: run.out: cannot write the run directory '{tmp_path / 'run'}/")
+    assert "Read-only file system" in line and "--out" in line, line
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_runs_latest_that_is_not_a_link_is_refused(kind, tmp_path, monkeypatch):
+    from threefold.config import load_config
+    from threefold.train import rundir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    if kind == "file":
+        (tmp_path / "runs" / "latest").write_text("notes")
+    else:
+        (tmp_path / "runs" / "latest").mkdir()
+    with pytest.raises(UserError) as err:
+        rundir.claim(load_config(None, []))
+    assert str(err.value) == (f"run.out: 'runs/latest' is a {kind}, not the link to the newest run that threefold "
+                              "keeps there; move it away, or pass --out")
+    assert os.listdir(tmp_path / "runs") == ["latest"]  # nothing created, nothing replaced

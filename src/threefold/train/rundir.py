@@ -12,6 +12,7 @@ Plain Python (no torch): the launcher claims the directory before starting any p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -57,6 +58,7 @@ def read_run(out: Path) -> dict | None:
 
 def default_out(root: Path = RUNS_ROOT) -> Path:
     """A fresh `runs/<date>-<time>` directory (a suffix when two runs start in the same second)."""
+    _check_latest(root)  # refused before anything is created
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out, n = root / stamp, 1
     while out.exists():
@@ -65,16 +67,40 @@ def default_out(root: Path = RUNS_ROOT) -> Path:
     return out
 
 
-def point_latest(out: Path, root: Path = RUNS_ROOT) -> None:
-    """Make `runs/latest` a symbolic link to `out` (replaced atomically; a real directory there is left alone)."""
+def _check_latest(root: Path) -> None:
+    """`runs/latest` is threefold's link to the newest run: anything else there is refused, not left stale."""
     latest = root / "latest"
     if latest.exists() and not latest.is_symlink():
-        return
+        kind = "directory" if latest.is_dir() else "file"
+        raise UserError(f"run.out: '{latest}' is a {kind}, not the link to the newest run that threefold keeps "
+                        "there; move it away, or pass --out")
+
+
+def point_latest(out: Path, root: Path = RUNS_ROOT) -> None:
+    """Make `runs/latest` a symbolic link to `out` (replaced atomically; anything else there is refused)."""
+    latest = root / "latest"
+    _check_latest(root)
     tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
     os.symlink(out.name, tmp)
     os.replace(tmp, latest)
 
 
+def _one_line_os_errors(claim_fn):
+    """A run directory the file system refuses (read-only, not ours) is one line naming it, exit 2."""
+
+    @functools.wraps(claim_fn)
+    def claiming(cfg: Config, overwrite: bool = False) -> Config:
+        try:
+            return claim_fn(cfg, overwrite)
+        except OSError as e:
+            where = f"'{e.filename}'" if e.filename else f"'{cfg.run.out or RUNS_ROOT}'"
+            raise ConfigError("run.out", f"cannot write the run directory {where} ({e.strerror or e}); give a "
+                              "writable directory with --out") from None
+
+    return claiming
+
+
+@_one_line_os_errors
 def claim(cfg: Config, overwrite: bool = False) -> Config:
     """Make `cfg.run.out` this run's directory; returns the config with `run.out` and `run.id` set.
 
