@@ -144,7 +144,7 @@ def test_float_options_must_be_finite(key, text):
     assert str(err.value) == f"{key}: must be a finite number, got {float(text)}"
 
 
-def test_lr_inf_from_the_command_line_and_nan_from_toml_exit_2(tmp_path, capsys):
+def test_lr_inf_from_the_command_line_and_nan_from_toml_exit_2(tmp_path, capsys, alone):
     from threefold.cli import main
 
     assert main(["train", "--lr", "inf", "--steps", "2", "--no-progress", "--out", str(tmp_path / "a")]) == 2
