@@ -186,3 +186,14 @@ def test_runs_latest_that_is_not_a_link_is_refused(kind, tmp_path, monkeypatch):
     assert str(err.value) == (f"run.out: 'runs/latest' is a {kind}, not the link to the newest run that threefold "
                               "keeps there; move it away, or pass --out")
     assert os.listdir(tmp_path / "runs") == ["latest"]  # nothing created, nothing replaced
+
+
+@pytest.mark.parametrize("option, value", [("--rdzv-timeout", "nan"), ("--rdzv-timeout", "inf"),
+                                           ("--rdzv-last-call", "inf"), ("--rdzv-last-call", "0")])
+def test_rendezvous_seconds_must_be_finite(option, value, tmp_path, capsys):
+    from threefold.cli import main
+
+    assert main(["train", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "localhost:1", option, value,
+                 "--out", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert line == f"threefold: error: {option}: must be a finite number of seconds above 0, got {float(value)}"

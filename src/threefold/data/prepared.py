@@ -61,18 +61,22 @@ class ShardCheck:
         threading.Thread(target=self._run, name="threefold-shard-check", daemon=True).start()
 
     def _run(self) -> None:
-        for k, (path, expected) in enumerate(self.shards):
-            try:
-                digest = sha256_of(path)
-            except OSError as e:
-                digest, why = None, f"cannot be read ({e.strerror or e})"
-            else:
-                why = "does not match the sha256 that"
-            if digest != expected and self._error is None:
-                self._error = (f"data: shard '{path}' {why} {self.index} lists for it" if digest is not None
-                               else f"data: shard '{path}' {why}") + \
-                              " (it changed after `threefold data prepare` wrote it); prepare the directory again"
-            self._done[k].set()
+        try:
+            for k, (path, expected) in enumerate(self.shards):
+                try:
+                    problem = None if sha256_of(path) == expected else (
+                        f"does not match the sha256 that {self.index} lists for it (it changed after "
+                        "`threefold data prepare` wrote it)")
+                except OSError as e:
+                    problem = f"cannot be read ({e.strerror or e})"
+                if problem is not None and self._error is None:
+                    self._error = f"data: shard '{path}' {problem}; prepare the directory again"
+                self._done[k].set()
+        finally:  # nothing waits forever, whatever happened here
+            if not all(done.is_set() for done in self._done) and self._error is None:
+                self._error = f"data: the shards of {self.index} could not be checked; prepare the directory again"
+            for done in self._done:
+                done.set()
 
     def confirm(self, shard: int) -> None:
         if not self._confirmed[shard]:
