@@ -95,7 +95,8 @@ def test_no_batch_reads_a_shard_before_its_hash_is_confirmed(tmp_path, monkeypat
 
 
 def test_the_step_id_figure_is_computed_on_the_device_without_a_read():
-    good = [Batch(torch.tensor([[1, 2]]), torch.tensor([[2, 3]])), Batch(torch.tensor([[5, 0]]), torch.tensor([[0, 4]]))]
+    good = [Batch(torch.tensor([[1, 2]]), torch.tensor([[2, 3]])),
+            Batch(torch.tensor([[5, 0]]), torch.tensor([[0, 4]]))]
     with HostSyncCounter() as counter:
         batches, figure = bound_ids(good, 10)
     assert counter.sites == [] and figure.dim() == 0 and int(figure) == 5

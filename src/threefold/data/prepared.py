@@ -132,7 +132,8 @@ def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
                             f"vocabulary of {vocab}; use a model with the data's tokenizer (vocab "
                             f"{index['tokenizer']['vocab_size']})")
         if not isinstance(entry.get("sha256"), str) or len(entry["sha256"]) != 64:
-            raise UserError(f"data: {directory / INDEX} lists no sha256 for shard '{path}'; prepare the directory again")
+            raise UserError(f"data: {directory / INDEX} lists no sha256 for shard '{path}'; prepare the directory "
+                            "again")
         hashes.append((path, entry["sha256"]))
         shards.append(np.memmap(path, dtype=dtype, mode="r"))
         begin = np.concatenate([[0], ends[:-1]])
