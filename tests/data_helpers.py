@@ -1,6 +1,7 @@
 """Small corpora for the data tests: stdlib Python files, a JSON Lines file, a Parquet file and a
 `datasets` directory, written into a temporary directory (nothing is downloaded)."""
 
+import hashlib
 import json
 import sysconfig
 from pathlib import Path
@@ -57,10 +58,12 @@ def write_prepared(directory: Path, docs: list[list[int]], val_docs: list[list[i
             if not half:
                 continue
             name = f"shards/{split}-{n:05d}.bin"
-            np.concatenate([np.asarray(d, dtype="<u4") for d in half]).tofile(directory / name)
+            data = np.concatenate([np.asarray(d, dtype="<u4") for d in half]).tobytes()
+            (directory / name).write_bytes(data)
             ends = np.cumsum([len(d) for d in half]).tolist()
             shards.append({"file": name, "tokens": ends[-1], "documents": ends,
-                           "max_token": max(max(d) for d in half), "sha256": ""})
+                           "max_token": max(max(d) for d in half),
+                           "sha256": hashlib.sha256(data).hexdigest()})
         splits[split] = {"tokens": sum(s["tokens"] for s in shards), "documents": len(items), "shards": shards}
     index = {"format": 1, "dtype": "uint32", "splits": splits, "skipped_documents": 0, "val_fraction": 0.1,
              "sources": [], "tokenizer": {"kind": "hf", "name": "hand", "sha256": sha, "vocab_size": vocab,

@@ -71,9 +71,15 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         if not path.is_file():
             raise ConfigError("--config", f"file '{path}' does not exist; pass the path of a TOML file")
         try:
-            loaded = tomllib.loads(path.read_text())
+            loaded = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"'{path}' is not valid TOML ({e})") from None
+        except UnicodeDecodeError as e:  # TOML is UTF-8
+            raise ConfigError("--config", f"'{path}' is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); "
+                              "TOML files are UTF-8: save it in that encoding") from None
+        except OSError as e:
+            raise ConfigError("--config", f"cannot read '{path}' ({e.strerror or e}); pass a readable TOML file") \
+                from None
         for section, values in loaded.items():
             if section not in SECTIONS:
                 raise ConfigError(section, f"unknown config section; valid sections: {', '.join(SECTIONS)}")

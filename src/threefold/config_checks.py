@@ -8,7 +8,8 @@ other way round.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -32,7 +33,19 @@ def validate(c: S, world_size: int) -> S:
     return _validate(c, world_size)
 
 
+def _check_finite(c: Sections) -> None:
+    """Every float option is a finite number: nan or inf (e.g. `--lr nan`, TOML's `inf`) would train
+    to nan, or fail deep in the run, instead of being refused here."""
+    for section in fields(c):
+        values = getattr(c, section.name)
+        for f in fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}", f"must be a finite number, got {value}")
+
+
 def _validate(c: S, world_size: int) -> S:
+    _check_finite(c)
     p, m, t = c.parallel, c.model, c.train
     for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
                        ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),

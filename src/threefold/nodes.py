@@ -96,8 +96,9 @@ def nodes_from_options(nnodes: str | None, node_rank: int | None, endpoint: str 
     if not 0 <= rank < high:
         raise UserError(f"--node-rank: {rank} is outside 0..{high - 1} for --nnodes {nnodes}")
     host, port = parse_endpoint(endpoint)
-    if last_call_s is not None and not last_call_s > 0:
-        raise UserError(f"--rdzv-last-call: must be positive seconds, got {last_call_s}")
+    for option, value in (("--rdzv-timeout", timeout_s), ("--rdzv-last-call", last_call_s)):
+        if value is not None and not 0 < value < float("inf"):  # nan and inf too
+            raise UserError(f"{option}: must be a finite number of seconds above 0, got {value}")
     return Nodes(low, high, rank, host, port, 300.0 if timeout_s is None else float(timeout_s),
                  30.0 if last_call_s is None else float(last_call_s))
 

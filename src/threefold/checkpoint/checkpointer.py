@@ -11,7 +11,9 @@ peer node (peer.py), and a resume reads the files they hold from memory rather t
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
 import threading
 import time
@@ -27,7 +29,26 @@ from .peer import MemoryFiles, PeerCopies
 from .reader import load_entries
 from .state import TrainingState, UpdateGuard, capture_rng, restore_rng
 from .verify import find_checkpoint_dir, verify_files
-from .writer import BackgroundWriter, complete_checkpoints, finalize, remove_partials, snapshot, write_rank
+from .writer import (BackgroundWriter, complete_checkpoints, finalize, remove_partials, run_of, saved_bytes, snapshot,
+                     write_rank)
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the file system of `path` (tests replace it to simulate a short disk)."""
+    return shutil.disk_usage(path).free
+
+
+def save_failure(step: int, root: Path, error: OSError, keep: int) -> str:
+    """The one line for a save that the file system refused."""
+    where = f"{error.filename}: " if error.filename else ""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"checkpoint: no space left to save step {step} under {root} ({where}{error.strerror}); free space "
+                f"on that disk, or lower checkpoint.keep (now {keep}; 0 keeps all) so fewer checkpoints stay")
+    if error.errno == errno.ENOENT:
+        return (f"checkpoint: {root} was removed while step {step} was saved ({where}{error.strerror}); leave the run "
+                "directory in place while the run writes to it (continue with --resume auto)")
+    return (f"checkpoint: saving step {step} under {root} failed ({where}{error.strerror or error}); make the run "
+            "directory writable, or choose another --out")
 
 
 class Checkpointer:
@@ -87,16 +108,29 @@ class Checkpointer:
         start = time.perf_counter()
         self.writer.wait()  # one save in flight at a time
         partial = self.root / partial_dir_name(step)
+        entries = state.entries()
+        need = self._agree(saved_bytes(entries, self.coords), dist.ReduceOp.SUM)  # every rank's file
+        short = -1  # rank 0: the free bytes when they stay short of `need` (the save is refused), else -1
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            remove_partials(self.root)
-            partial.mkdir()
-        self._agree(0)  # the partial directory exists before anyone writes into it
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                remove_partials(self.root)
+                short = self._make_room(step, need, meta.get("config", {}).get("run", {}).get("id", ""))
+                if short < 0:
+                    partial.mkdir()
+            except OSError as e:
+                raise CheckpointError(save_failure(step, self.root, e, self.keep)) from None
+        short = self._agree(short, dist.ReduceOp.MAX)  # the partial directory exists before anyone writes into it
+        if short >= 0:
+            keep = "set checkpoint.keep (now 0: every checkpoint stays) so that old ones make room, " \
+                if self.keep == 0 else f"(even without the older checkpoints checkpoint.keep={self.keep} lets go) "
+            raise CheckpointError(f"checkpoint: saving step {step} needs about {need / 2**20:.1f} MiB but {self.root} "
+                                  f"has {short / 2**20:.1f} MiB free; {keep}free space on that disk, or save "
+                                  "elsewhere (--out)")
         if self.async_save and state.rank_state is not None:
             # compression residuals and momenta change in place in the next backward, ZeRO-1/2's
             # parameters in its all-gathers: those updates wait for the snapshot too
             self._guard(state.rank_state)
-        entries = state.entries()
         rng = capture_rng(self.mesh.device)
         meta = {**meta, "extra": state.extra()}
         # the copy must see every kernel queued so far (the last optimizer step) and nothing later
@@ -115,9 +149,12 @@ class Checkpointer:
                 pieces = snapshot(entries, self.coords, staging, ready)
             finally:
                 staged.set()
-            write_rank(partial, rank, pieces, rng, kill_midway, copy)
-            if rank == 0:
-                finalize(partial, step, world_size, meta, keep, timeout_s)
+            try:
+                write_rank(partial, rank, pieces, rng, kill_midway, copy)
+                if rank == 0:
+                    finalize(partial, step, world_size, meta, keep, timeout_s)
+            except OSError as e:  # a full disk, a directory removed or made read-only meanwhile
+                raise CheckpointError(save_failure(step, self.root, e, keep)) from None
             self.last_write_s = time.perf_counter() - begin
 
         self.last_stall_s = 0.0
@@ -130,6 +167,24 @@ class Checkpointer:
             job()
             self._agree(0)  # visible to every rank on return
         self.last_stall_s += time.perf_counter() - start
+
+    def _make_room(self, step: int, need: int, run_id: str) -> int:
+        """Rank 0, before a save: when the disk has less than `need` bytes free, remove this run's
+        oldest checkpoints that the save's pruning (checkpoint.keep) would remove after it, now,
+        but never the last complete one. Returns -1 when the save fits, else the free bytes."""
+        free = free_bytes(self.root)
+        if free >= need:
+            return -1
+        mine = [p for p in complete_checkpoints(self.root) if run_of(p) == run_id] if self.keep > 0 else []
+        for old in mine[: max(len(mine) - max(self.keep - 1, 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+            free = free_bytes(self.root)
+            print(f"threefold: checkpoint: {self.root} had too little space for step {step} (about "
+                  f"{need / 2**20:.1f} MiB): removed {old.name} first, which checkpoint.keep={self.keep} "
+                  "would remove after the save", file=sys.stderr, flush=True)
+            if free >= need:
+                return -1
+        return free
 
     def guard(self, optimizer: UpdateGuard) -> None:
         """Make the optimizer's update - what changes the parameters and the states a checkpoint

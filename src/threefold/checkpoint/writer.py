@@ -14,9 +14,12 @@ no reader looks at and the next save removes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save, save_file
 
 from .format import (DTYPE_NAMES, MANIFEST, PARTIAL_SUFFIX, CheckpointError, FileInfo, Manifest, Slice, TensorInfo,
@@ -82,6 +86,12 @@ def _copy_pieces(entries: list[Entry], coords: dict[str, int], staging: dict | N
     return out
 
 
+def saved_bytes(entries: list[Entry], coords: dict[str, int]) -> int:
+    """The bytes of the tensors `snapshot` copies for this rank (its file, less the small header)."""
+    return sum(math.prod(piece.shape) * entry.tensor.element_size() for entry in entries
+               if entry.writer and is_owner(entry.placement, coords) for piece in local_pieces(entry.placement))
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -126,7 +136,14 @@ def write_rank(partial: Path, rank: int, pieces: list[SavedPiece], rng: dict[str
                 os.fsync(f.fileno())
             kill_midway()
         if copy is None:
-            save_file(tensors, str(path), metadata={"format": "pt"})
+            try:
+                save_file(tensors, str(path), metadata={"format": "pt"})
+            except SafetensorError as e:  # its I/O errors as the OSError they are (a full disk, a removed directory)
+                number = re.search(r"os error (\d+)", str(e))
+                if number is None:
+                    raise
+                code = int(number.group(1))
+                raise OSError(code, os.strerror(code), str(path)) from None
             os.chmod(path, partial.stat().st_mode & 0o666)  # safetensors creates 0600; follow the umask like the rest
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
@@ -151,6 +168,8 @@ def wait_for_parts(partial: Path, world_size: int, timeout_s: float) -> list[dic
     deadline = time.monotonic() + timeout_s
     paths = [partial / f"rank-{r:05d}.part.json" for r in range(world_size)]
     while True:
+        if not partial.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "removed while the ranks wrote into it", str(partial))
         missing = [p for p in paths if not p.exists()]
         if not missing:
             return [json.loads(p.read_text()) for p in paths]

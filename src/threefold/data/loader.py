@@ -4,6 +4,9 @@ The sampler is a pure function of the step, so the loader simply computes the ba
 next `depth` steps while the current one trains: on the host, in pinned memory when the
 device is a GPU (the copy to the device is then asynchronous). `get` reports how long the
 step waited: for the batch to be ready and for the copy to be issued.
+
+`bound_ids` bounds every step's token ids on the device: the trainer reads the figure it returns
+with the step's other figures (no extra wait) and stops the run at an id outside the vocabulary.
 """
 
 from __future__ import annotations
@@ -52,3 +55,21 @@ class Loader:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._ahead.clear()
+
+
+def bound_ids(batches: list[Batch], vocab: int) -> tuple[list[Batch], torch.Tensor]:
+    """(the batches with every id outside [0, vocab) replaced by 0, the step's id figure).
+
+    The figure is a 0-dim device tensor (nothing is read to the host here): the largest id of the
+    batches, or the lowest when one is negative, so `0 <= figure < vocab` holds exactly when every id
+    is in the vocabulary. The replaced ids let the step run to the read of its figures, which then
+    reports the bad id: an embedding lookup past its table would fail first (on a GPU, a
+    device-side assert that ends the process without naming the data)."""
+    highs = torch.stack([torch.maximum(b.inputs.max(), b.targets.max()) for b in batches]).max()
+    lows = torch.stack([torch.minimum(b.inputs.min(), b.targets.min()) for b in batches]).min()
+    figure = torch.where(lows < 0, lows, highs)
+
+    def inside(ids: torch.Tensor) -> torch.Tensor:
+        return ids.masked_fill((ids < 0) | (ids >= vocab), 0)
+
+    return [Batch(inside(b.inputs), inside(b.targets)) for b in batches], figure

@@ -2,11 +2,17 @@
 
 Only numpy and json: the config checks read the index too (the model's vocabulary comes from
 the directory's tokenizer), without importing torch.
+
+Every shard's SHA-256 is compared with the index once per run, on a background thread
+(`ShardCheck`, started when the split is opened): reading a shard's tokens waits until that
+shard is confirmed, and once any shard is found changed, no further tokens are handed out.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +44,48 @@ def tokenizer_of(directory: str | Path) -> TokenizerIdentity:
     return TokenizerIdentity.from_dict(read_index(directory)["tokenizer"])
 
 
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class ShardCheck:
+    """The SHA-256 of every shard of a split, computed on a background thread and compared with the
+    index; `confirm(k)` waits until shard k is confirmed and raises the first mismatch found."""
+
+    def __init__(self, index: Path, shards: list[tuple[Path, str]]):
+        self.index, self.shards = index, shards
+        self._done = [threading.Event() for _ in shards]
+        self._confirmed = [False] * len(shards)
+        self._error: str | None = None
+        threading.Thread(target=self._run, name="threefold-shard-check", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            for k, (path, expected) in enumerate(self.shards):
+                try:
+                    problem = None if sha256_of(path) == expected else (
+                        f"does not match the sha256 that {self.index} lists for it (it changed after "
+                        "`threefold data prepare` wrote it)")
+                except OSError as e:
+                    problem = f"cannot be read ({e.strerror or e})"
+                if problem is not None and self._error is None:
+                    self._error = f"data: shard '{path}' {problem}; prepare the directory again"
+                self._done[k].set()
+        finally:  # nothing waits forever, whatever happened here
+            if not all(done.is_set() for done in self._done) and self._error is None:
+                self._error = f"data: the shards of {self.index} could not be checked; prepare the directory again"
+            for done in self._done:
+                done.set()
+
+    def confirm(self, shard: int) -> None:
+        if not self._confirmed[shard]:
+            self._done[shard].wait()
+            self._confirmed[shard] = self._error is None
+        if self._error is not None:
+            raise UserError(self._error)
+
+
 @dataclass
 class Documents:
     """The documents of one split: lengths, and where each lies (shard, first token)."""
@@ -48,14 +96,17 @@ class Documents:
     shard_of: np.ndarray  # int32 per document
     start: np.ndarray  # int64 per document, offset in its shard
     tokenizer: TokenizerIdentity
+    check: ShardCheck | None = None  # the shards' hashes, confirmed in the background
 
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
 
     def tokens_of(self, doc: int, first: int, count: int) -> np.ndarray:
-        s = int(self.start[doc]) + first
-        return self.shards[int(self.shard_of[doc])][s: s + count]
+        s, shard = int(self.start[doc]) + first, int(self.shard_of[doc])
+        if self.check is not None:
+            self.check.confirm(shard)  # no token of a shard whose hash is not confirmed
+        return self.shards[shard][s: s + count]
 
 
 def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
@@ -63,7 +114,7 @@ def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
     directory = Path(directory)
     index = read_index(directory)
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
-    shards, lengths, shard_of, starts = [], [], [], []
+    shards, lengths, shard_of, starts, hashes = [], [], [], [], []
     for number, entry in enumerate(index["splits"].get(split, {}).get("shards", [])):
         path = directory / entry["file"]
         if not path.is_file():
@@ -80,6 +131,10 @@ def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
             raise UserError(f"data: shard '{path}' holds token id {entry['max_token']}, beyond the model's "
                             f"vocabulary of {vocab}; use a model with the data's tokenizer (vocab "
                             f"{index['tokenizer']['vocab_size']})")
+        if not isinstance(entry.get("sha256"), str) or len(entry["sha256"]) != 64:
+            raise UserError(f"data: {directory / INDEX} lists no sha256 for shard '{path}'; prepare the directory "
+                            "again")
+        hashes.append((path, entry["sha256"]))
         shards.append(np.memmap(path, dtype=dtype, mode="r"))
         begin = np.concatenate([[0], ends[:-1]])
         lengths.append(ends - begin)
@@ -89,7 +144,7 @@ def open_split(directory: str | Path, split: str, vocab: int) -> Documents:
         raise UserError(f"data: '{directory}' has no {split} documents; prepare it with a larger --val-fraction"
                         if split == "val" else f"data: '{directory}' has no training documents")
     return Documents(directory, shards, np.concatenate(lengths), np.concatenate(shard_of), np.concatenate(starts),
-                     TokenizerIdentity.from_dict(index["tokenizer"]))
+                     TokenizerIdentity.from_dict(index["tokenizer"]), ShardCheck(directory / INDEX, hashes))
 
 
 def mixture_of(text: str) -> list[tuple[str, float]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -72,6 +73,7 @@ def read_run(out: Path) -> dict | None:
 def default_out(root: Path = RUNS_ROOT) -> Path:
     """A fresh `runs/<date>-<time>` directory, created here (a suffix when two runs start in the
     same second: the creation is atomic, so two runs never pick the same one)."""
+    _check_latest(root)  # refused before anything is created
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     out, n = root / stamp, 1
@@ -161,16 +163,40 @@ def _holder(fd: int, wait_s: float = 2.0) -> str:
             time.sleep(0.01)
 
 
-def point_latest(out: Path, root: Path = RUNS_ROOT) -> None:
-    """Make `runs/latest` a symbolic link to `out` (replaced atomically; a real directory there is left alone)."""
+def _check_latest(root: Path) -> None:
+    """`runs/latest` is threefold's link to the newest run: anything else there is refused, not left stale."""
     latest = root / "latest"
     if latest.exists() and not latest.is_symlink():
-        return
+        kind = "directory" if latest.is_dir() else "file"
+        raise UserError(f"run.out: '{latest}' is a {kind}, not the link to the newest run that threefold keeps "
+                        "there; move it away, or pass --out")
+
+
+def point_latest(out: Path, root: Path = RUNS_ROOT) -> None:
+    """Make `runs/latest` a symbolic link to `out` (replaced atomically; anything else there is refused)."""
+    latest = root / "latest"
+    _check_latest(root)
     tmp = root / f".latest-{uuid.uuid4().hex[:8]}"
     os.symlink(out.name, tmp)
     os.replace(tmp, latest)
 
 
+def _one_line_os_errors(claim_fn):
+    """A run directory the file system refuses (read-only, not ours) is one line naming it, exit 2."""
+
+    @functools.wraps(claim_fn)
+    def claiming(cfg: Config, overwrite: bool = False) -> tuple[Config, RunLock]:
+        try:
+            return claim_fn(cfg, overwrite)
+        except OSError as e:
+            where = f"'{e.filename}'" if e.filename else f"'{cfg.run.out or RUNS_ROOT}'"
+            raise ConfigError("run.out", f"cannot write the run directory {where} ({e.strerror or e}); give a "
+                              "writable directory with --out") from None
+
+    return claiming
+
+
+@_one_line_os_errors
 def claim(cfg: Config, overwrite: bool = False) -> tuple[Config, RunLock]:
     """Make `cfg.run.out` this run's directory; returns the config with `run.out` and `run.id` set,
     and the directory's lock, which the caller holds for the run's whole life (see RunLock).

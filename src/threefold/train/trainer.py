@@ -18,7 +18,8 @@ from ..checkpoint.hf import pretrained
 from ..comm import Comm
 from ..config import Config
 from ..data.build import build_samplers
-from ..data.loader import Loader
+from ..data.loader import Loader, bound_ids
+from ..errors import UserError
 from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
@@ -49,6 +50,7 @@ class LaunchedStep:
     mem: dict  # the memory figures at its launch
     moe: dict | None
     comm: dict  # the step's bytes by axis and op
+    token_ids: torch.Tensor  # the step's largest token id (lowest if negative), on the device
 
 
 def share_cpu_threads(device: torch.device) -> None:
@@ -226,6 +228,7 @@ class Trainer:
         start = time.perf_counter()
         self.faults.step_start(step)
         micro_batches, data_wait = self.loader.get(step - 1)
+        micro_batches, token_ids = bound_ids(micro_batches, self.cfg.model.vocab)
         micro_batches = self.faults.batches(step, micro_batches)
         result = self.step_fn(step, micro_batches, self.global_tokens)
         loss_sum = result.loss_sum.clone()
@@ -240,7 +243,7 @@ class Trainer:
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
-                            data_wait, mem, moe, comm)
+                            data_wait, mem, moe, comm, token_ids)
 
     def finish_step(self, launched: LaunchedStep) -> dict:
         """Read a launched step's figures (waits for it) and make its metrics record.
@@ -248,7 +251,9 @@ class Trainer:
         Its time runs from its launch, or from the previous step's finish when it was launched before
         that one was read, to its own finish: consecutive steps' times add up to the wall time."""
         step, result = launched.step, launched.result
-        grad_norm, skipped, loss_scale, loss_total = result.read(launched.loss_sum)  # the step's one read
+        grad_norm, skipped, loss_scale, loss_total, token_id = result.read(launched.loss_sum, launched.token_ids)
+        if not 0 <= token_id < self.cfg.model.vocab:  # read with the step's figures (above): no extra wait
+            self._bad_token(step, int(token_id))
         now = time.perf_counter()
         elapsed = now - max(launched.start, self._last_finish)
         self._last_finish = now
@@ -270,6 +275,14 @@ class Trainer:
             record["comm_inter_node"] = {a: sum(ops.values()) for a, ops in record["comm"].items()
                                          if a in self.inter_node_axes}
         return record
+
+    def _bad_token(self, step: int, token_id: int) -> None:
+        """A token id outside the vocabulary (its lookups read id 0 instead: no checkpoint follows)."""
+        d, vocab = self.cfg.data, self.cfg.model.vocab
+        source = f"data.sources '{d.sources}'" if d.sources else f"data.source '{d.source}'"
+        raise UserError(f"data: step {step} read token id {token_id} from {source}, outside the model's vocabulary "
+                        f"of {vocab} (ids 0..{vocab - 1}); prepare the data with the model's tokenizer, or give "
+                        "the model a vocabulary that covers the data (model.vocab)")
 
     def _may_defer(self) -> bool:
         """Whether the step just launched may be read after the next one is launched: nothing needs
