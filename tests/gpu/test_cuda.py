@@ -63,7 +63,7 @@ def test_the_figures_copy_is_pinned_non_blocking_and_the_peak_is_the_steps(tmp_p
         pending = start_read(trainer.figures(result, result.loss_sum), trainer.device)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert pending._host.is_pinned()
+    assert trainer.device.host_buffer(1).is_pinned()
     values = pending.values()
     assert values["skipped"] == 0.0 and values["loss_scale"] == 1.0 and values["loss_total"] > 0
     trainer.device.reset_memory_peak()
