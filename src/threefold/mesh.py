@@ -37,11 +37,22 @@ LANES = (GATHER,)  # second groups over an axis's ranks (Mesh.add_lane)
 LANE_AXES = ("dp", "edp")  # the axes that have lanes
 
 
+def cuda_index(env=os.environ) -> int:
+    """This process's GPU among the ones it sees: LOCAL_RANK modulo the visible count.
+
+    A launcher that shows each process every GPU of its node (torchrun) gives index LOCAL_RANK;
+    one that shows each task only its own (Slurm `--gpus-per-task=1`, CUDA_VISIBLE_DEVICES per
+    rank) gives 0, where cuda:LOCAL_RANK would name a GPU that does not exist. The one place
+    threefold picks a device index (the trainer's device, through `pick_device`)."""
+    visible = torch.cuda.device_count()
+    return int(env.get("LOCAL_RANK") or 0) % visible if visible > 1 else 0
+
+
 def pick_device(kind: str = "auto") -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is present (or asked for), else the CPU."""
+    """cuda:`cuda_index()` when CUDA is present (or asked for), else the CPU."""
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cuda", cuda_index())
 
 
 def local_world_size() -> int:

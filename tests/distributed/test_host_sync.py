@@ -47,22 +47,22 @@ def read_order(out: str) -> list:
     from threefold.train.trainer import Trainer
 
     trainer = Trainer(make_config(BASE + ["parallel.dp=2", "train.steps=5", "checkpoint.save_every=3"], out))
-    events, launch, read = [], trainer.step_fn, step_module.StepResult.read
+    events, launch, read = [], trainer.step_fn, step_module.PendingRead.values
 
     def launched(step, *args):
         events.append(f"L{step}")
         return launch(step, *args)
 
-    def reading(result, *extra):
+    def reading(pending):
         events.append("R")
-        return read(result, *extra)
+        return read(pending)
 
     trainer.step_fn = launched
-    step_module.StepResult.read = reading
+    step_module.PendingRead.values = reading
     try:
         records = trainer.run()
     finally:
-        step_module.StepResult.read = read
+        step_module.PendingRead.values = read
     return events, [r["step"] for r in records], [r["step_time_s"] for r in records]
 
 
@@ -72,3 +72,78 @@ def test_a_step_is_read_after_the_next_one_is_launched(worlds, tmp_path):
     for events, steps, times in worlds(2).run(read_order, str(tmp_path)):
         assert events == ["L1", "L2", "R", "L3", "R", "R", "L4", "L5", "R", "R"], events
         assert steps == [1, 2, 3, 4, 5] and all(t > 0 for t in times)
+
+
+def issue_order(out: str) -> list[str]:
+    """Every operation a 3-step run issues, in order, with the read-back's device calls (a recording
+    `Device`) and the starts of the steps' launches among them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from threefold.train.step import TorchDevice
+    from threefold.train.trainer import Trainer
+
+    log: list[str] = []
+
+    class Recorded:
+        def __init__(self, event):
+            self.event = event
+
+        def synchronize(self):
+            log.append("wait")
+            self.event.synchronize()
+
+    class RecordingDevice(TorchDevice):
+        def copy_to_host(self, dst, src):
+            log.append("copy")
+            super().copy_to_host(dst, src)
+
+        def record_event(self):
+            log.append("event")
+            return Recorded(super().record_event())
+
+        def memory_peak(self):
+            return 1000 + len(log)  # what a CUDA allocator would report
+
+        def reset_memory_peak(self):
+            log.append("reset")
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:  # views launch nothing
+                log.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    trainer = Trainer(make_config(BASE + ["parallel.dp=2", "data.prefetch=0"], out))
+    trainer.device = RecordingDevice(trainer.mesh.device)
+    launch = trainer.launch_step
+
+    def launching():
+        log.append(f"launch {trainer.step + 1}")
+        return launch()
+
+    trainer.launch_step = launching
+    with Ops():
+        records = trainer.run()
+    log.append(f"peaks {[r['mem']['peak'] for r in records]}")
+    return log
+
+
+def test_a_steps_figures_are_copied_before_the_next_step_is_issued(worlds, tmp_path):
+    """Step N's figures go to the host by one copy and an event issued right after step N, before
+    any operation of step N+1 (on one CUDA stream a copy issued later waits for step N+1 too); the host
+    waits for that event only after step N+1 is issued. Each step's memory peak is its own (reset)."""
+    for log in worlds(2).run(issue_order, str(tmp_path)):
+        launch2 = log.index("launch 2")
+        first_op2 = next(i for i in range(launch2, len(log)) if log[i].startswith("aten.") or log[i] == "reset")
+        copy1 = log.index("copy")
+        assert copy1 < launch2 < first_op2, log[copy1 - 3: first_op2 + 1]
+        assert log[copy1 + 1: copy1 + 3] == ["aten.copy_.default", "event"], log[copy1: copy1 + 3]
+        copy2 = log.index("copy", launch2)
+        assert copy2 < log.index("wait") < log.index("launch 3")  # step 1 is read after step 2 is issued ...
+        assert log.count("copy") == log.count("event") == 3  # ... and each step's figures cross once
+        wait1 = log.index("wait")  # the read touches only host memory: no operation follows the wait
+        assert not log[wait1 + 1].startswith("aten."), log[wait1: wait1 + 2]
+        for n in (1, 2, 3):
+            assert log[log.index(f"launch {n}") + 1] == "reset", n  # the peak is reset as each step begins
+        peaks = eval(log[-1].removeprefix("peaks "))
+        assert len(set(peaks)) == 3, peaks  # the device's peak of each step, not the sum of the counted bytes

@@ -39,8 +39,8 @@ def ours(logits: torch.Tensor, targets: torch.Tensor, valid: int, parallel: bool
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("valid", [V, VALID])
 def test_cross_entropy_in_the_logits_dtype_equals_fp32_cross_entropy(monkeypatch, parallel, dtype, valid):
-    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda vocab: 5)
-    monkeypatch.setattr(tensor, "chunk_rows", lambda vocab: 5)
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda rows, vocab, logit_bytes: 5)
+    monkeypatch.setattr(tensor, "chunk_rows", lambda rows, vocab, logit_bytes: 5)
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(N, V, generator=gen)).to(dtype)
     logits[:, valid:] = 50.0  # padding columns: large logits that must not count
@@ -56,3 +56,50 @@ def test_cross_entropy_in_the_logits_dtype_equals_fp32_cross_entropy(monkeypatch
     # vocabulary-parallel: the local ids and their in-slice mask)
     ids = 8 * N + (N if parallel else 0)
     assert saved == logits.element_size() * N * V + 4 * N + ids, (saved, dtype)
+
+
+def _chunks(rows: int, vocab: int, logit_bytes: int) -> int:
+    from threefold.models.loss_pieces import chunk_rows
+
+    return -(-rows // chunk_rows(rows, vocab, logit_bytes))
+
+
+def test_the_chunk_count_comes_from_the_memory_it_saves():
+    """One chunk when the fp32 working memory of all rows fits max(128 MiB, the logits' bytes); else
+    a handful (it was 50 chunks of 2^24 logits for GPT-2, 64 for a 1B Llama: a Python loop of kernels)."""
+    from threefold.models.loss_pieces import chunk_rows
+    from threefold.planner import memory
+
+    assert _chunks(16 * 1024, 50304, 2) == 4  # GPT-2 124M in bf16: 8 bytes a logit within the logits' 2
+    assert _chunks(4 * 2048, 128256, 2) == 4  # a 1B Llama
+    assert _chunks(16 * 1024, 50304, 4) == 2  # fp32 logits
+    assert _chunks(4 * 256, 8192, 2) == 1  # fits the floor: one chunk
+    assert _chunks(8 * 32, 256, 4) == 1
+    for rows, vocab, size in ((16 * 1024, 50304, 2), (4 * 2048, 128256, 2), (1000, 50304, 4), (7, 3, 2)):
+        step = chunk_rows(rows, vocab, size)
+        assert 8 * step * vocab <= max(1 << 27, rows * vocab * size) or step == 1  # within the budget
+        assert step * (-(-rows // step)) - rows < -(-rows // step)  # equal chunks, the last one short by < count
+    assert memory.chunk_rows is chunk_rows  # the planner counts the same chunk
+
+
+def test_the_loss_of_logits_that_fit_runs_one_chunk():
+    """The kernels of the loss do not grow with the rows while they fit: one chunk's worth."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for rows in (64, 4096):
+        logits = torch.randn(rows, 256, requires_grad=True)
+        targets = torch.randint(0, 256, (rows,))
+        with Ops() as ops:
+            cross_entropy.summed_cross_entropy(logits, targets).backward()
+        counts.append(ops.n)
+    assert counts[0] == counts[1], counts

@@ -68,6 +68,7 @@ def test_hang_report_matches_point_to_point_peers(tmp_path):
 
 class _FakeMesh:
     global_rank, world_size = 0, 1
+    device = torch.device("cpu")
 
     def rank(self, axis):
         return 0

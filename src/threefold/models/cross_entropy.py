@@ -2,7 +2,8 @@
 
 `F.cross_entropy(logits.float())` copies all logits to fp32 and keeps fp32 log-probabilities
 (4 b s V bytes) for backward. Here the logits stay in their dtype: forward upcasts one chunk of
-token rows at a time (`loss_pieces.chunk_rows`: at most 2^24 logits) and keeps only the fp32
+token rows at a time (`loss_pieces.chunk_rows`: one chunk when the fp32 working memory of all
+rows fits max(128 MiB, the logits' own bytes), else the fewest equal chunks that do) and keeps only the fp32
 log-sum-exp of each token; backward recomputes softmax - one_hot chunk by chunk in fp32 and
 writes it in the logits' dtype. Kept for backward: the logits (which exist anyway: b s V in the
 compute dtype), the targets and 4 bytes per token. No extra matmul: the head is not recomputed.
@@ -23,7 +24,7 @@ class _SummedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_nv: torch.Tensor, targets_n: torch.Tensor, valid: int) -> torch.Tensor:
         n = logits_nv.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits_nv.device)
-        step = chunk_rows(valid)
+        step = chunk_rows(n, valid, logits_nv.element_size())
         for i in range(0, n, step):
             lse[i:i + step] = torch.logsumexp(logits_nv[i:i + step, :valid].float(), dim=-1)
         picked = logits_nv.gather(-1, targets_n.unsqueeze(-1)).squeeze(-1).float()
@@ -47,7 +48,7 @@ def softmax_minus_one_hot(logits_nv: torch.Tensor, local_targets_n: torch.Tensor
     out = torch.empty((n, v), dtype=logits_nv.dtype, device=logits_nv.device)
     if valid < v:
         out[:, valid:] = 0
-    step = chunk_rows(valid)
+    step = chunk_rows(n, valid, logits_nv.element_size())
     for i in range(0, n if valid > 0 else 0, step):
         p = logits_nv[i:i + step, :valid].to(torch.float32, copy=True)
         p.sub_(lse_n[i:i + step].unsqueeze(-1)).exp_()

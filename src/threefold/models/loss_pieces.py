@@ -3,13 +3,28 @@ models/cross_entropy.py), in plain arithmetic: the planner imports them without 
 
 from __future__ import annotations
 
-# The cross-entropy upcasts at most this many logits to fp32 at once (64 MiB): rows of one chunk.
-CHUNK_ELEMENTS = 1 << 24
+# The cross-entropy's fp32 working memory: a chunk of logits upcast to fp32 and its exp, 8 bytes a logit.
+FP32_BYTES_PER_LOGIT = 8
+# Chunks are cut only when the working memory of all rows at once would exceed the larger of this
+# floor and the logits' own bytes: the loss then at most doubles what the logits hold, in a
+# handful of chunks (a loop of kernels per chunk costs host time and compile time).
+CHUNK_FLOOR_BYTES = 1 << 27
 
 
-def chunk_rows(vocab: int) -> int:
-    """Token rows of (tokens, vocab) logits the cross-entropy upcasts to fp32 at once."""
-    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+def chunk_rows(rows: int, vocab: int, logit_bytes: int) -> int:
+    """Token rows of (rows, vocab) logits of `logit_bytes` each that the cross-entropy upcasts at once.
+
+    All of them (one chunk) when their fp32 working memory, 8 bytes a logit, fits the budget
+    max(128 MiB, rows x vocab x logit_bytes); else the fewest equal chunks that fit it: 4 for bf16
+    or fp16 logits, 2 for fp32, whatever the batch and the vocabulary (GPT-2 at 16 x 1024 tokens was
+    cut into 50 chunks of 2^24 logits, a 1B Llama into 64)."""
+    rows, vocab = max(1, rows), max(1, vocab)
+    budget = max(CHUNK_FLOOR_BYTES, rows * vocab * logit_bytes)
+    fit = max(1, budget // (FP32_BYTES_PER_LOGIT * vocab))
+    if fit >= rows:
+        return rows
+    chunks = -(-rows // fit)
+    return -(-rows // chunks)
 
 
 def piece_tokens(rows: int, seq: int, chunk: int, sequence_sharded: bool = False) -> int:

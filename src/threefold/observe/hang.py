@@ -32,6 +32,8 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 from ..comm import Comm
 from .hang_report import build_report, format_report
 
@@ -100,6 +102,13 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def bind_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device of the calling thread (a new thread starts on GPU 0:
+    its first CUDA call, the completion events' query, would open a context there on every rank)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class Watchdog:
     def __init__(self, comm: Comm, flight_dir: Path, timeout_s: float, grace_s: float = 10.0,
                  poll_s: float | None = None, step=lambda: 0, exit_process: bool = True):
@@ -131,6 +140,7 @@ class Watchdog:
     # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        bind_device(self.comm.mesh.device)
         marker = self.dir / MARKER
         while not self._stop.wait(self.poll_s):
             stuck = self._stuck()

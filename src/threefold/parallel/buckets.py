@@ -33,6 +33,7 @@ class Bucket:
     launched: bool = False
     handle: object = None  # whatever the launch callback returned, waited for in flush()
     state: dict = field(default_factory=dict)  # per-bucket memory of a communication hook
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient: a view of `buffer`
 
     def numel(self) -> int:
         return self.buffer.numel()
@@ -77,9 +78,10 @@ class GradientBuckets:
                 total += p.numel()
             padded = -(-total // pad_to) * pad_to  # room for an even split over pad_to ranks
             buffer = torch.zeros(padded, dtype=group[0].dtype, device=group[0].device)
-            bucket = Bucket(index, group, buffer, offsets, pending=len(group))
-            for p, off in zip(group, offsets):
-                p.grad = buffer[off: off + p.numel()].view_as(p)
+            views = [buffer[off: off + p.numel()].view_as(p) for p, off in zip(group, offsets)]
+            bucket = Bucket(index, group, buffer, offsets, pending=len(group), views=views)
+            for p, view in zip(group, views):
+                p.grad = view
                 self._bucket_of[p] = bucket
             self.buckets.append(bucket)
         self.sync = True  # launch during backward; False while accumulating micro-batches
@@ -146,11 +148,14 @@ class GradientBuckets:
         self._hooks_fired = 0
 
     def zero_grad(self) -> None:
+        """Zero every buffer (one multi-tensor kernel) and point each `.grad` back at its view where
+        something replaced it (an identity check: no view is made, nothing is launched)."""
+        if self.buckets:
+            torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
         for bucket in self.buckets:
-            bucket.buffer.zero_()
-            for p, off in zip(bucket.params, bucket.offsets):
-                if p.grad is None or p.grad.data_ptr() != bucket.buffer[off:].data_ptr():
-                    p.grad = bucket.buffer[off: off + p.numel()].view_as(p)
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not view:
+                    p.grad = view
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -159,14 +159,22 @@ class ShardedOptimizer:
         scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
         if isinstance(inv_scale, torch.Tensor):
             inv_scale = inv_scale.to(self.host)  # a host read only with offload
-        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
-            grad = piece.grad()
+        grads = [piece.grad().detach() for piece in self.pieces]  # views: nothing is launched
+        # fp32 copies, where the master does not take the model's own fp32 gradient: one buffer, one
+        # multi-tensor copy (with the cast) and one multiply for all of them, not kernels per tensor
+        copied = [i for i, alias in enumerate(self.aliased) if scaled or not alias]
+        for i, alias in enumerate(self.aliased):
             if alias and not scaled:
-                master.grad = grad.detach()  # the model's own fp32 gradient, no copy
-            else:
-                master.grad = grad.detach().to(self.host, torch.float32, copy=True)
-                if scaled:
-                    master.grad.mul_(inv_scale)
+                self.masters[i].grad = grads[i]  # the model's own fp32 gradient, no copy
+        if copied:
+            sizes = [grads[i].numel() for i in copied]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.host)
+            views = flat.split(sizes)
+            torch._foreach_copy_(views, [grads[i] for i in copied])
+            if scaled:
+                flat.mul_(inv_scale)
+            for i, view in zip(copied, views):
+                self.masters[i].grad = view
         return self.masters, self.placements
 
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
@@ -194,9 +202,12 @@ class ShardedOptimizer:
         self.inner.step()
         self.inner.found_inf = None
         self.steps += 1
-        for piece, master, alias in zip(self.pieces, self.masters, self.aliased):
-            if not alias:
-                piece.model.copy_(master, non_blocking=True)
+        copies = [(piece.model, master) for piece, master, alias in zip(self.pieces, self.masters, self.aliased)
+                  if not alias]
+        if copies:  # the updated pieces into the model (cast to its dtype): one multi-tensor copy
+            models, masters = zip(*copies)
+            torch._foreach_copy_(list(models), list(masters), non_blocking=True)
+        for master in self.masters:
             master.grad = None
         if self.after_step is not None:
             self.after_step()

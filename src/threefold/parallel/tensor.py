@@ -200,7 +200,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = logits_nv.gather(-1, local.unsqueeze(-1)).squeeze(-1).float().masked_fill(outside, 0.0)
         comm.all_reduce(picked, AXIS)
         sum_exp = torch.zeros(n, dtype=torch.float32, device=logits_nv.device)
-        step = chunk_rows(valid)
+        step = chunk_rows(n, valid, logits_nv.element_size())
         for i in range(0, n if valid > 0 else 0, step):
             part = real[i:i + step].to(torch.float32, copy=True)
             sum_exp[i:i + step] = part.sub_(maxes[i:i + step].unsqueeze(-1)).exp_().sum(dim=-1)

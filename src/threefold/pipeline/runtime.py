@@ -17,7 +17,9 @@ The arithmetic is the single-device step's: the last stage divides each micro-ba
 token loss by the global token count before backward, so the accumulated gradients are those
 of the global mean loss. What a stage computes is behind `StageCompute`: `ModuleCompute`
 runs the model; tests substitute stages of known cost to measure the schedule itself.
-Every compute action is timed (after its input arrived) into `timeline`.
+Every compute action is timed (after its input arrived) into `timeline`, by the device's clock
+(`clock_for`): CUDA events on CUDA, where the host only issues kernels and its own clock would
+time the issuing, not the work; the host's clock on the CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +41,61 @@ from .stage import RankModule, Stage
 from .timeline import COMPUTE_KINDS, Event
 
 RECEIVES = ("RECV_F", "RECV_B")
+
+
+class Clock(Protocol):
+    """Marks points of a step as the device reaches them; seconds of the marks, read after the step."""
+
+    def begin(self) -> None: ...  # a new step
+
+    def mark(self) -> object: ...
+
+    def seconds(self, marks: list) -> list[float]: ...  # may wait for the device (after the step)
+
+
+class HostClock:
+    """The host's clock: on the CPU the device is the host, an action ends when its call returns."""
+
+    def begin(self) -> None:
+        return None
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, marks: list) -> list[float]:
+        return [float(m) for m in marks]
+
+
+class CudaClock:
+    """Timing events on the current stream: when the device reached each mark, so an action's span
+    is its kernels' and a wait for a message shows as a gap (the bubble). Seconds are the host's
+    clock when the step's first mark was issued plus the device time elapsed since that mark;
+    reading them waits for the step's last mark."""
+
+    def __init__(self):
+        self._first = self._last = None
+        self._host0 = 0.0
+
+    def begin(self) -> None:
+        self._first = self._last = None
+
+    def mark(self) -> object:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._first is None:
+            self._first, self._host0 = event, time.perf_counter()
+        self._last = event
+        return event
+
+    def seconds(self, marks: list) -> list[float]:
+        if not marks:
+            return []
+        self._last.synchronize()
+        return [self._host0 + self._first.elapsed_time(m) / 1e3 for m in marks]
+
+
+def clock_for(device: torch.device) -> Clock:
+    return CudaClock() if device.type == "cuda" else HostClock()
 
 
 @dataclass
@@ -229,7 +286,9 @@ class PipelineRuntime:
         self.activation_shape = activation_shape  # tokens shape -> shape of what crosses stages
         self.dtype = dtype
         self.tied_grads = tied_grads  # callable run after the schedule (sums tied weights' gradients)
-        self.timeline: list[Event] = []  # the last step's actions, perf_counter seconds
+        self.clock = clock_for(comm.mesh.device)
+        self._marked: list[Event] = []  # the last step's actions, start and end as the clock's marks
+        self._timeline: list[Event] | None = []
         self.meter = compute.meter
         self.actions = schedule.ranks[self.rank]
         assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
@@ -240,6 +299,15 @@ class PipelineRuntime:
 
     def _peer(self, stage: int) -> int:
         return self.schedule.stage_rank(stage)
+
+    @property
+    def timeline(self) -> list[Event]:
+        """The last step's actions in seconds (perf_counter's scale; on CUDA this waits for the step)."""
+        if self._timeline is None:
+            seconds = self.clock.seconds([m for e in self._marked for m in (e.start, e.end)])
+            self._timeline = [e._replace(start=seconds[2 * i], end=seconds[2 * i + 1])
+                              for i, e in enumerate(self._marked)]
+        return self._timeline
 
     def forward_backward(self, micro_batches, global_tokens: int) -> torch.Tensor:
         """Run the whole schedule over `micro_batches`; return this rank's summed token loss.
@@ -256,7 +324,9 @@ class PipelineRuntime:
         local: dict[tuple, torch.Tensor] = {}  # hand-offs between stages on this rank
         states: dict[tuple, object] = {}
         sending: list = []  # (handle, tensor): a tensor must live until its send completed
-        timeline = self.timeline = []
+        timeline = self._marked = []
+        self._timeline = None
+        self.clock.begin()
         actions = self.actions
         if self.receives_first and self._receives:
             self._post(self._receives, micro_batches, inbox, outbox, device, timeline)
@@ -279,9 +349,9 @@ class PipelineRuntime:
                     x = micro_batches[a.mb].inputs
                 else:
                     x = self._take(("F", a.stage, a.mb), inbox, local)
-                start = time.perf_counter()
+                start = self.clock.mark()
                 out, states[key] = self.compute.forward(stage, x, micro_batches[a.mb].targets if stage.last else None)
-                end = time.perf_counter()
+                end = self.clock.mark()
                 if stage.last:
                     loss += out
                 elif self._peer(a.stage + 1) == self.rank:
@@ -290,21 +360,21 @@ class PipelineRuntime:
                     outbox[("F", a.stage, a.mb)] = out
             elif a.kind in ("B", "I"):
                 grad = None if stage.last else self._take(("B", a.stage, a.mb), inbox, local)
-                start = time.perf_counter()
+                start = self.clock.mark()
                 if a.kind == "B":
                     grad_in = self.compute.backward(stage, states.pop(key), grad)
                 else:
                     grad_in = self.compute.backward_input(stage, states[key], grad)
-                end = time.perf_counter()
+                end = self.clock.mark()
                 if not stage.first:
                     if self._peer(a.stage - 1) == self.rank:
                         local[("B", a.stage - 1, a.mb)] = grad_in
                     else:
                         outbox[("B", a.stage, a.mb)] = grad_in
             else:  # W
-                start = time.perf_counter()
+                start = self.clock.mark()
                 self.compute.backward_weight(stage, states.pop(key))
-                end = time.perf_counter()
+                end = self.clock.mark()
             timeline.append(Event(self.rank, a.kind, a.stage, a.mb, start, end))
             i += 1
         for handle, _ in sending:
@@ -340,7 +410,7 @@ class PipelineRuntime:
                 recv_keys.append((("F" if a.kind == "RECV_F" else "B", a.stage, a.mb), buffer))
                 continue
             send_tensors.append(t)
-        now = time.perf_counter()
+        now = self.clock.mark()
         timeline.extend(Event(self.rank, a.kind, a.stage, a.mb, now, now) for a in batch)
         handles = self.comm.batch_send_recv(sends, recvs)
         for (key, buffer), handle in zip(recv_keys, handles[len(sends):]):

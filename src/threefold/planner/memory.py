@@ -195,7 +195,7 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
             transient += (x.c + 8) * tokens * vocab
         else:
             transient += ((2 if loss_in_pieces(w.model, x) else 1) * x.c * tokens * vocab
-                          + 8 * min(tokens, chunk_rows(int(vocab))) * vocab)
+                          + 8 * chunk_rows(int(tokens), int(vocab), int(x.c)) * vocab)
     buffers = 0.0
     if st.dp > 1:
         buffers += 2 * st.bucket_mb * 2**20  # buckets in flight while the next ones fill

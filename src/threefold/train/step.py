@@ -7,12 +7,15 @@ gradient of that mean. Then: global gradient norm, clipping, learning rate, opti
 
 No host synchronisation: the norm, the overflow flag, the loss scale and the loss stay on the
 device; one flag decides skip or step inside the optimizer's kernel (parallel/master.py), and
-the trainer reads the step's figures once, after the step is issued (`StepResult.read`).
+the trainer reads the step's figures once (`StepResult.figures`, `start_read`): their copy to the
+host is issued (non-blocking, into pinned memory on CUDA) with an event right after the step, and
+the host waits for that event alone, after it has issued the next step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,6 +29,99 @@ from ..sharding import Placement
 from .optim import lr_at, set_lr
 
 
+class Event(Protocol):
+    """A point in the device's queue (`torch.cuda.Event`)."""
+
+    def synchronize(self) -> None: ...  # returns once the device has passed the point
+
+
+class Device(Protocol):
+    """The device operations of reading a step's figures back, and of its memory peak: a seam
+    (`TorchDevice` on the trainer's device; a test records the order of their calls)."""
+
+    def host_buffer(self, numel: int) -> torch.Tensor: ...  # float64 host memory the copy lands in
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...  # issued, not waited for
+
+    def record_event(self) -> Event: ...  # after everything issued so far
+
+    def memory_peak(self) -> int | None: ...  # the allocator's peak since the last reset (None: not tracked)
+
+    def reset_memory_peak(self) -> None: ...
+
+
+class _Passed:
+    """The event of a device without a queue (the CPU): every copy has happened when issued."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+class TorchDevice:
+    """`Device` for a torch device. CUDA: pinned host memory, `copy_(non_blocking=True)` and a CUDA
+    event on the current stream, so the copy is queued behind the step and the host does not wait;
+    the caching allocator's peak. CPU: plain memory, the copy happens at once, no peak."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def host_buffer(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float64, pin_memory=self.cuda)
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=self.cuda)
+
+    def record_event(self) -> Event:
+        if not self.cuda:
+            return _Passed()
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def memory_peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def reset_memory_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+Figure = torch.Tensor | float  # a 0-dim device tensor, or a number the host already knows
+
+
+class PendingRead:
+    """Figures whose copy to the host is issued; `values()` waits for that copy alone."""
+
+    def __init__(self, names: list[str], known: dict[str, float], host: torch.Tensor | None, done: Event | None,
+                 order: list[str]):
+        self._names, self._known, self._host, self._done, self._order = names, known, host, done, order
+
+    def values(self) -> dict[str, float]:
+        """{name: number}, in the order the figures were given."""
+        read = {}
+        if self._host is not None:
+            self._done.synchronize()
+            read = dict(zip(self._names, self._host.tolist()))  # host memory: no device access
+        return {name: read[name] if name in read else self._known[name] for name in self._order}
+
+
+def start_read(figures: dict[str, Figure], device: Device) -> PendingRead:
+    """Issue the one copy of a step's device figures to the host and an event behind it.
+
+    Issued right after the step, before anything of the next one, so the copy waits for this step
+    only; numbers the host already knows are kept as they are (no host-to-device copy)."""
+    tensors = {k: v for k, v in figures.items() if isinstance(v, torch.Tensor)}
+    known = {k: float(v) for k, v in figures.items() if not isinstance(v, torch.Tensor)}
+    host = done = None
+    if tensors:
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in tensors.values()])
+        host = device.host_buffer(len(tensors))
+        device.copy_to_host(host, stacked)
+        done = device.record_event()
+    return PendingRead(list(tensors), known, host, done, list(figures))
+
+
 @dataclass
 class StepResult:
     """A step's figures as 0-dim device tensors (reading them waits for the step)."""
@@ -34,13 +130,16 @@ class StepResult:
     grad_norm: torch.Tensor  # the global gradient norm (fp32; inf or nan after an overflow)
     lr: float
     skipped: torch.Tensor  # bool: the update was skipped (non-finite gradients)
-    loss_scale: torch.Tensor | float = 1.0  # the loss scale this step used (fp16)
+    loss_scale: torch.Tensor | float = 1.0  # the loss scale this step used (fp16: on the device)
+
+    def figures(self) -> dict[str, Figure]:
+        """What the metrics read of the step; callers add their own (the loss over the world, ...)."""
+        return {"grad_norm": self.grad_norm, "skipped": self.skipped, "loss_scale": self.loss_scale}
 
     def read(self, *extra: torch.Tensor) -> list[float]:
-        """One transfer to the host: [grad_norm, skipped, loss_scale, *extra] as numbers."""
-        device = self.grad_norm.device
-        values = [self.grad_norm, self.skipped, torch.as_tensor(self.loss_scale, device=device), *extra]
-        return torch.stack([v.to(device, torch.float64) for v in values]).tolist()
+        """Wait for the step: [grad_norm, skipped, loss_scale, *extra] as numbers (one transfer)."""
+        figures = {**self.figures(), **{f"extra{i}": v for i, v in enumerate(extra)}}
+        return list(start_read(figures, TorchDevice(self.grad_norm.device)).values().values())
 
 
 def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,

@@ -33,7 +33,7 @@ from .autosave import AutoSave
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
 from .rundir import check_resume, run_directory, update_run
-from .step import StepResult, TrainStep
+from .step import Device, PendingRead, StepResult, TorchDevice, TrainStep, start_read
 from .summary import print_summary
 
 
@@ -43,14 +43,13 @@ class LaunchedStep:
 
     step: int
     result: StepResult
-    loss_sum: torch.Tensor  # the global loss sum (all-reduced over pp and dp), on the device
+    figures: PendingRead  # the step's figures on their way to the host (`Trainer.figures`)
     start: float  # perf_counter at its launch
     local_tokens: int
     data_wait_s: float
     mem: dict  # the memory figures at its launch
     moe: dict | None
     comm: dict  # the step's bytes by axis and op
-    token_ids: torch.Tensor  # the step's largest token id (lowest if negative), on the device
 
 
 def share_cpu_threads(device: torch.device) -> None:
@@ -75,6 +74,7 @@ class Trainer:
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical or p.zero_hpz else 0  # dp_intra / dp_inter
         self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep), device, node_size)
+        self.device: Device = TorchDevice(device)  # the figures' copy to the host, the memory peak
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
@@ -208,9 +208,9 @@ class Trainer:
         states = storage_bytes(self.optimizer.state_tensors())
         optim, offloaded = (0, states) if self.optimizer.offload else (states, 0)
         activations = self.parallel.meter.peak
-        peak = params + grads + optim + activations
-        if self.mesh.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.mesh.device)
+        peak = self.device.memory_peak()  # the allocator's, since this step began (CUDA)
+        if peak is None:
+            peak = params + grads + optim + activations
         mem = {"params": params, "grads": grads, "optimizer": optim, "activations": activations, "peak": peak}
         if self.optimizer.offload:
             mem["offloaded"] = offloaded
@@ -224,6 +224,7 @@ class Trainer:
         """Issue the next step: data, forward/backward, sync, update, the loss all-reduce. Nothing is
         read back to the host; what the host already knows is recorded now (bytes, memory, timing)."""
         step = self.step + 1
+        self.device.reset_memory_peak()  # the peak of this step alone, not of the evaluations and saves before
         self.observer.step_begin(step)
         start = time.perf_counter()
         self.faults.step_start(step)
@@ -237,13 +238,20 @@ class Trainer:
         for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
             self.comm.all_reduce(loss_sum, axis, tag="metrics")
         self.faults.step_end(step)
+        # before anything of the next step; with the step's largest token id (lowest if negative)
+        figures = start_read({**self.figures(result, loss_sum), "token_id": token_ids}, self.device)
         self.step = step
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
-        return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
-                            data_wait, mem, moe, comm, token_ids)
+        return LaunchedStep(step, result, figures, start, sum(mb.targets.numel() for mb in micro_batches),
+                            data_wait, mem, moe, comm)
+
+    @staticmethod
+    def figures(result: StepResult, loss_sum: torch.Tensor) -> dict:
+        """The numbers a step's record reads from the device, by name (a device tensor or a number)."""
+        return {**result.figures(), "loss_total": loss_sum}
 
     def finish_step(self, launched: LaunchedStep) -> dict:
         """Read a launched step's figures (waits for it) and make its metrics record.
@@ -251,7 +259,9 @@ class Trainer:
         Its time runs from its launch, or from the previous step's finish when it was launched before
         that one was read, to its own finish: consecutive steps' times add up to the wall time."""
         step, result = launched.step, launched.result
-        grad_norm, skipped, loss_scale, loss_total, token_id = result.read(launched.loss_sum, launched.token_ids)
+        figures = launched.figures.values()  # waits for the step's copy alone, not for the steps issued since
+        grad_norm, skipped, loss_scale = figures["grad_norm"], figures["skipped"], figures["loss_scale"]
+        loss_total, token_id = figures["loss_total"], figures["token_id"]
         if not 0 <= token_id < self.cfg.model.vocab:  # read with the step's figures (above): no extra wait
             self._bad_token(step, int(token_id))
         now = time.perf_counter()
