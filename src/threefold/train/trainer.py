@@ -29,6 +29,7 @@ from ..parallel import parallelize
 from ..parallel.expert import router_metrics
 from ..parallel.precision import set_tf32
 from .autosave import AutoSave
+from .clock import Mark, StepClock
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
 from .rundir import check_resume, run_directory, update_run
@@ -43,7 +44,8 @@ class LaunchedStep:
     step: int
     result: StepResult
     loss_sum: torch.Tensor  # the global loss sum (all-reduced over pp and dp), on the device
-    start: float  # perf_counter at its launch
+    start: Mark  # when its launch began, and when its work ended (train/clock.py)
+    end: Mark
     local_tokens: int
     data_wait_s: float
     mem: dict  # the memory figures at its launch
@@ -98,7 +100,8 @@ class Trainer:
                                     cfg.model.vocab)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
-        self._last_finish = 0.0  # when the previous step's figures were read (perf_counter)
+        self.clock = StepClock(device)
+        self._last_end: Mark | None = None  # when the previous step's work ended
         # State outside parameters and optimizer that checkpoints carry (e.g. {"loss_scaler": scaler}):
         # objects with state_dict() / load_state_dict() of plain JSON values.
         self.stateful: dict[str, object] = dict(self.parallel.stateful)
@@ -223,7 +226,7 @@ class Trainer:
         read back to the host; what the host already knows is recorded now (bytes, memory, timing)."""
         step = self.step + 1
         self.observer.step_begin(step)
-        start = time.perf_counter()
+        start = self.clock.mark()
         self.faults.step_start(step)
         micro_batches, data_wait = self.loader.get(step - 1)
         micro_batches = self.faults.batches(step, micro_batches)
@@ -239,19 +242,19 @@ class Trainer:
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
-        return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
+        return LaunchedStep(step, result, loss_sum, start, self.clock.mark(), sum(mb.targets.numel() for mb in micro_batches),
                             data_wait, mem, moe, comm)
 
     def finish_step(self, launched: LaunchedStep) -> dict:
         """Read a launched step's figures (waits for it) and make its metrics record.
 
-        Its time runs from its launch, or from the previous step's finish when it was launched before
-        that one was read, to its own finish: consecutive steps' times add up to the wall time."""
+        Its time runs from the end of the previous step's work (or from its own launch, when that is
+        later) to the end of its own work (train/clock.py): consecutive steps' times add up to the wall
+        time between their ends, and what ran between steps (an evaluation, a save) is no step's."""
         step, result = launched.step, launched.result
         grad_norm, skipped, loss_scale, loss_total = result.read(launched.loss_sum)  # the step's one read
-        now = time.perf_counter()
-        elapsed = now - max(launched.start, self._last_finish)
-        self._last_finish = now
+        elapsed = self.clock.step_time(launched.start, launched.end, self._last_end)
+        self._last_end = launched.end
         record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
                   "world_size": self.mesh.world_size, "microbatches": self.cfg.train.microbatches,
@@ -285,7 +288,9 @@ class Trainer:
         if self.autosave is not None:
             self.autosave.record_step(record["step_time_s"])
         if self.evaluator is not None and self.evaluator.due(step):
-            record.update(self.evaluator())
+            began = time.perf_counter()
+            record.update(self.evaluator())  # reads its loss: done when it returns
+            record["eval_time_s"] = time.perf_counter() - began
         if log is not None:
             log.write(record)
         if self._save_due(step):
