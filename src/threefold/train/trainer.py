@@ -30,6 +30,7 @@ from ..parallel import parallelize
 from ..parallel.expert import router_metrics
 from ..parallel.precision import set_tf32
 from .autosave import AutoSave
+from .clock import Mark, StepClock
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
 from .rundir import check_resume, run_directory, update_run
@@ -44,7 +45,8 @@ class LaunchedStep:
     step: int
     result: StepResult
     figures: PendingRead  # the step's figures on their way to the host (`Trainer.figures`)
-    start: float  # perf_counter at its launch
+    start: Mark  # when its launch began, and when its work ended (train/clock.py)
+    end: Mark
     local_tokens: int
     data_wait_s: float
     mem: dict  # the memory figures at its launch
@@ -100,7 +102,8 @@ class Trainer:
                                     cfg.model.vocab)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
-        self._last_finish = 0.0  # when the previous step's figures were read (perf_counter)
+        self.clock = StepClock(device)
+        self._last_end: Mark | None = None  # when the previous step's work ended
         # State outside parameters and optimizer that checkpoints carry (e.g. {"loss_scaler": scaler}):
         # objects with state_dict() / load_state_dict() of plain JSON values.
         self.stateful: dict[str, object] = dict(self.parallel.stateful)
@@ -226,7 +229,7 @@ class Trainer:
         step = self.step + 1
         self.device.reset_memory_peak()  # the peak of this step alone, not of the evaluations and saves before
         self.observer.step_begin(step)
-        start = time.perf_counter()
+        start = self.clock.mark()
         self.faults.step_start(step)
         micro_batches, data_wait = self.loader.get(step - 1)
         micro_batches, token_ids = bound_ids(micro_batches, self.cfg.model.vocab)
@@ -245,8 +248,8 @@ class Trainer:
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
-        return LaunchedStep(step, result, figures, start, sum(mb.targets.numel() for mb in micro_batches),
-                            data_wait, mem, moe, comm)
+        return LaunchedStep(step, result, figures, start, self.clock.mark(),
+                            sum(mb.targets.numel() for mb in micro_batches), data_wait, mem, moe, comm)
 
     @staticmethod
     def figures(result: StepResult, loss_sum: torch.Tensor) -> dict:
@@ -256,17 +259,17 @@ class Trainer:
     def finish_step(self, launched: LaunchedStep) -> dict:
         """Read a launched step's figures (waits for it) and make its metrics record.
 
-        Its time runs from its launch, or from the previous step's finish when it was launched before
-        that one was read, to its own finish: consecutive steps' times add up to the wall time."""
+        Its time runs from the end of the previous step's work (or from its own launch, when that is
+        later) to the end of its own work (train/clock.py): consecutive steps' times add up to the wall
+        time between their ends, and what ran between steps (an evaluation, a save) is no step's."""
         step, result = launched.step, launched.result
         figures = launched.figures.values()  # waits for the step's copy alone, not for the steps issued since
         grad_norm, skipped, loss_scale = figures["grad_norm"], figures["skipped"], figures["loss_scale"]
         loss_total, token_id = figures["loss_total"], figures["token_id"]
         if not 0 <= token_id < self.cfg.model.vocab:  # read with the step's figures (above): no extra wait
             self._bad_token(step, int(token_id))
-        now = time.perf_counter()
-        elapsed = now - max(launched.start, self._last_finish)
-        self._last_finish = now
+        elapsed = self.clock.step_time(launched.start, launched.end, self._last_end)
+        self._last_end = launched.end
         record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
                   "world_size": self.mesh.world_size, "microbatches": self.cfg.train.microbatches,
@@ -308,7 +311,9 @@ class Trainer:
         if self.autosave is not None:
             self.autosave.record_step(record["step_time_s"])
         if self.evaluator is not None and self.evaluator.due(step):
-            record.update(self.evaluator())
+            began = time.perf_counter()
+            record.update(self.evaluator())  # reads its loss: done when it returns
+            record["eval_time_s"] = time.perf_counter() - began
         if log is not None:
             log.write(record)
         if self._save_due(step):
