@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, TrainingState, import_model
+from ..checkpoint.format import step_dir_name
 from ..checkpoint.hf import pretrained
 from ..comm import Comm
 from ..config import Config
@@ -31,6 +32,7 @@ from ..parallel.precision import set_tf32
 from .autosave import AutoSave
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
+from .preempt import Preempted, StopSignals
 from .rundir import run_directory, update_run
 from .step import StepResult, TrainStep
 from .summary import print_summary
@@ -43,6 +45,7 @@ class LaunchedStep:
     step: int
     result: StepResult
     loss_sum: torch.Tensor  # the global loss sum (all-reduced over pp and dp), on the device
+    stop: torch.Tensor  # how many ranks had a stop signal when the step was launched (train/preempt.py)
     start: float  # perf_counter at its launch
     local_tokens: int
     data_wait_s: float
@@ -59,9 +62,13 @@ def share_cpu_threads(device: torch.device) -> None:
 
 
 class Trainer:
-    """Builds the mesh, the parallel model, the optimizer and the data; runs the steps."""
+    """Builds the mesh, the parallel model, the optimizer and the data; runs the steps.
 
-    def __init__(self, cfg: Config):
+    `stop`: this process's stop signals (train/preempt.py); on one, the world stops at the next
+    step boundary, saves and `run` raises Preempted. None: nothing stops the run.
+    """
+
+    def __init__(self, cfg: Config, stop: StopSignals | None = None):
         device = pick_device(cfg.run.device)
         if cfg.train.deterministic:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
@@ -94,8 +101,11 @@ class Trainer:
             val_sampler, cfg.train, self.parallel.module, self.comm,
             self.parallel.forward_backward if self.parallel.pipeline is not None else None,
             self.parallel.grad_sync.zero_grad)
+        self.stop = stop if stop is not None else StopSignals()
+        self.stopping = False  # the world agreed to stop at the step just finished
+        self._saved_step = -1  # the step of the last save
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
-                                    cfg.model.vocab)
+                                    cfg.model.vocab, self.stop)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
         self._last_finish = 0.0  # when the previous step's figures were read (perf_counter)
@@ -165,6 +175,7 @@ class Trainer:
                      and fault.step == self.step and first_attempt())
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if dies_here else None  # halfway through its file
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
+        self._saved_step = self.step
 
     def _save_due(self, step: int) -> bool:
         if self.autosave is not None:
@@ -227,19 +238,26 @@ class Trainer:
         micro_batches, data_wait = self.loader.get(step - 1)
         micro_batches = self.faults.batches(step, micro_batches)
         result = self.step_fn(step, micro_batches, self.global_tokens)
-        loss_sum = result.loss_sum.clone()
+        # the loss and the stop flag in one all-reduce: agreeing on a stop costs no extra sync
+        stop = result.loss_sum.new_full((1,), float(self.stop.first is not None))
+        figures = torch.cat([result.loss_sum.reshape(1), stop])
+        axes = ("pp", "dp")  # only the last pipeline stage has a loss; other ranks add 0
+        if self.mesh.size("tp") > 1:  # the flag reaches every rank; the loss (equal on every tp rank) counts once
+            axes += ("tp",)
+            if self.mesh.rank("tp") > 0:
+                figures[0] = 0
         if self.faults.skips_collective(step):
             self.faults.stall()
-        for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
-            self.comm.all_reduce(loss_sum, axis, tag="metrics")
+        for axis in axes:
+            self.comm.all_reduce(figures, axis, tag="metrics")
         self.faults.step_end(step)
         self.step = step
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
-        return LaunchedStep(step, result, loss_sum, start, sum(mb.targets.numel() for mb in micro_batches),
-                            data_wait, mem, moe, comm)
+        return LaunchedStep(step, result, figures[0], figures[1], start,
+                            sum(mb.targets.numel() for mb in micro_batches), data_wait, mem, moe, comm)
 
     def finish_step(self, launched: LaunchedStep) -> dict:
         """Read a launched step's figures (waits for it) and make its metrics record.
@@ -247,7 +265,8 @@ class Trainer:
         Its time runs from its launch, or from the previous step's finish when it was launched before
         that one was read, to its own finish: consecutive steps' times add up to the wall time."""
         step, result = launched.step, launched.result
-        grad_norm, skipped, loss_scale, loss_total = result.read(launched.loss_sum)  # the step's one read
+        grad_norm, skipped, loss_scale, loss_total, stop = result.read(launched.loss_sum, launched.stop)  # one read
+        self.stopping = self.stopping or stop > 0  # the same value on every rank: the world agrees
         now = time.perf_counter()
         elapsed = now - max(launched.start, self._last_finish)
         self._last_finish = now
@@ -273,8 +292,8 @@ class Trainer:
     def _may_defer(self) -> bool:
         """Whether the step just launched may be read after the next one is launched: nothing needs
         its figures or this exact state before then (a save, an evaluation, the last step, the
-        debugging tools' per-step checks, an injected fault)."""
-        return not (self.step >= self.cfg.train.steps or self._save_due(self.step)
+        debugging tools' per-step checks, an injected fault, a stop)."""
+        return not (self.step >= self.cfg.train.steps or self._save_due(self.step) or self.stopping
                     or (self.evaluator is not None and self.evaluator.due(self.step))
                     or self.observer.checks_each_step or self.cfg.fault.rank >= 0)
 
@@ -303,7 +322,7 @@ class Trainer:
         self.observer.start()
         try:
             pending = None  # a launched step whose figures are read after the next step is launched
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and not self.stopping:
                 launched = self.launch_step()
                 if pending is not None:  # nothing was due at its step (`_may_defer`)
                     records.append(self.finish_step(pending))
@@ -314,9 +333,12 @@ class Trainer:
                     continue
                 records.append(self.finish_step(launched))
                 self._complete(records[-1], log)
+            stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
+            if stopped and self._saved_step != self.step:
+                self.save_checkpoint()
             self.parallel.settle()  # the parameters are whole when the run returns
-            if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
-                self.checkpointer.close()
+            if stopped or cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
+                self.checkpointer.close()  # an async save is written
             self.observer.finish()
         finally:
             self.loader.close()
@@ -324,6 +346,8 @@ class Trainer:
             restore(self._determinism)
             if log is not None:
                 log.close()
+        if stopped:
+            raise self._preempted()
         if log is not None and cfg.run.plot and records:
             plot_run(log.path, self.out)
         if self.parallel.pipeline is not None and cfg.run.plot and records:
@@ -331,6 +355,13 @@ class Trainer:
         if log is not None:
             print_summary(self.out)
         return records
+
+    def _preempted(self) -> Preempted:
+        name = self.stop.first.name if self.stop.first is not None else "a stop signal to another rank"
+        stopped = Preempted(name, self.step, self.checkpointer.root / step_dir_name(self.step))
+        if self.is_writer:
+            print(stopped.line(), file=sys.stderr, flush=True)
+        return stopped
 
     def _export_pipeline_timeline(self) -> None:
         """The last step's measured schedule: DIR/pipeline.png and DIR/pipeline-trace.json (Chrome/Perfetto)."""
@@ -359,5 +390,5 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def train(cfg: Config) -> list[dict]:
-    return Trainer(cfg).run()
+def train(cfg: Config, stop: StopSignals | None = None) -> list[dict]:
+    return Trainer(cfg, stop).run()
