@@ -14,10 +14,10 @@ only in runs of `fault.layout` when one is given, and from the start of `fault.s
                      that launcher, and the node's processes die with it; with `fault.hold_file`,
                      every process of a later attempt waits at the start of the step while that
                      file exists
-    signal           send `fault.signal` (SIGTERM, SIGINT or SIGUSR1; a comma list sends each in
-                     turn) to this process's launcher - threefold's --nproc launcher, which forwards
-                     it, else the process itself - and wait until the process has received as many
-                     stop signals (train/preempt.py), so the world stops at this step
+    signal           send `fault.signal` (SIGTERM, SIGINT or SIGUSR1) to this process's launcher -
+                     threefold's --nproc launcher, which forwards it, else the process itself - and
+                     wait until it has reached this process (train/preempt.py), so the world stops
+                     at this step; SIGINT,SIGINT sends a second one after that (stop at once)
     signal_rank      the same, sent to `fault.rank` itself only (as srun signals each task)
 
 Faults fire in the first attempt of a job only, except `slow` (a straggler stays one) and the
@@ -90,12 +90,13 @@ class FaultInjector:
             self._hook = module.register_forward_hook(lambda m, i, out: out * float("nan"), prepend=True)
 
     def _signal(self, to_launcher: bool) -> None:
-        names = [name.strip() for name in self.fault.signal.split(",")]
-        received = 0 if self.stop is None else self.stop.received
-        for name in names:
-            os.kill(os.getppid() if to_launcher else os.getpid(), signal.Signals[name])
-        while self.stop is not None and self.stop.received < received + len(names):
-            time.sleep(0.01)  # a second SIGINT ends the process (or the launcher ends it) first
+        """Each signal in turn, once the one before has come back (the kernel merges a signal sent
+        while the same one is pending); a second SIGINT ends the process, or the launcher ends it."""
+        for name in self.fault.signal.split(","):
+            received = 0 if self.stop is None else self.stop.received
+            os.kill(os.getppid() if to_launcher else os.getpid(), signal.Signals[name.strip()])
+            while self.stop is not None and self.stop.received == received:
+                time.sleep(0.01)
 
     def batches(self, step: int, micro_batches: list[Batch]) -> list[Batch]:
         if self._now(step) and self.fault.kind == "perturb":

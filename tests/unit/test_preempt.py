@@ -1,0 +1,68 @@
+"""train/preempt.py in one process: the signals reach the stop request on their own thread; a
+second SIGINT ends the process at once; the handlers before come back."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import threefold
+from threefold.train.preempt import INTERRUPTED_EXIT, StopSignals
+
+SRC = str(Path(threefold.__file__).parents[1])
+
+
+def run_child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=SRC))
+
+
+def test_stop_signals_are_noted_once_and_the_handlers_come_back():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    stop = StopSignals()
+    with stop.watching():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a later one changes nothing: the first is the reason
+        while stop.received < 2:
+            pass
+    assert stop.first == signal.SIGUSR1
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert signal.set_wakeup_fd(-1) == -1  # no wakeup descriptor left behind
+
+
+def test_a_second_sigint_stops_at_once_while_the_main_thread_is_busy():
+    """The main thread never returns to Python (a long kernel or collective would not either); the first
+    SIGINT is noted there all the same, the second ends the process with 130 and one line."""
+    child = run_child("""
+        import os, signal, sys, time
+        from threefold.train.preempt import StopSignals
+        stop = StopSignals()
+        with stop.watching():
+            os.kill(os.getpid(), signal.SIGINT)
+            while stop.first is None:
+                pass
+            print("noted", stop.first.name, flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(100)
+        print("not stopped", flush=True)
+    """)
+    assert child.returncode == INTERRUPTED_EXIT, child.stderr
+    assert child.stdout == "noted SIGINT\n"
+    assert child.stderr == "threefold: SIGINT again: stopped at once, without saving; exit 130\n"
+
+
+def test_sigterm_twice_is_one_stop():
+    child = run_child("""
+        import os, signal
+        from threefold.train.preempt import StopSignals
+        stop = StopSignals()
+        with stop.watching():
+            for n in (1, 2):  # the second once the first is taken (the kernel merges a pending one)
+                os.kill(os.getpid(), signal.SIGTERM)
+                while stop.received < n:
+                    pass
+        print(stop.first.name)
+    """)
+    assert child.returncode == 0 and child.stdout == "SIGTERM\n", child.stderr
