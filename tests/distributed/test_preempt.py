@@ -3,6 +3,7 @@ step's loss all-reduce, over tp too, and a step launched before the flag was rea
 
 import contextlib
 import io
+import json
 import signal
 
 from tests.helpers import make_config
@@ -67,3 +68,5 @@ def test_a_stop_read_after_the_next_step_was_launched_stops_after_that_step(worl
     assert [r["step"] for r in results] == [3, 3], results
     assert verify(tmp_path / "checkpoints" / step_dir_name(3))[1] == []
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [step_dir_name(3)]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3]  # step 3's figures are read and logged before the stop
