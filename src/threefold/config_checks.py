@@ -235,6 +235,9 @@ def _validate_debug(c: Sections) -> None:
                                   "keep debug.history > 0 or turn this off")
     if f.layout:
         parse_layout(f.layout, "fault.layout")
+    if f.kind in ("signal", "signal_rank") and not all(
+            name.strip() in ("SIGTERM", "SIGINT", "SIGUSR1") for name in f.signal.split(",")):
+        raise ConfigError("fault.signal", f"'{f.signal}' is not a list of SIGTERM, SIGINT and SIGUSR1")
     if f.kind == "nan" and not f.module:
         raise ConfigError("fault.module", "name the module whose output becomes NaN, e.g. blocks.0.mlp.up")
 

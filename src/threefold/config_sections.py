@@ -253,17 +253,20 @@ class FaultConfig:
     processes of later attempts wait at the start of `step` while that file exists (a test's way
     to let a node join again before the run ends). `layout` ("dp,tp,pp") limits the fault to runs
     of that layout; "" = any. Only the first attempt of a job fails: a process restarted by the
-    launcher does not; `slow` stays slow in every attempt (a straggler stays one).
+    launcher does not; `slow` stays slow in every attempt (a straggler stays one). signal: send
+    `signal` (a comma list of SIGTERM, SIGINT, SIGUSR1) to the launcher at the start of `step`
+    and wait until it has come back to this rank; signal_rank: to this rank only.
     """
 
     rank: int = -1
     step: int = 0
     kind: Literal["raise", "kill", "kill_in_save", "skip_collective", "nan", "slow", "perturb",
-                  "lose_node"] = "raise"
+                  "lose_node", "signal", "signal_rank"] = "raise"
     module: str = "blocks.0.mlp"
     delay_s: float = 0.2
     layout: str = ""
     hold_file: str = ""
+    signal: str = "SIGTERM"
 
 
 @dataclass(frozen=True)

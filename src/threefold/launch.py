@@ -92,11 +92,17 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     With `peer_copy`, this launcher holds in memory the checkpoint files its workers and a peer
     node's workers send it (checkpoint/peer.py: a keeper thread, gone with this process), and
     tells its workers where (`THREEFOLD_PEER_KEEPER`).
+
+    SIGTERM, SIGINT and SIGUSR1 go on to the workers, which save at the next step boundary and
+    stop; then (or when the workers were signalled directly) this returns 3, PREEMPTED_EXIT, and
+    restarts nothing. A second SIGINT ends the workers and this process at once (train/preempt.py).
     """
     started = time.time()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .train.preempt import NOTE_ENV, PREEMPTED_EXIT, Forwarder, StopNote
 
     if nodes is not None:
         port = nodes.port
@@ -123,13 +129,17 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"threefold-{uuid.uuid4().hex[:8]}",
-                          max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+                          max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+                          # SIGTERM and SIGINT are threefold's (Forwarder), not the agent's: it stops workers at once
+                          signals_to_handle="SIGHUP,SIGQUIT")
     if nodes is not None:
         config = _node_config(config, nodes)
     watcher = _AgentWatcher(max_restarts, log_dir, out, resume, quiet=not verbose)
+    note = StopNote()
+    os.environ[NOTE_ENV] = str(note.path)
     keeper = _start_keeper(nodes) if peer_copy else None
     try:
-        with watcher:
+        with watcher, Forwarder().watching():
             elastic_launch(config, entrypoint=sys.executable)("-m", "threefold", *argv)
     except RendezvousError as e:
         if nodes is None:
@@ -157,7 +167,9 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     finally:
         if keeper is not None:
             keeper.close()
-    return 0
+        stopped = note.stopped()
+        note.close()
+    return PREEMPTED_EXIT if stopped else 0  # the workers stopped on a signal and saved
 
 
 def _start_keeper(nodes: Nodes | None):

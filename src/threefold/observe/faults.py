@@ -14,6 +14,11 @@ only in runs of `fault.layout` when one is given, and from the start of `fault.s
                      that launcher, and the node's processes die with it; with `fault.hold_file`,
                      every process of a later attempt waits at the start of the step while that
                      file exists
+    signal           send `fault.signal` (SIGTERM, SIGINT or SIGUSR1) to this process's launcher -
+                     threefold's --nproc launcher, which forwards it, else the process itself - and
+                     wait until it has reached this process (train/preempt.py), so the world stops
+                     at this step; SIGINT,SIGINT sends a second one after that (stop at once)
+    signal_rank      the same, sent to `fault.rank` itself only (as srun signals each task)
 
 Faults fire in the first attempt of a job only, except `slow` (a straggler stays one) and the
 hold of `lose_node`, which is for the attempts after the loss.
@@ -31,7 +36,8 @@ from ..config import FaultConfig
 from ..config_checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
-from ..nodes import NODE_RANK
+from ..nodes import AGENT_PID, NODE_RANK
+from ..train.preempt import StopSignals
 
 
 def first_attempt() -> bool:
@@ -40,8 +46,10 @@ def first_attempt() -> bool:
 
 
 class FaultInjector:
-    def __init__(self, fault: FaultConfig, layout: tuple[int, int, int], rank: int, model: nn.Module, vocab: int):
+    def __init__(self, fault: FaultConfig, layout: tuple[int, int, int], rank: int, model: nn.Module, vocab: int,
+                 stop: StopSignals | None = None):
         self.fault = fault
+        self.stop = stop
         applies = fault_applies(fault, layout)
         self.active = applies and fault.rank == rank and (first_attempt() or fault.kind == "slow")
         if fault.kind == "lose_node":
@@ -68,6 +76,8 @@ class FaultInjector:
             os.kill(launcher, signal.SIGKILL)  # this node's processes die with it (launch.die_with_agent)
             while os.getppid() == launcher:  # until the kernel has taken the launcher; then on, if alive
                 time.sleep(0.01)
+        if self._now(step) and kind in ("signal", "signal_rank"):
+            self._signal(kind == "signal" and os.environ.get(AGENT_PID) == str(os.getppid()))
         if self.holds and step == self.fault.step:
             while os.path.exists(self.fault.hold_file):
                 time.sleep(0.05)
@@ -78,6 +88,15 @@ class FaultInjector:
         if self._now(step) and kind == "nan":
             module = dict(self.model.named_modules())[self.fault.module]
             self._hook = module.register_forward_hook(lambda m, i, out: out * float("nan"), prepend=True)
+
+    def _signal(self, to_launcher: bool) -> None:
+        """Each signal in turn, once the one before has come back (the kernel merges a signal sent
+        while the same one is pending); a second SIGINT ends the process, or the launcher ends it."""
+        for name in self.fault.signal.split(","):
+            received = 0 if self.stop is None else self.stop.received
+            os.kill(os.getppid() if to_launcher else os.getpid(), signal.Signals[name.strip()])
+            while self.stop is not None and self.stop.received == received:
+                time.sleep(0.01)
 
     def batches(self, step: int, micro_batches: list[Batch]) -> list[Batch]:
         if self._now(step) and self.fault.kind == "perturb":

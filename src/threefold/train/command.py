@@ -121,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
             cfg, lock = _claim_in_launched_world(cfg, args.overwrite)
         with lock or contextlib.nullcontext():  # rank 0 holds the run directory's lock (rundir.RunLock)
             cfg.validate(launched_world_size())
-            _train(cfg, worker=True)
+            stopped = _train(cfg, worker=True)
+        if stopped is not None:
+            from .preempt import stopped_exit_code
+
+            return stopped_exit_code(stopped)
         return 0
     from .multinode import launch_nodes, node_options
 
@@ -135,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
         print_warnings(cfg)
         if args.nproc:
             return _launch(cfg, args)
-        _train(cfg)
+        if _train(cfg) is not None:
+            from .preempt import PREEMPTED_EXIT
+
+            return PREEMPTED_EXIT
     return 0
 
 
@@ -171,13 +178,25 @@ def _claim_in_launched_world(cfg, overwrite: bool):
     return rundir.adopt(cfg), None
 
 
-def _train(cfg, worker: bool = False) -> None:
+def _train(cfg, worker: bool = False):
+    """Train; returns the Preempted of a run stopped by a signal (saved at that step), else None."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from .preempt import Preempted, StopSignals
     from .trainer import train
 
+    stop = StopSignals()
+
+    def train_until_stopped(cfg) -> Preempted | None:
+        try:
+            train(cfg, stop)
+        except Preempted as stopped:
+            return stopped
+        return None
+
     try:
-        record(train)(cfg)  # under the elastic agent: writes this rank's error for the launcher to report
+        with stop.watching():  # SIGTERM, SIGINT, SIGUSR1: save at the next step boundary and stop
+            return record(train_until_stopped)(cfg)  # under the elastic agent: writes this rank's error
     except UserError as e:
         _leave_world()
         if worker:

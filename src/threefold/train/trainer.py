@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, TrainingState, import_model, read_manifest
+from ..checkpoint.format import step_dir_name
 from ..checkpoint.hf import pretrained
 from ..comm import Comm
 from ..config import Config
@@ -33,6 +34,7 @@ from .autosave import AutoSave
 from .clock import Mark, StepClock
 from .evaluate import Evaluator
 from .metrics import MetricsLog, plot_run
+from .preempt import Preempted, StopSignals
 from .rundir import check_resume, run_directory, update_run
 from .step import Device, PendingRead, StepResult, TorchDevice, TrainStep, start_read
 from .summary import print_summary
@@ -44,7 +46,8 @@ class LaunchedStep:
 
     step: int
     result: StepResult
-    figures: PendingRead  # the step's figures on their way to the host (`Trainer.figures`)
+    figures: PendingRead  # the step's figures on their way to the host (`Trainer.figures`; with "stop":
+    # how many ranks had a stop signal when the step was launched, train/preempt.py)
     start: Mark  # when its launch began, and when its work ended (train/clock.py)
     end: Mark
     local_tokens: int
@@ -62,9 +65,13 @@ def share_cpu_threads(device: torch.device) -> None:
 
 
 class Trainer:
-    """Builds the mesh, the parallel model, the optimizer and the data; runs the steps."""
+    """Builds the mesh, the parallel model, the optimizer and the data; runs the steps.
 
-    def __init__(self, cfg: Config):
+    `stop`: this process's stop signals (train/preempt.py); on one, the world stops at the next
+    step boundary, saves and `run` raises Preempted. None: nothing stops the run.
+    """
+
+    def __init__(self, cfg: Config, stop: StopSignals | None = None):
         device = pick_device(cfg.run.device)
         if cfg.train.deterministic:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
@@ -98,8 +105,11 @@ class Trainer:
             val_sampler, cfg.train, self.parallel.module, self.comm,
             self.parallel.forward_backward if self.parallel.pipeline is not None else None,
             self.parallel.grad_sync.zero_grad)
+        self.stop = stop if stop is not None else StopSignals()
+        self.stopping = False  # the world agreed to stop at the step just finished
+        self._saved_step = -1  # the step of the last save
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
-                                    cfg.model.vocab)
+                                    cfg.model.vocab, self.stop)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
         self.clock = StepClock(device)
@@ -171,6 +181,7 @@ class Trainer:
                      and fault.step == self.step and first_attempt())
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if dies_here else None  # halfway through its file
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
+        self._saved_step = self.step
 
     def _save_due(self, step: int) -> bool:
         if self.autosave is not None:
@@ -235,14 +246,22 @@ class Trainer:
         micro_batches, token_ids = bound_ids(micro_batches, self.cfg.model.vocab)
         micro_batches = self.faults.batches(step, micro_batches)
         result = self.step_fn(step, micro_batches, self.global_tokens)
-        loss_sum = result.loss_sum.clone()
+        # the loss and the stop flag in one all-reduce: agreeing on a stop costs no extra sync
+        stop = result.loss_sum.new_full((1,), float(self.stop.first is not None))
+        reduced = torch.cat([result.loss_sum.reshape(1), stop])
+        axes = ("pp", "dp")  # only the last pipeline stage has a loss; other ranks add 0
+        if self.mesh.size("tp") > 1:  # the flag reaches every rank; the loss (equal on every tp rank) counts once
+            axes += ("tp",)
+            if self.mesh.rank("tp") > 0:
+                reduced[0] = 0
         if self.faults.skips_collective(step):
             self.faults.stall()
-        for axis in ("pp", "dp"):  # only the last pipeline stage has a loss; other ranks add 0
-            self.comm.all_reduce(loss_sum, axis, tag="metrics")
+        for axis in axes:
+            self.comm.all_reduce(reduced, axis, tag="metrics")
         self.faults.step_end(step)
         # before anything of the next step; with the step's largest token id (lowest if negative)
-        figures = start_read({**self.figures(result, loss_sum), "token_id": token_ids}, self.device)
+        figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids},
+                             self.device)
         self.step = step
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
@@ -266,6 +285,7 @@ class Trainer:
         figures = launched.figures.values()  # waits for the step's copy alone, not for the steps issued since
         grad_norm, skipped, loss_scale = figures["grad_norm"], figures["skipped"], figures["loss_scale"]
         loss_total, token_id = figures["loss_total"], figures["token_id"]
+        self.stopping = self.stopping or figures["stop"] > 0  # the same value on every rank: the world agrees
         if not 0 <= token_id < self.cfg.model.vocab:  # read with the step's figures (above): no extra wait
             self._bad_token(step, int(token_id))
         elapsed = self.clock.step_time(launched.start, launched.end, self._last_end)
@@ -300,8 +320,8 @@ class Trainer:
     def _may_defer(self) -> bool:
         """Whether the step just launched may be read after the next one is launched: nothing needs
         its figures or this exact state before then (a save, an evaluation, the last step, the
-        debugging tools' per-step checks, an injected fault)."""
-        return not (self.step >= self.cfg.train.steps or self._save_due(self.step)
+        debugging tools' per-step checks, an injected fault, a stop)."""
+        return not (self.step >= self.cfg.train.steps or self._save_due(self.step) or self.stopping
                     or (self.evaluator is not None and self.evaluator.due(self.step))
                     or self.observer.checks_each_step or self.cfg.fault.rank >= 0)
 
@@ -332,7 +352,7 @@ class Trainer:
         self.observer.start()
         try:
             pending = None  # a launched step whose figures are read after the next step is launched
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and not self.stopping:
                 launched = self.launch_step()
                 if pending is not None:  # nothing was due at its step (`_may_defer`)
                     records.append(self.finish_step(pending))
@@ -343,9 +363,12 @@ class Trainer:
                     continue
                 records.append(self.finish_step(launched))
                 self._complete(records[-1], log)
+            stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
+            if stopped and self._saved_step != self.step:
+                self.save_checkpoint()
             self.parallel.settle()  # the parameters are whole when the run returns
-            if cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
-                self.checkpointer.close()
+            if stopped or cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
+                self.checkpointer.close()  # an async save is written
             self.observer.finish()
         finally:
             self.loader.close()
@@ -353,6 +376,8 @@ class Trainer:
             restore(self._determinism)
             if log is not None:
                 log.close()
+        if stopped:
+            raise self._preempted()
         if log is not None and cfg.run.plot and records:
             plot_run(log.path, self.out)
         if self.parallel.pipeline is not None and cfg.run.plot and records:
@@ -360,6 +385,13 @@ class Trainer:
         if log is not None:
             print_summary(self.out)
         return records
+
+    def _preempted(self) -> Preempted:
+        name = self.stop.first.name if self.stop.first is not None else "a stop signal to another rank"
+        stopped = Preempted(name, self.step, self.checkpointer.root / step_dir_name(self.step))
+        if self.is_writer:
+            print(stopped.line(), file=sys.stderr, flush=True)
+        return stopped
 
     def _export_pipeline_timeline(self) -> None:
         """The last step's measured schedule: DIR/pipeline.png and DIR/pipeline-trace.json (Chrome/Perfetto)."""
@@ -388,5 +420,5 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def train(cfg: Config) -> list[dict]:
-    return Trainer(cfg).run()
+def train(cfg: Config, stop: StopSignals | None = None) -> list[dict]:
+    return Trainer(cfg, stop).run()
