@@ -33,11 +33,11 @@ def _save_then_resume_four_ways(out: str) -> dict:
     memory, with this rank's own file altered in its keeper, with rank 1's file gone from both."""
     import os
 
-    from threefold.checkpoint.peer import KEEPER_ENV, Keeper
+    from threefold.checkpoint.peer import Keeper
     from threefold.train.trainer import Trainer
 
     keeper = Keeper()
-    os.environ[KEEPER_ENV] = keeper.address
+    os.environ.update(keeper.environment())
     try:
         trainer = Trainer(make_config(BASE + ["train.steps=4", "checkpoint.peer_copy=true"], f"{out}/run"))
         trainer.run()
@@ -56,7 +56,8 @@ def _save_then_resume_four_ways(out: str) -> dict:
         return result
     finally:
         keeper.close()
-        del os.environ[KEEPER_ENV]
+        for name in keeper.environment():
+            del os.environ[name]
 
 
 @pytest.fixture(scope="module")
