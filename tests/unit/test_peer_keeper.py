@@ -22,12 +22,13 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def raw(address: str, header: dict, payload: bytes = b"", timeout_s: float = 10.0) -> bytes:
+def raw(address: str, header: dict | bytes, payload: bytes = b"", timeout_s: float = 10.0) -> bytes:
     """Send one request line (and payload) as anyone could; everything the keeper answers."""
+    line = header if isinstance(header, bytes) else json.dumps(header).encode()
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
         try:
-            sock.sendall(json.dumps(header).encode() + b"\n")
+            sock.sendall(line + b"\n")
             for start in range(0, len(payload), 1 << 20):
                 sock.sendall(payload[start:start + (1 << 20)])
             sock.shutdown(socket.SHUT_WR)
@@ -61,13 +62,14 @@ def test_a_request_without_the_secret_is_dropped_with_one_warning(keeper, capfd)
     assert raw(keeper.address, get) == b""  # no MAC: nothing of rank 0's bytes
     assert raw(keeper.address, peer._signed("0" * 32, get)) == b""  # another secret
     assert raw(keeper.address, {"op": "list", "step": 2, "mac": "f" * 64}) == b""
+    assert raw(keeper.address, b"[" * 30_000 + b"]" * 30_000) == b""  # too deep to parse
     for step in range(5):  # 5 x 100 MB claimed (1 MB sent each): never read, never held
         put = {"op": "put", "step": 10**9 + step, "name": NAME, "sha256": "0" * 64, "bytes": 100 << 20}
         raw(keeper.address, put, os.urandom(1 << 20))
     raw(keeper.address, {"op": "put", "step": 3, "name": NAME, "sha256": "0" * 64, "bytes": 10**12}, b"x" * 100)
     with pytest.raises(OSError):  # a client with another secret: dropped too (closed, no answer)
         peer.put(keeper.address, "0" * 32, 2, NAME, sha(data), data)
-    assert keeper.dropped == 10 and keeper.reserved == 0
+    assert keeper.dropped == 11 and keeper.reserved == 0
     assert keeper.held_bytes() == 1000 and set(keeper.files) == {2}, "the job's copy is still there, alone"
     err = capfd.readouterr().err
     assert len(warnings(err)) == 1 and "Traceback" not in err, err

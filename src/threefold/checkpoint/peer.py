@@ -209,7 +209,7 @@ class Keeper:
                            "a request line longer than 64 KiB")
         try:
             request = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _Dropped("not a JSON request") from None
         if not isinstance(request, dict) or not isinstance(request.get("mac"), str):
             raise _Dropped("no MAC")
