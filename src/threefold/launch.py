@@ -127,17 +127,17 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         # it, and restarted workers intermittently connect to those (refused, then a hang until
         # the timeout). Without sharing, rank 0 of every attempt hosts a fresh store.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend=_one_node_rendezvous(),
                           rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"threefold-{uuid.uuid4().hex[:8]}",
                           max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
                           # SIGTERM and SIGINT are threefold's (Forwarder), not the agent's: it stops workers at once
-                          signals_to_handle="SIGHUP,SIGQUIT")
+                          signals_to_handle="SIGHUP,SIGQUIT", local_addr="127.0.0.1")
     if nodes is not None:
         config = _node_config(config, nodes)
     watcher = _AgentWatcher(max_restarts, log_dir, out, resume, quiet=not verbose)
     note = StopNote()
     os.environ[NOTE_ENV] = str(note.path)
-    keeper = _start_keeper(nodes) if peer_copy else None
+    keeper = _start_keeper(nodes, nproc) if peer_copy else None
     try:
         with watcher, Forwarder().watching():
             elastic_launch(config, entrypoint=sys.executable)("-m", "threefold", *argv)
@@ -172,11 +172,22 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     return PREEMPTED_EXIT if stopped else 0  # the workers stopped on a signal and saved
 
 
-def _start_keeper(nodes: Nodes | None):
-    from .checkpoint.peer import KEEPER_ENV, start_keeper
+def _one_node_rendezvous() -> str:
+    """torch's c10d rendezvous with its stores on 127.0.0.1 only (rendezvous.py)."""
+    from .rendezvous import register
 
-    keeper = start_keeper(nodes is None or nodes.on_loopback)
-    os.environ[KEEPER_ENV] = keeper.address
+    return register()
+
+
+def _start_keeper(nodes: Nodes | None, nproc: int):
+    """The peer keeper: on loopback for a job of one node, holding the files of this node's
+    processes and (several nodes) its ring peer's; its address and secret go to the workers in
+    the environment."""
+    from .checkpoint.peer import start_keeper
+
+    one_node = nodes is None or nodes.max == 1
+    keeper = start_keeper(one_node or nodes.on_loopback, nproc if one_node else 2 * nproc)
+    os.environ.update(keeper.environment())
     return keeper
 
 
@@ -187,7 +198,7 @@ def _node_config(config, nodes: Nodes):
 
     wait = max(1, int(nodes.timeout_s))
     return dataclasses.replace(
-        config, min_nodes=nodes.min, max_nodes=nodes.max, rdzv_endpoint=nodes.endpoint,
+        config, min_nodes=nodes.min, max_nodes=nodes.max, rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint,
         run_id=f"threefold-{nodes.port}",
         rdzv_configs={"is_host": nodes.hosts_rendezvous, "join_timeout": wait, "read_timeout": wait, "timeout": wait,
                       "last_call_timeout": 1 if nodes.min == nodes.max else max(1, round(nodes.last_call_s)),

@@ -1,5 +1,6 @@
 """Node options, Slurm's variables and the multi-node launcher's bad input (no processes start)."""
 
+import hashlib
 import time
 
 import pytest
@@ -126,12 +127,14 @@ def test_keeper_serves_what_it_was_sent_and_keeps_the_two_newest_steps():
     from threefold.checkpoint import peer
 
     keeper = peer.Keeper()
+    address, secret, name = keeper.address, keeper.secret, "rank-00001.safetensors"
+    sha = {step: hashlib.sha256(bytes([step]) * 1000).hexdigest() for step in (3, 6, 9)}
     try:
         for step in (3, 6, 9):
-            peer.put(keeper.address, step, "rank-00001.safetensors", f"{step:064x}", bytes([step]) * 1000)
-        assert peer.get(keeper.address, 9, "rank-00001.safetensors") == bytes([9]) * 1000
-        assert peer.listing(keeper.address, 6) == {"rank-00001.safetensors": {"sha256": f"{6:064x}", "bytes": 1000}}
-        assert peer.listing(keeper.address, 3) == {} and peer.get(keeper.address, 3, "rank-00001.safetensors") is None
+            peer.put(address, secret, step, name, sha[step], bytes([step]) * 1000)
+        assert peer.get(address, secret, 9, name, 1000) == bytes([9]) * 1000
+        assert peer.listing(address, secret, 6) == {name: {"sha256": sha[6], "bytes": 1000}}
+        assert peer.listing(address, secret, 3) == {} and peer.get(address, secret, 3, name, 1000) is None
     finally:
         keeper.close()
 

@@ -13,18 +13,38 @@ The checkpoint's manifest on storage stays the truth: a file from memory is used
 size and sha256 are the manifest's. A missing, unreachable or altered copy falls back to the
 file on storage (which is verified then), with one warning line for the world.
 
-Wire format (no pickle): a request is one JSON line, then for `put` the file's bytes; a reply
-is one JSON line, then for `get` the bytes.
+A keeper lets no one else in. Each keeper draws a random secret when it starts; its launcher
+hands the secret to the processes it starts in the environment (`THREEFOLD_PEER_SECRET`, never
+on a command line), and the ranks of a world exchange their keepers' `secret@host:port` with
+one all-reduce, so every rank can reach every keeper of its world and nothing else can. Every
+request carries an HMAC-SHA256 under the keeper's secret of the request's header, which names
+the payload's sha256 (`put`); the keeper checks the MAC before it looks at anything else and
+the payload's sha256 once it has it. A request without a valid MAC is dropped, and the first
+one dropped costs one warning line on the launcher's terminal. What a keeper holds is bounded
+by what the job writes: the `KEPT_STEPS` newest steps, at most `max_files` files a step (the
+node's processes and its ring peer's), names of the form `rank-NNNNN.safetensors`, and
+`max_bytes` in all (a length is checked against that before anything is allocated). Every
+socket, the keeper's and the ranks', has a timeout: a keeper that stops answering costs a rank
+one warning line and the rest of its copies, not the save.
 
-    {"op": "put", "step": S, "name": "rank-00002.safetensors", "sha256": H, "bytes": N}
-    {"op": "list", "step": S}  ->  {"files": {name: {"sha256": H, "bytes": N}}}
-    {"op": "get", "step": S, "name": NAME}  ->  {"bytes": N} (N = -1: not held)
+Wire format (no pickle): a request is one JSON line, then for `put` the file's bytes; a reply
+is one JSON line, then for `get` the bytes. `mac` is the hex HMAC-SHA256 of the request's other
+fields as compact JSON with sorted keys.
+
+    {"op": "put", "step": S, "name": "rank-00002.safetensors", "sha256": H, "bytes": N, "mac": M}
+        ->  {"ok": true}  or  {"ok": false, "error": WHY}
+    {"op": "list", "step": S, "mac": M}  ->  {"files": {name: {"sha256": H, "bytes": N}}}
+    {"op": "get", "step": S, "name": NAME, "mac": M}  ->  {"bytes": N} (N = -1: not held)
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
+import re
+import secrets
 import socket
 import socketserver
 import sys
@@ -34,21 +54,39 @@ from pathlib import Path
 from typing import Callable
 
 KEEPER_ENV = "THREEFOLD_PEER_KEEPER"  # host:port of this node's keeper, set by the launcher for its processes
+SECRET_ENV = "THREEFOLD_PEER_SECRET"  # that keeper's secret, set by the launcher for its processes
 KEPT_STEPS = 2  # the newest complete checkpoint and the one being written
 CONNECT_TIMEOUT_S = 5.0
-MAX_LINE = 1 << 16
+IO_TIMEOUT_S = 15.0  # the longest a socket waits for the other side to move (connect, each send and receive)
+MAX_LINE = 1 << 16  # a request or reply line
+MAX_CONNECTIONS = 64  # served at once; more wait for a place (up to the timeout)
+MAX_STEP = 1 << 62
+CHUNK = 1 << 20
+FILE_NAME = re.compile(r"rank-\d{5,9}\.safetensors")
+
+
+def _mac(secret: str, request: Mapping) -> str:
+    body = json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def _signed(secret: str, request: dict) -> dict:
+    return {**request, "mac": _mac(secret, request)}
 
 
 def _send(sock: socket.socket, header: dict, payload: bytes | memoryview = b"") -> None:
+    """One JSON line, then `payload` in pieces (each has the socket's timeout; a whole `sendall`
+    would have it for all the bytes together)."""
     sock.sendall(json.dumps(header).encode() + b"\n")
-    if payload:
-        sock.sendall(payload)
+    view = memoryview(payload)
+    for start in range(0, len(view), CHUNK):
+        sock.sendall(view[start:start + CHUNK])
 
 
 def _read_line(stream) -> dict:
     line = stream.readline(MAX_LINE)
     if not line.endswith(b"\n"):
-        raise ConnectionError("connection closed or request too long")
+        raise ConnectionError("connection closed or line longer than 64 KiB" if line else "connection closed")
     value = json.loads(line)
     if not isinstance(value, dict):
         raise ValueError("not a JSON object")
@@ -62,50 +100,190 @@ def _read_exact(stream, n: int) -> bytes:
     return data
 
 
+def _whole(value, low: int, high: int, what: str) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{what} is not a whole number in {low}..{high}")
+    return value
+
+
+def memory_cap() -> int:
+    """The most a keeper holds by default: half of this machine's memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
 # ---------------------------------------------------------------- the keeper (in the launcher)
 
-class Keeper:
-    """Holds the files of the `KEPT_STEPS` newest steps it was sent, in RAM; serves them."""
+class _Dropped(Exception):
+    """A request that is not from this job (or not one at all): closed without a reply."""
 
-    def __init__(self, bind: str = "127.0.0.1", advertise: str | None = None):
+
+class _Silent(Exception):
+    """A connection that sent nothing: closed, nothing to say."""
+
+
+class _Refused(Exception):
+    """A request of this job the keeper will not serve: answered with the reason."""
+
+
+class Keeper:
+    """Holds the files of the `KEPT_STEPS` newest steps it was sent, in RAM; serves them to the
+    processes that know its secret.
+
+    `max_files`: files a step (the ranks of this node and of its ring peer); `max_bytes`: bytes
+    held and being received, in all; `timeout_s`: how long a connection may stay silent.
+    """
+
+    def __init__(self, bind: str = "127.0.0.1", advertise: str | None = None, secret: str | None = None,
+                 max_files: int = 64, max_bytes: int | None = None, timeout_s: float = IO_TIMEOUT_S):
         self.files: dict[int, dict[str, tuple[str, bytes]]] = {}  # step -> name -> (sha256, bytes)
+        self.secret = secret or secrets.token_hex(16)
+        self.max_files = max_files
+        self.max_bytes = memory_cap() if max_bytes is None else max_bytes
+        self.timeout_s = timeout_s
+        self.reserved = 0  # bytes of puts being received
+        self.dropped = 0  # requests dropped (not from this job, or not requests)
+        self.refused = 0  # requests of this job refused (over a bound)
         self.lock = threading.Lock()
+        self.places = threading.BoundedSemaphore(MAX_CONNECTIONS)
         keeper = self
 
         class Handler(socketserver.StreamRequestHandler):
+            timeout = timeout_s  # every receive and send of a connection
+
             def handle(self):
-                try:
-                    keeper._serve(_read_line(self.rfile), self.rfile, self.connection)
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass  # a broken request: the client sees a closed connection and uses storage
+                keeper._handle(self.rfile, self.connection, self.client_address)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+            request_queue_size = 128
 
         self.server = Server((bind, 0), Handler)
         self.address = f"{advertise or bind}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, name="threefold-peer-keeper", daemon=True)
         self.thread.start()
 
+    def environment(self) -> dict[str, str]:
+        """What the launcher's processes need to reach this keeper."""
+        return {KEEPER_ENV: self.address, SECRET_ENV: self.secret}
+
+    def held_bytes(self) -> int:
+        with self.lock:
+            return sum(len(data) for held in self.files.values() for _, data in held.values())
+
+    def _handle(self, rfile, sock: socket.socket, client) -> None:
+        """One connection; nothing it sends can raise past here (no traceback on the terminal)."""
+        if not self.places.acquire(timeout=self.timeout_s):
+            return self._drop(client, f"more than {MAX_CONNECTIONS} connections at once")
+        try:
+            self._serve(self._request(rfile), rfile, sock)
+        except _Dropped as e:
+            self._drop(client, str(e))
+        except _Silent:
+            pass
+        except _Refused as e:
+            with self.lock:
+                self.refused += 1
+            try:
+                _send(sock, {"ok": False, "error": str(e)})
+            except OSError:
+                pass
+        except (OSError, ValueError, MemoryError):
+            pass  # an authenticated client went away mid-request: it sees a closed connection, uses storage
+        finally:
+            self.places.release()
+
+    def _request(self, rfile) -> dict:
+        """The request line, authenticated and checked field by field."""
+        try:
+            line = rfile.readline(MAX_LINE)
+        except OSError as e:
+            raise _Dropped(f"no request ({e or type(e).__name__})") from None
+        if not line:
+            raise _Silent()  # connected and closed: not a request
+        if not line.endswith(b"\n"):
+            raise _Dropped("an unfinished request line" if len(line) < MAX_LINE else
+                           "a request line longer than 64 KiB")
+        try:
+            request = json.loads(line)
+        except (ValueError, RecursionError):
+            raise _Dropped("not a JSON request") from None
+        if not isinstance(request, dict) or not isinstance(request.get("mac"), str):
+            raise _Dropped("no MAC")
+        mac = request.pop("mac")
+        if not hmac.compare_digest(mac.encode(), _mac(self.secret, request).encode()):
+            raise _Dropped("a wrong MAC")
+        try:  # from a process of this job: checked all the same
+            if request.get("op") not in ("put", "list", "get"):
+                raise ValueError(f"op {request.get('op')!r} is not put, list or get")
+            _whole(request.get("step"), 0, MAX_STEP, "step")
+            if request["op"] != "list" and not (isinstance(request.get("name"), str)
+                                                and FILE_NAME.fullmatch(request["name"])):
+                raise ValueError(f"name {request.get('name')!r} is not rank-NNNNN.safetensors")
+            if request["op"] == "put":
+                _whole(request.get("bytes"), 0, MAX_STEP, "bytes")
+                if not (isinstance(request.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", request["sha256"])):
+                    raise ValueError("sha256 is not 64 hex digits")
+        except ValueError as e:
+            raise _Refused(str(e)) from None
+        return request
+
+    def _drop(self, client, why: str) -> None:
+        with self.lock:
+            self.dropped += 1
+            first = self.dropped == 1
+        if first:
+            print(f"threefold: warning: checkpoint.peer_copy: the keeper at {self.address} dropped a request from "
+                  f"{client[0]}:{client[1]} ({why}); it drops any other request not from this job without a word",
+                  file=sys.stderr, flush=True)
+
     def _serve(self, request: dict, rfile, sock: socket.socket) -> None:
-        op, step = request["op"], int(request["step"])
+        op, step = request["op"], request["step"]
         if op == "put":
-            size = int(request["bytes"])
-            data = _read_exact(rfile, size)
-            self.keep(step, str(request["name"]), str(request["sha256"]), data)
+            name, size = request["name"], request["bytes"]
+            self._admit(step, name, size)
+            try:
+                data = _read_exact(rfile, size)
+                if hashlib.sha256(data).hexdigest() != request["sha256"]:
+                    raise _Refused("the bytes do not have the sha256 the request names")
+                self.keep(step, name, request["sha256"], data)
+            finally:
+                with self.lock:
+                    self.reserved -= size
             _send(sock, {"ok": True})
         elif op == "list":
             with self.lock:
                 held = dict(self.files.get(step, {}))
             _send(sock, {"files": {n: {"sha256": h, "bytes": len(d)} for n, (h, d) in held.items()}})
-        elif op == "get":
+        else:
             with self.lock:
-                found = self.files.get(step, {}).get(str(request["name"]))
+                found = self.files.get(step, {}).get(request["name"])
             if found is None:
                 _send(sock, {"bytes": -1})
             else:
                 _send(sock, {"bytes": len(found[1])}, memoryview(found[1]))
+
+    def _admit(self, step: int, name: str, size: int) -> None:
+        """Make room for a put of `size` bytes (reserved until it is kept or fails), or refuse it."""
+        with self.lock:
+            steps = sorted(self.files)
+            if step not in self.files and len(steps) >= KEPT_STEPS:
+                if step < steps[0]:
+                    raise _Refused(f"step {step} is older than the steps held ({', '.join(map(str, steps))})")
+                for old in steps[:len(steps) - KEPT_STEPS + 1]:  # a newer step is being written: the oldest goes
+                    del self.files[old]
+            held = self.files.get(step, {})
+            if name not in held and len(held) >= self.max_files:
+                raise _Refused(f"step {step} already has the {self.max_files} files this keeper holds a step")
+            in_use = self.reserved + sum(len(d) for files in self.files.values() for n, (_, d) in files.items()
+                                         if files is not held or n != name)
+            if in_use + size > self.max_bytes:
+                raise _Refused(f"{size} bytes do not fit: this keeper holds at most {self.max_bytes} bytes and "
+                               f"{in_use} are in use")
+            self.reserved += size
 
     def keep(self, step: int, name: str, sha256: str, data: bytes) -> None:
         with self.lock:
@@ -118,100 +296,145 @@ class Keeper:
         self.server.server_close()
 
 
-def start_keeper(on_loopback: bool) -> Keeper:
-    """The keeper of a launcher: on 127.0.0.1 when every node is on this machine, else on every
-    interface, advertised under this host's name (as torch's agent advertises itself)."""
-    return Keeper("127.0.0.1") if on_loopback else Keeper("0.0.0.0", socket.getfqdn())
+def start_keeper(on_loopback: bool, max_files: int) -> Keeper:
+    """The keeper of a launcher: on 127.0.0.1 when every node is on this machine (or there is
+    one), else on every interface, advertised under this host's name (as torch's agent
+    advertises itself). `max_files`: the files of a step it may hold."""
+    return Keeper("127.0.0.1", max_files=max_files) if on_loopback else \
+        Keeper("0.0.0.0", socket.getfqdn(), max_files=max_files)
 
 
 # ---------------------------------------------------------------- clients (in the workers)
 
-def _connect(address: str) -> socket.socket:
+def _connect(address: str, timeout_s: float) -> socket.socket:
     host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
-    sock.settimeout(None)
+    sock = socket.create_connection((host, int(port)), timeout=min(CONNECT_TIMEOUT_S, timeout_s))
+    sock.settimeout(timeout_s)
     return sock
 
 
-def put(address: str, step: int, name: str, sha256: str, data: bytes) -> None:
-    with _connect(address) as sock:
-        _send(sock, {"op": "put", "step": step, "name": name, "sha256": sha256, "bytes": len(data)}, data)
-        if not _read_line(sock.makefile("rb")).get("ok"):
-            raise ConnectionError("the keeper did not take the file")
+def put(address: str, secret: str, step: int, name: str, sha256: str, data: bytes,
+        timeout_s: float = IO_TIMEOUT_S) -> None:
+    with _connect(address, timeout_s) as sock:
+        request = {"op": "put", "step": step, "name": name, "sha256": sha256, "bytes": len(data)}
+        _send(sock, _signed(secret, request), data)
+        reply = _read_line(sock.makefile("rb"))
+    if reply.get("ok") is not True:
+        raise ValueError(f"the keeper refused it: {reply.get('error', 'no reason given')}")
 
 
-def listing(address: str, step: int) -> dict[str, dict]:
-    with _connect(address) as sock:
-        _send(sock, {"op": "list", "step": step})
+def listing(address: str, secret: str, step: int, timeout_s: float = IO_TIMEOUT_S) -> dict[str, dict]:
+    with _connect(address, timeout_s) as sock:
+        _send(sock, _signed(secret, {"op": "list", "step": step}))
         files = _read_line(sock.makefile("rb")).get("files")
     if not isinstance(files, dict):
         raise ValueError("not a file listing")
     return files
 
 
-def get(address: str, step: int, name: str) -> bytes | None:
-    with _connect(address) as sock:
-        _send(sock, {"op": "get", "step": step, "name": name})
+def get(address: str, secret: str, step: int, name: str, size: int, timeout_s: float = IO_TIMEOUT_S) -> bytes | None:
+    """The file's bytes, None when not held; a keeper that offers another size than `size` (the
+    manifest's) is not read from."""
+    with _connect(address, timeout_s) as sock:
+        _send(sock, _signed(secret, {"op": "get", "step": step, "name": name}))
         stream = sock.makefile("rb")
-        size = int(_read_line(stream)["bytes"])
-        return None if size < 0 else _read_exact(stream, size)
+        offered = _read_line(stream).get("bytes")
+        if offered == -1:
+            return None
+        if offered != size or type(offered) is not int:
+            raise ValueError(f"the keeper offers {offered!r} bytes, the manifest says {size}")
+        return _read_exact(stream, size)
+
+
+def _address_and_secret(keeper: str) -> tuple[str, str]:
+    """`secret@host:port` -> (host:port, secret)."""
+    secret, _, address = keeper.rpartition("@")
+    return address, secret
 
 
 class PeerCopies:
     """A rank's view of the keepers of its world: where its files go, where files are found.
 
-    `keepers[r]` is the keeper address of global rank r (its node's launcher). Nodes are ordered
-    by their lowest global rank; a rank sends its file to its own node's keeper and to the one of
-    the node before it (ring), so losing any one node leaves a copy of every file.
+    `keepers[r]` is the keeper of global rank r (its node's launcher) as `secret@host:port`.
+    Nodes are ordered by their lowest global rank; a rank sends its file to its own node's keeper
+    and to the one of the node before it (ring), so losing any one node leaves a copy of every
+    file. A keeper that did not answer in time is not asked again by this process.
     """
 
-    def __init__(self, rank: int, keepers: list[str]):
-        self.nodes = list(dict.fromkeys(keepers))  # distinct keepers, by lowest rank
-        self.mine = keepers[rank]
+    def __init__(self, rank: int, keepers: list[str], timeout_s: float | None = None):
+        parsed = [_address_and_secret(keeper) for keeper in keepers]
+        self.secrets = dict(parsed)
+        addresses = [address for address, _ in parsed]
+        self.nodes = list(dict.fromkeys(addresses))  # distinct keepers, by lowest rank
+        self.mine = addresses[rank]
         index = self.nodes.index(self.mine)
         self.replica = self.nodes[index - 1] if len(self.nodes) > 1 else None
+        self.timeout_s = IO_TIMEOUT_S if timeout_s is None else timeout_s
+        self.silent: set[str] = set()  # keepers that did not answer: not asked again
         self.warned = False
 
     @staticmethod
     def local_address(env: Mapping[str, str]) -> str:
+        """This node's keeper as `secret@host:port` (what the ranks of a world exchange)."""
         from ..errors import ConfigError
 
-        address = env.get(KEEPER_ENV, "")
-        if not address:
+        address, secret = env.get(KEEPER_ENV, ""), env.get(SECRET_ENV, "")
+        if not address or not secret:
             raise ConfigError("checkpoint.peer_copy", "the in-memory copies are held by threefold's launcher; start "
                               "the job with threefold train --nproc / --nnodes, or set checkpoint.peer_copy=false")
-        return address
+        return f"{secret}@{address}"
 
     def send(self, step: int, name: str, sha256: str, data: bytes) -> None:
         """Copy one written file to this node's keeper and the peer's; storage stays the truth, so
         a keeper that cannot take it costs one warning, not the save."""
         for address in (self.mine, self.replica):
-            if address is None:
+            if address is None or address in self.silent:
                 continue
             try:
-                put(address, step, name, sha256, data)
-            except (OSError, ValueError) as e:
-                if not self.warned:
-                    print(f"threefold: warning: checkpoint.peer_copy: the keeper at {address} did not take "
-                          f"{name} of step {step} ({e}); a restart reads that file from storage", file=sys.stderr,
-                          flush=True)
-                    self.warned = True
+                put(address, self.secrets[address], step, name, sha256, data, self.timeout_s)
+            except OSError as e:  # unreachable or silent (a timeout): this process sends it nothing more
+                self.silent.add(address)
+                self._warn(f"the keeper at {address} did not take {name} of step {step} "
+                           f"({e or type(e).__name__}); this rank sends it no more copies and a restart reads "
+                           "its files from storage")
+            except ValueError as e:
+                self._warn(f"the keeper at {address} did not take {name} of step {step} ({e}); a restart "
+                           "reads that file from storage")
+
+    def _warn(self, text: str) -> None:
+        if not self.warned:
+            print(f"threefold: warning: checkpoint.peer_copy: {text}", file=sys.stderr, flush=True)
+            self.warned = True
+
+    def fetch(self, address: str, step: int, name: str, size: int) -> bytes | None:
+        if address in self.silent:
+            raise ConnectionError("it did not answer before")
+        try:
+            return get(address, self.secrets[address], step, name, size, self.timeout_s)
+        except OSError:
+            self.silent.add(address)
+            raise
 
     def files_of(self, ckpt: Path, manifest) -> "MemoryFiles":
         """Which of `manifest`'s files the keepers of this world hold (size and sha256 as the
         manifest says), this node's keeper first."""
         where: dict[str, str] = {}
         for address in sorted(self.nodes, key=lambda a: a != self.mine):
+            if address in self.silent:
+                continue
             try:
-                held = listing(address, manifest.step)
-            except (OSError, ValueError):
+                held = listing(address, self.secrets[address], manifest.step, self.timeout_s)
+            except OSError:
+                self.silent.add(address)
+                continue
+            except ValueError:
                 continue
             for name, info in held.items():
                 want = manifest.files.get(name)
-                if want is not None and name not in where and info.get("sha256") == want.sha256 \
-                        and info.get("bytes") == want.bytes:
+                if want is not None and name not in where and isinstance(info, dict) and \
+                        info.get("sha256") == want.sha256 and info.get("bytes") == want.bytes:
                     where[name] = address
-        return MemoryFiles(Path(ckpt), manifest, where)
+        return MemoryFiles(Path(ckpt), manifest, where, self.fetch)
 
 
 class MemoryFiles:
@@ -220,7 +443,7 @@ class MemoryFiles:
     storage (which the resume's verification left to this). Counts where each file came from."""
 
     def __init__(self, ckpt: Path, manifest, where: dict[str, str],
-                 fetch: Callable[[str, int, str], bytes | None] = get):
+                 fetch: Callable[[str, int, str, int], bytes | None]):
         self.ckpt, self.manifest, self.where, self.fetch = ckpt, manifest, where, fetch
         self.from_memory = 0
         self.from_storage = 0
@@ -236,7 +459,7 @@ class MemoryFiles:
             return None
         info = self.manifest.files[name]
         try:
-            data = self.fetch(address, self.manifest.step, name)
+            data = self.fetch(address, self.manifest.step, name, info.bytes)
             why = "gone from the keeper" if data is None else (
                 f"{len(data)} bytes, the manifest says {info.bytes}" if len(data) != info.bytes else
                 "sha256 mismatch" if hashlib.sha256(data).hexdigest() != info.sha256 else None)
