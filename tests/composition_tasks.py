@@ -37,15 +37,16 @@ def own_keeper():
     """A peer-copy keeper of this rank's own, as if every rank were a node (the launcher's job)."""
     import os
 
-    from threefold.checkpoint.peer import KEEPER_ENV, Keeper
+    from threefold.checkpoint.peer import Keeper
 
     keeper = Keeper()
-    os.environ[KEEPER_ENV] = keeper.address
+    os.environ.update(keeper.environment())  # its address and secret, as the launcher hands them on
     try:
         yield keeper
     finally:
         keeper.close()
-        del os.environ[KEEPER_ENV]
+        for name in keeper.environment():
+            del os.environ[name]
 
 
 def train_and_resume(runs: list[tuple[list[str], str, tuple[list[str], str] | None, bool]]) -> list[tuple]:
