@@ -45,8 +45,6 @@ def invalid(case: dict) -> str | None:
         return "parallel.offload"
     if case["zero"] >= 1 and case["compress"] in SPARSE:
         return "compress.method"
-    if case["sp"] and case["tp"] == 1:  # sequence parallelism splits over tp: nothing to split
-        return "parallel.sequence_parallel"
     return None
 
 

@@ -394,7 +394,8 @@ def _sgd(c: Sections, dp: int) -> bool:
 
 
 NIL_EFFECTS: tuple[NilEffect, ...] = (
-    NilEffect(("parallel.sequence_parallel",), lambda c, dp: c.parallel.tp > 1, "parallel.tp > 1"),
+    # a layout file for tp > 1 tried with tp=1 keeps its sequence-parallel flag: warned, not refused
+    NilEffect(("parallel.sequence_parallel",), lambda c, dp: c.parallel.tp > 1, "parallel.tp > 1", refuse=False),
     NilEffect(("pipeline.schedule", "pipeline.virtual_stages", "pipeline.split", "pipeline.balance"),
               lambda c, dp: c.parallel.pp > 1, "parallel.pp > 1"),
     NilEffect(("remat.every",), lambda c, dp: c.remat.policy == "every-k", "remat.policy=every-k"),
@@ -422,7 +423,8 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
               lambda c, dp: c.checkpoint.save_every == "auto", "checkpoint.save_every=auto"),
     NilEffect(("debug.hang_timeout_s", "debug.hang_grace_s"), lambda c, dp: c.debug.watchdog, "debug.watchdog=true"),
     NilEffect(("debug.straggler_ratio",), lambda c, dp: c.debug.stats, "debug.stats=true"),
-    NilEffect(("fault.step", "fault.kind", "fault.module", "fault.delay_s", "fault.layout", "fault.hold_file"),
+    NilEffect(("fault.step", "fault.kind", "fault.module", "fault.delay_s", "fault.layout", "fault.hold_file",
+               "fault.signal"),
               lambda c, dp: c.fault.rank >= 0, "fault.rank >= 0"),
     # dp = 1: nothing crosses dp; a smaller elastic world or a trial on one process reaches it legitimately
     NilEffect(("compress.method", "compress.hierarchical", "parallel.bucket_mb", "debug.replica_check_every",

@@ -105,7 +105,6 @@ FOLLOWED = [
     (["parallel.pp=3"], 3, ["model.layers=3"], "at most 2 stages"),
     (["train.optimizer=sgd", "train.momentum=1.0"], 1, ["train.momentum=0.9"], "e.g. 0.9"),
     (["train.nesterov=true"], 1, ["train.optimizer=sgd"], "optimizer=sgd"),
-    (["parallel.sequence_parallel=true"], 1, ["parallel.tp=1", "parallel.sequence_parallel=false"], "parallel.tp > 1"),
     (["pipeline.schedule=zb-h1"], 1, ["pipeline.schedule=1f1b"], "parallel.pp > 1"),
     (["parallel.offload=optimizer"], 1, ["parallel.zero=1"], "--zero 1"),
 ]

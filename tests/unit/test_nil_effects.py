@@ -27,7 +27,7 @@ SAMPLES = {
     "compress.warmup_steps": "2", "checkpoint.mtbf_hours": "100", "checkpoint.restart_seconds": "10",
     "debug.hang_timeout_s": "5", "debug.hang_grace_s": "5", "debug.straggler_ratio": "2",
     "fault.step": "3", "fault.kind": "kill", "fault.module": "blocks.0.attn", "fault.delay_s": "1",
-    "fault.layout": "1,1,1", "fault.hold_file": "x", "compress.method": "bf16", "compress.hierarchical": "true",
+    "fault.layout": "1,1,1", "fault.hold_file": "x", "fault.signal": "SIGINT", "compress.method": "bf16", "compress.hierarchical": "true",
     "parallel.bucket_mb": "5", "debug.replica_check_every": "2", "train.sync_every": "2",
     "train.outer_optimizer": "nesterov", "train.easgd_alpha": "0.1",
 }

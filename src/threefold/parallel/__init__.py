@@ -112,7 +112,15 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors(),
                                           stage_compiler(cfg.train.compile, cfg.debug.compile_backend))
+        if cfg.compress.method in LOSSY_WIRES:
+            # a lossy dp wire compresses each end's buckets with its own residuals: summed before it,
+            # the tied copies would take different approximations of one gradient and drift apart.
+            # Summed after it, both ends add the same two decompressed sums.
+            parallel.after_sync = parallel.pipeline.take_tied_sum()
     return parallel
+
+
+LOSSY_WIRES = ("dgc", "onebit", "powersgd")  # dp gradient exchanges that are not an exact sum
 
 
 def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, comm: Comm, cfg: Config, wire,

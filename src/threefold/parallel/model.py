@@ -139,6 +139,8 @@ class ParallelModel:
     periodic: Periodic | None = None  # local SGD / DiLoCo / EASGD (train.sync_every...): when replicas meet
     routers: bool = False  # the model (any stage of it) has mixture-of-experts routers
     settle_weights: Callable[[], None] | None = None  # ZeRO-1/2: wait for that all-gather (it overlaps the forward)
+    # run once the gradient sync has finished (a lossy dp wire under pp: the tied weights' gradient sum)
+    after_sync: Callable[[], None] | None = None
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:

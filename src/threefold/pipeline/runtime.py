@@ -297,6 +297,12 @@ class PipelineRuntime:
         self._receives = tuple(a for a in self.actions if a.kind in RECEIVES)
         self._rest = tuple(a for a in self.actions if a.kind not in RECEIVES)
 
+    def take_tied_sum(self):
+        """The tied weights' gradient sum, no longer run after the schedule: the caller runs it (after
+        the dp exchange); None when no weight is tied."""
+        tied, self.tied_grads = self.tied_grads, None
+        return tied
+
     def _peer(self, stage: int) -> int:
         return self.schedule.stage_rank(stage)
 

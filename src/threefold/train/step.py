@@ -211,6 +211,8 @@ class TrainStep:
         self.grad_sync.zero_grad()
         loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, scale)
         self.grad_sync.finish()
+        if self.parallel.after_sync is not None:
+            self.parallel.after_sync()
         params, placements = self.optimizer.prepare_grads(1.0 / scale)
         norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
         # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
