@@ -149,7 +149,7 @@ def lock_directory(out: Path, overwrite: bool = False) -> RunLock:
     return RunLock(path, fd)
 
 
-def _holder(fd: int, wait_s: float = 2.0) -> str:
+def _holder(fd: int, wait_s: float = 10.0) -> str:
     """`host H, pid P, since T` from a lock file another process holds (it writes them just after
     taking the lock: wait a moment for them)."""
     deadline = time.monotonic() + wait_s
