@@ -1,6 +1,8 @@
 """Shared fixtures. `worlds(n)` hands out a gloo world of n processes that lives for the whole
 test session, so the many multi-process checks pay for starting processes only once per size."""
 
+import os
+
 import pytest
 
 from threefold.world import World
@@ -36,3 +38,20 @@ def pytest_runtest_setup(item):
     need none)."""
     if item.path.parent.name != "distributed":
         _POOL.close()
+
+
+@pytest.fixture
+def alone():
+    """A world of one in this test's process, left as it was found (the variables it sets would make
+    a later in-process `threefold train` believe it runs under a launcher)."""
+    import torch.distributed as dist
+
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

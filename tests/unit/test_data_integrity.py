@@ -19,25 +19,6 @@ from threefold.errors import UserError
 SEQ = 16
 
 
-@pytest.fixture
-def alone():
-    """A world of one in this process, left as it was found (the variables it sets would make a
-    later in-process `threefold train` believe it runs under a launcher)."""
-    import os
-
-    import torch.distributed as dist
-
-    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def _data(tmp_path):
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, 250, size=int(rng.integers(20, 60))).tolist() for _ in range(40)]

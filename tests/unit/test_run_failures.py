@@ -8,28 +8,12 @@ import os
 import shutil
 
 import pytest
-import torch.distributed as dist
 
 from tests.helpers import make_config
 from threefold.checkpoint import checkpointer, writer
 from threefold.errors import UserError
 
 BASE = ["model.preset=tiny", "model.layers=1", "train.global_batch=2", "train.seq_len=16"]
-
-
-@pytest.fixture
-def alone():
-    """A world of one in this process, left as it was found (its variables would make a later
-    in-process `threefold train` believe it runs under a launcher)."""
-    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _train(out, *overrides):
