@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     from .inputs import check_data, check_nproc, print_warnings
 
     cfg = load_config(args.config, overrides_from(args))
+    if args.config is None and (resumed := rundir.resume_defaults(cfg)) is not None:
+        # --resume of a run: its own config.toml is the default, the options given now override it
+        cfg = load_config(resumed, overrides_from(args), ignore=rundir.NOT_RESUMED)
     check_nproc(args.nproc)
     launching = bool(args.nproc or args.nnodes or args.rdzv_endpoint or args.node_rank is not None)
     if in_launched_world(launching):
