@@ -39,7 +39,6 @@ _NOTES = {  # what a default or a value means, where the type alone does not say
     "checkpoint.save_every": "0 = never; auto = the Young/Daly interval from the measured save stall and step "
     "time and --mtbf-hours (docs/checkpoint.md)",
     "checkpoint.mtbf_hours": "mean time between failures of one GPU, for --save-every auto",
-    "train.steps": "0 = save the initialised (or loaded) model as the step-0 checkpoint and exit",
     "train.beta1": "adamw", "train.beta2": "adamw", "train.eps": "adamw",
     "train.weight_decay": "adamw: decoupled; sgd: L2 added to the gradient",
     "train.grad_clip": "clip by global norm; 0 disables", "train.warmup_steps": "linear warm-up of the lr",
