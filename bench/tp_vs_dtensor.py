@@ -15,6 +15,7 @@ agree), and threefold's counted tp bytes per step.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import traceback
 
@@ -87,19 +88,22 @@ def bench_rank(args: dict) -> dict:
             dtensor_error = traceback.format_exc(limit=2).strip().splitlines()[-1]
             del steps[name]
     comm.traffic.take_window()
-    times = dict.fromkeys(steps, 0.0)
-    for _ in range(args["rounds"]):
-        for name in steps:
+    rates = {name: [] for name in steps}  # tokens/s of each round
+    for round_ in range(args["rounds"]):
+        order = list(steps) if round_ % 2 == 0 else list(steps)[::-1]  # alternate which side goes first
+        for name in order:
             torch.distributed.barrier()
             start = time.perf_counter()
             for s in range(args["steps"]):
                 one_step(name, s + 2)
             torch.distributed.barrier()
-            times[name] += time.perf_counter() - start
+            rates[name].append(tokens * args["steps"] / (time.perf_counter() - start))
     measured = args["steps"] * args["rounds"]
     tp_bytes = sum(comm.traffic.take_window().get("tp", {}).values())
-    return {"tokens_per_s": {k: tokens * measured / t for k, t in times.items()}, "first_losses": first_losses,
-            "tp_bytes_per_step": tp_bytes / measured, "dtensor_error": dtensor_error}
+    quartiles = {k: statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+                 for k, v in rates.items()}
+    return {"tokens_per_s": {k: q[1] for k, q in quartiles.items()}, "quartiles": quartiles,
+            "first_losses": first_losses, "tp_bytes_per_step": tp_bytes / measured, "dtensor_error": dtensor_error}
 
 
 def main() -> None:
@@ -118,9 +122,11 @@ def main() -> None:
         r = world.run(bench_rank, args)[0]
     print(f"model={a.model} tp={a.tp} batch={a.batch} seq_len={a.seq_len} sequence_parallel={a.sequence_parallel} "
           f"(CPU, gloo)")
+    print(f"  {a.rounds} rounds of {a.steps} steps, alternating which side goes first; tokens/s median [q1, q3]")
     for name, tps in r["tokens_per_s"].items():
         losses = " ".join(f"{x:.5f}" for x in r["first_losses"][name])
-        print(f"  {name:10s} {tps:10.0f} tokens/s   first losses {losses}")
+        q1, _, q3 = r["quartiles"][name]
+        print(f"  {name:10s} {tps:10.0f} tokens/s [{q1:.0f}, {q3:.0f}]   first losses {losses}")
     if r["dtensor_error"]:
         print(f"  dtensor    did not run on CPU/gloo: {r['dtensor_error']}")
     else:

@@ -63,8 +63,9 @@ _SECTION_TYPES = {name: typing.get_type_hints(Config)[name] for name in SECTIONS
 # ---------------------------------------------------------------- building
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Defaults <- TOML file at `path` <- `KEY=VALUE` overrides."""
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
+                ignore: typing.Collection[str] = ()) -> Config:
+    """Defaults <- TOML file at `path` (less its sections or keys named in `ignore`) <- `KEY=VALUE` overrides."""
     raw: dict[str, dict] = {}
     if path is not None:
         path = Path(path)
@@ -86,6 +87,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             if not isinstance(values, dict):
                 raise ConfigError(section, "must be a TOML table like [section]")
             for key, value in values.items():
+                if section in ignore or f"{section}.{key}" in ignore:
+                    continue
                 raw.setdefault(section, {})[key] = _check_value(section, key, value)
     for item in overrides:
         key, sep, text = item.partition("=")

@@ -47,7 +47,9 @@ def _check_finite(c: Sections) -> None:
 def _validate(c: S, world_size: int) -> S:
     _check_finite(c)
     p, m, t = c.parallel, c.model, c.train
-    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps),
+    if t.steps < 0:
+        raise ConfigError("train.steps", f"must be at least 0 (0: save the initial model and exit), got {t.steps}")
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp),
                        ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
                        ("train.seq_len", t.seq_len), ("pipeline.virtual_stages", c.pipeline.virtual_stages),
                        ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),

@@ -108,7 +108,7 @@ def test_bad_inputs_exit_2_naming_the_file(tmp_path, capsys):
 
     _fails(capsys, base() + [str(tmp_path / "missing.txt")], "missing.txt", "does not exist")
     (tmp_path / "empty.txt").write_text("")
-    _fails(capsys, base() + [str(tmp_path / "empty.txt")], "empty.txt", "is empty")
+    _fails(capsys, base() + [str(tmp_path / "empty.txt")], "empty.txt", "gave no training tokens")
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("ok line\ncafé".encode("latin-1"))
     _fails(capsys, base() + [str(bad)], "latin1.txt", "byte offset 11")

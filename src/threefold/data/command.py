@@ -80,6 +80,7 @@ def _prepare(args: argparse.Namespace) -> int:
         print(f"threefold: {result['tokens']} tokens in {result['seconds']:.2f} s with {result['workers']} "
               f"worker(s): {rate:,.0f} tokens/s per worker", file=sys.stderr)
     print(f"threefold: {args.out}: train {train['tokens']} tokens / {train['documents']} documents, "
-          f"val {val['tokens']} tokens / {val['documents']} documents, skipped {index['skipped_documents']}",
+          f"val {val['tokens']} tokens / {val['documents']} documents, skipped {index['skipped_documents']}"
+          f"{', empty files skipped ' + str(index['empty_files']) if index.get('empty_files') else ''}",
           file=sys.stderr)
     return 0

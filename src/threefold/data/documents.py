@@ -5,7 +5,8 @@ __pycache__ skipped), a glob, or `PATH:FIELD` for JSON Lines / Parquet / a Huggi
 `datasets` directory (FIELD defaults to "text"). Each text file is one document; each JSON
 line, Parquet row or dataset row is one document. Bad input raises UserError naming the file
 (and the byte offset or line); with `skip_bad` a document that is not valid UTF-8 is skipped
-and counted instead.
+and counted instead. An empty file holds no document: it becomes an `empty` unit, which
+`data prepare` skips and counts (`empty_files` in index.json), never refusing the run for it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _BATCH_ROWS = 1024
 class Unit:
     """One file (or one datasets directory) to read documents from."""
 
-    kind: str  # text | jsonl | parquet | hf
+    kind: str  # text | jsonl | parquet | hf | empty (an empty file: no document, skipped and counted)
     path: str
     field: str = ""
     size: int = 0  # bytes on disk (text, jsonl, parquet), for grouping into shards
@@ -87,8 +88,8 @@ def _unit(path: Path, field: str) -> Unit:
     if is_hf_dataset(path):
         return Unit("hf", str(path), field or DEFAULT_FIELD)
     size = path.stat().st_size
-    if size == 0:
-        raise UserError(f"source file '{path}' is empty; remove it from the sources")
+    if size == 0 and path.is_file():
+        return Unit("empty", str(path), field, 0)
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         return Unit("jsonl", str(path), field or DEFAULT_FIELD, size)
@@ -125,6 +126,8 @@ def _decode(raw: bytes, where: str, skip_bad: bool, skipped: Skipped, base_offse
 
 def documents(unit: Unit, skip_bad: bool, skipped: Skipped) -> Iterator[list[str]]:
     """The unit's documents, in batches."""
+    if unit.kind == "empty":
+        return
     if unit.kind == "text":
         text = _decode(Path(unit.path).read_bytes(), unit.path, skip_bad, skipped)
         if text is not None:

@@ -91,8 +91,23 @@ def goes_to_val(path: str, number: int, fraction: float) -> bool:
 _TOKENIZER = None
 
 
-def _init_worker(tokenizer: str | None) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when its parent dies (Linux), and leave now if it already has:
+    a killed `data prepare` leaves no worker running orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+def _init_worker(tokenizer: str | None, parent: int | None = None) -> None:
     global _TOKENIZER
+    if parent is not None:
+        _die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
     _TOKENIZER = load_tokenizer(tokenizer)
 
@@ -208,7 +223,8 @@ def prepare(opts: PrepareOptions) -> dict:
         raise UserError(f"--val-fraction: must be in [0, 1), got {opts.val_fraction}")
     tokenizer = load_tokenizer(opts.tokenizer)
     units = [u for spec in opts.sources for u in expand(spec)]
-    tasks = group_tasks(units, opts.shard_bytes)
+    empty = [u for u in units if u.kind == "empty"]  # no document: skipped, counted in the index
+    tasks = group_tasks([u for u in units if u.kind != "empty"], opts.shard_bytes)
     plan = _plan(opts, tokenizer.identity, tasks)
     if not _start(opts, plan):
         return {"index": json.loads((opts.out / INDEX).read_text()), "tokens": 0, "worker_seconds": 0.0,
@@ -229,7 +245,7 @@ def prepare(opts: PrepareOptions) -> dict:
             committed()
     elif todo:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                                 initargs=(opts.tokenizer,)) as pool:
+                                 initargs=(opts.tokenizer, os.getpid())) as pool:
             futures = [pool.submit(run_task, i, [u.to_dict() for u in tasks[i]], str(opts.out), opts.val_fraction,
                                    plan["dtype"], opts.skip_bad) for i in todo]
             for future in as_completed(futures):
@@ -241,7 +257,7 @@ def prepare(opts: PrepareOptions) -> dict:
                 tokens, busy = _collect(parts, done, bar, tokens, busy)
     if bar is not None:
         bar.close()
-    index = _write_index(opts, plan, [parts[i] for i in range(len(tasks))])
+    index = _write_index(opts, plan, [parts[i] for i in range(len(tasks))], len(empty))
     return {"index": index, "tokens": tokens, "worker_seconds": busy, "seconds": time.perf_counter() - start,
             "workers": workers, "already": False}
 
@@ -276,7 +292,7 @@ def _bar(progress: bool, total: int):
     return tqdm(total=total, desc="prepare", unit="B", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
 
 
-def _write_index(opts: PrepareOptions, plan: dict, parts: list[dict]) -> dict:
+def _write_index(opts: PrepareOptions, plan: dict, parts: list[dict], empty_files: int = 0) -> dict:
     splits = {}
     for split in SPLITS:
         shards = [p["shards"][split] for p in parts if p["shards"][split]]
@@ -288,6 +304,6 @@ def _write_index(opts: PrepareOptions, plan: dict, parts: list[dict]) -> dict:
     skipped = sum(p["skipped"] for p in parts)
     index = {"format": FORMAT, "tokenizer": plan["tokenizer"], "dtype": plan["dtype"],
              "val_fraction": plan["val_fraction"], "sources": plan["sources"], "skipped_documents": skipped,
-             "splits": splits}
+             "empty_files": empty_files, "splits": splits}
     _write_json(opts.out / INDEX, index)
     return index

@@ -83,6 +83,11 @@ def plot_run(metrics_path: Path, out: Path) -> list[Path]:
 
 
 def plot_expert_load(rows: list[dict], path: Path) -> Path:
+    plt = _pyplot()
+    return _save(plt, expert_load_figure(rows), Path(path))
+
+
+def expert_load_figure(rows: list[dict]):
     """Expert load over training from the `moe` field of metrics rows: the band of tokens per expert
     between the least and the most loaded expert, the mean (perfect balance), the imbalance max /
     mean on a second axis, and the assignments dropped by the capacity where any were."""
@@ -102,10 +107,21 @@ def plot_expert_load(rows: list[dict], path: Path) -> Path:
     twin = ax.twinx()
     twin.plot(steps, [x["max"] / x["mean"] if x["mean"] else 0.0 for x in load], color="tab:gray", linewidth=1)
     twin.set_ylabel("max / mean", color="tab:gray")
-    return _save(plt, fig, Path(path))
+    _integer_steps(fig)
+    return fig
+
+
+def _integer_steps(fig) -> None:
+    """Steps are whole numbers: no axis over steps gets a tick at 1.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        if ax.get_xlabel() == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _save(plt, fig, path: Path) -> Path:
+    _integer_steps(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

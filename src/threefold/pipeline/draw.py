@@ -25,13 +25,24 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
 
 def draw_timeline(events: list[Event], pp: int, out: str | Path, title: str = "", unit: str = "time") -> Path:
     """Draw the compute events of `events` as a rank x time chart; the format follows out's suffix."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    fig = timeline_figure(events, pp, title, unit)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def timeline_figure(events: list[Event], pp: int, title: str = "", unit: str = "time"):
+    """The figure of draw_timeline; its title always fits inside it (the figure widens for a long one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    out = Path(out)
     compute = [e for e in events if e.kind in COMPUTE_KINDS]
     t0 = min((e.start for e in compute), default=0.0)
     span = max((e.end for e in compute), default=1.0) - t0 or 1.0
@@ -59,10 +70,20 @@ def draw_timeline(events: list[Event], pp: int, out: str | Path, title: str = ""
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if pp < 3 else -0.2), ncol=len(handles),
               frameon=False, fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    _fit_title(fig, ax)
+    return fig
+
+
+def _fit_title(fig, ax) -> None:
+    """Widen the figure until the axes' title lies inside it (a narrow chart cut a long title off)."""
+    for _ in range(8):
+        fig.canvas.draw()
+        box, inside = ax.title.get_window_extent(), fig.bbox
+        if box.x0 >= inside.x0 and box.x1 <= inside.x1:
+            return
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width * box.width / (inside.width * 0.9) + 0.1, height)
+        fig.tight_layout()
 
 
 def chrome_trace(events: list[Event], out: str | Path, seconds_per_unit: float = 1.0) -> Path:

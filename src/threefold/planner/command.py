@@ -88,6 +88,14 @@ def _workload(args) -> tuple[Workload, str]:
     return Workload(m, batch, seq), assumed
 
 
+def parameter_count(n: int) -> str:
+    """A parameter count in the unit that fits: 404k, 12.3M, 1.2B (never 0.000404B)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def _tokens(n: int) -> str:
     return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
 
@@ -206,7 +214,7 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
 
 def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
     w, g, extra = r.workload, r.gpu, extra or {}
-    lines = [f"{w.model.preset}: {total_parameters(w.model) / 1e9:.3g}B parameters, global batch {w.global_batch} x "
+    lines = [f"{w.model.preset}: {parameter_count(total_parameters(w.model))} parameters, global batch {w.global_batch} x "
              f"{w.seq_len} tokens, {r.gpus} x {g.name} ({g.memory_bytes / GiB:.0f} GiB, {g.nvlink}, "
              f"{g.infiniband} InfiniBand); {r.evaluated} strategies evaluated"]
     if extra.get("assumed"):

@@ -24,6 +24,10 @@ OPTION_KEYS = {
     "global_batch": "train.global_batch", "seq_len": "train.seq_len", "lr": "train.lr", "seed": "train.seed",
     "data": "data.source", "out": "run.out", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
     "mtbf_hours": "checkpoint.mtbf_hours",
+    # the optimizer and its schedule
+    "optimizer": "train.optimizer", "beta1": "train.beta1", "beta2": "train.beta2", "eps": "train.eps",
+    "weight_decay": "train.weight_decay", "grad_clip": "train.grad_clip", "warmup_steps": "train.warmup_steps",
+    "min_lr_ratio": "train.min_lr_ratio",
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic",
              "peer_checkpoint": "checkpoint.peer_copy", "compile": "train.compile"}
@@ -35,6 +39,10 @@ _NOTES = {  # what a default or a value means, where the type alone does not say
     "checkpoint.save_every": "0 = never; auto = the Young/Daly interval from the measured save stall and step "
     "time and --mtbf-hours (docs/checkpoint.md)",
     "checkpoint.mtbf_hours": "mean time between failures of one GPU, for --save-every auto",
+    "train.beta1": "adamw", "train.beta2": "adamw", "train.eps": "adamw",
+    "train.weight_decay": "adamw: decoupled; sgd: L2 added to the gradient",
+    "train.grad_clip": "clip by global norm; 0 disables", "train.warmup_steps": "linear warm-up of the lr",
+    "train.min_lr_ratio": "the cosine decay ends at lr x this",
 }
 
 
@@ -104,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     from .inputs import check_data, check_nproc, print_warnings
 
     cfg = load_config(args.config, overrides_from(args))
+    if args.config is None and (resumed := rundir.resume_defaults(cfg)) is not None:
+        # --resume of a run: its own config.toml is the default, the options given now override it
+        cfg = load_config(resumed, overrides_from(args), ignore=rundir.NOT_RESUMED)
     check_nproc(args.nproc)
     launching = bool(args.nproc or args.nnodes or args.rdzv_endpoint or args.node_rank is not None)
     if in_launched_world(launching):

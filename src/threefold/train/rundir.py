@@ -231,6 +231,20 @@ def claim(cfg: Config, overwrite: bool = False) -> tuple[Config, RunLock]:
     return replace(cfg, run=replace(cfg.run, out=str(out), id=run_id)), lock
 
 
+# keys of a run's config.toml that a resumed run does not take from it: a fault is injected once, the
+# progress bar belongs to the terminal, the run id is the run file's
+NOT_RESUMED = ("fault", "run.progress", "run.id")
+
+
+def resume_defaults(cfg: Config) -> Path | None:
+    """The run's own DIR/config.toml when `cfg` resumes the run in `run.out` (checkpoint.resume not none)
+    and it exists: the default of the resumed run's config, under the options given again."""
+    if cfg.checkpoint.resume == "none" or not cfg.run.out:
+        return None
+    path = Path(cfg.run.out) / "config.toml"
+    return path if path.is_file() else None
+
+
 def adopt(cfg: Config) -> Config:
     """A restarted process joins the run its first attempt claimed (the id from the run file)."""
     run = read_run(Path(cfg.run.out)) if cfg.run.out else None

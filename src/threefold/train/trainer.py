@@ -342,6 +342,8 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train to cfg.train.steps; returns every step's record (on every rank)."""
         cfg = self.cfg
+        if cfg.train.steps == 0:
+            return self._save_step_zero()
         if self.is_writer and self.resumed_from is not None:
             _truncate_metrics(self.out / "metrics.jsonl", self.step)
         log = MetricsLog(self.out, cfg.run.progress, cfg.run.tensorboard, cfg.train.steps,
@@ -392,6 +394,22 @@ class Trainer:
         if self.is_writer:
             print(stopped.line(), file=sys.stderr, flush=True)
         return stopped
+
+    def _save_step_zero(self) -> list[dict]:
+        """train.steps=0: the initialised (or loaded: a Hugging Face directory, checkpoint.init_from) model
+        is saved as the step-0 checkpoint, untouched by any step, for `ckpt export`; nothing is trained."""
+        try:
+            if self.is_writer:
+                (self.out / "config.toml").write_text(self.cfg.to_toml())
+            self.save_checkpoint()
+            self.checkpointer.close()
+        finally:
+            self.loader.close()
+            restore(self._determinism)
+        if self.is_writer:
+            print(f"threefold: train.steps=0: saved the initial model as {self.out / 'checkpoints'} step 0; "
+                  "nothing was trained", file=sys.stderr, flush=True)
+        return []
 
     def _export_pipeline_timeline(self) -> None:
         """The last step's measured schedule: DIR/pipeline.png and DIR/pipeline-trace.json (Chrome/Perfetto)."""
