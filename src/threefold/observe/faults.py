@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Protocol
 
 from torch import nn
 
@@ -37,7 +38,12 @@ from ..config_checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
 from ..nodes import AGENT_PID, NODE_RANK
-from ..train.preempt import StopSignals
+
+
+class SignalCount(Protocol):
+    """How many stop signals this process has received (train/preempt.py StopSignals)."""
+
+    received: int
 
 
 def first_attempt() -> bool:
@@ -47,7 +53,7 @@ def first_attempt() -> bool:
 
 class FaultInjector:
     def __init__(self, fault: FaultConfig, layout: tuple[int, int, int], rank: int, model: nn.Module, vocab: int,
-                 stop: StopSignals | None = None):
+                 stop: SignalCount | None = None):
         self.fault = fault
         self.stop = stop
         applies = fault_applies(fault, layout)
