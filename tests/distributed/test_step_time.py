@@ -10,7 +10,9 @@ from tests.data_helpers import PY_GLOB, prepare, train_tokenizer
 from tests.helpers import train_and_report
 
 BASE = ["model.preset=small", "model.layers=2", "train.global_batch=8", "train.seq_len=64", "train.steps=10"]
-SPREAD = 3.0  # max / median of tokens_per_s over a steady run; crediting a step with its neighbour's work gives ~1e3
+# max / median of tokens_per_s over a run: crediting a step with its neighbour's work gave 477-948 here;
+# a step descheduled on a loaded machine stays far below this
+SPREAD = 20.0
 
 
 @pytest.fixture(scope="module")
