@@ -233,7 +233,10 @@ def claim(cfg: Config, overwrite: bool = False) -> tuple[Config, RunLock]:
 
 # keys of a run's config.toml that a resumed run does not take from it: a fault is injected once, the
 # progress bar belongs to the terminal, the run id is the run file's
-NOT_RESUMED = ("fault", "run.progress", "run.id")
+# not taken from the run's config.toml on a resume: test faults, this terminal's progress bar, the id (run.json's),
+# and the layout that depends on the world the resume has (dp and the micro-batches: an elastic job shrunk to
+# fewer nodes wrote its re-derived ones; the step's math does not depend on them)
+NOT_RESUMED = ("fault", "run.progress", "run.id", "parallel.dp", "train.microbatches")
 
 
 def resume_defaults(cfg: Config) -> Path | None:
