@@ -69,7 +69,7 @@ def bound_ids(batches: list[Batch], vocab: int) -> tuple[list[Batch], torch.Tens
     lows = torch.stack([torch.minimum(b.inputs.min(), b.targets.min()) for b in batches]).min()
     figure = torch.where(lows < 0, lows, highs)
 
-    def inside(ids: torch.Tensor) -> torch.Tensor:
-        return ids.masked_fill((ids < 0) | (ids >= vocab), 0)
-
-    return [Batch(inside(b.inputs), inside(b.targets)) for b in batches], figure
+    for b in batches:  # in place: the step's rows are its own (the sampler stacks them anew each step), and
+        for ids in (b.inputs, b.targets):  # inputs and targets stay views of them (what memory accounting counts)
+            ids.masked_fill_((ids < 0) | (ids >= vocab), 0)
+    return batches, figure
