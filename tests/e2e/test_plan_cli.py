@@ -88,7 +88,7 @@ def test_bad_inputs_exit_2_with_one_line(capsys, argv, fragment):
 def test_an_assumed_global_batch_is_stated(capsys):
     code, out, _ = plan(capsys, "--model", "llama-405b", "--gpus", "16384", "--gpu", "h100-80gb", "--top", "3")
     assert code == 0
-    assert "assumed global batch 16384 x 8192 = 134M tokens per step (~4M tokens (512 sequences) raised to one " \
+    assert "assumed global batch 16384 x 8192 = 134M tokens per step (~4.19M tokens for 406B parameters (512 sequences) raised to one " \
            "sequence per GPU); give --global-batch" in out
     code, out, _ = plan(capsys, "--model", "llama-7b", "--gpus", "8", "--global-batch", "64", "--top", "2")
     assert "assumed" not in out

@@ -9,6 +9,7 @@ predicted throughput and scaling efficiency of the best layout from 8 to 8192 GP
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 from dataclasses import replace
@@ -23,7 +24,20 @@ from .workload import Workload, active_parameters, total_parameters
 
 FIXABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "microbatches": "microbatches",
            "activation_checkpointing": "remat", "schedule": "schedule", "virtual_stages": "virtual_stages"}
-DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step when --global-batch is not given (at least a sequence per GPU)
+DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step for the largest models (Llama 2 34B/70B, Touvron et al. 2023)
+# When --global-batch is not given: the batch the published runs of a model's size used, in tokens per step:
+# GPT-3's table 2.1 (Brown et al. 2020): 125M-760M 0.5M, 1.3B-2.7B 1M, 6.7B-13B 2M; 30B and up 4M (Llama 2).
+# Below 125M, 0.5M shrinks in proportion to the parameters (a 36k-parameter model is not trained on 4M
+# tokens a step); in sequences, the nearest power of two (so that dp divides it), at least one per GPU.
+BATCH_TOKENS_BY_SIZE = ((30e9, 2**22), (6.7e9, 2**21), (1.3e9, 2**20), (125e6, 2**19))
+
+
+def default_batch_tokens(params: int) -> int:
+    """Tokens per step of the published runs of a model with `params` parameters (BATCH_TOKENS_BY_SIZE)."""
+    for size, tokens in BATCH_TOKENS_BY_SIZE:
+        if params >= size:
+            return tokens
+    return max(1, int(2**19 * params / 125e6))
 # Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 H100,
 # i.e. one per ~50,700 GPU-hours
 DEFAULT_MTBF_HOURS = 50_000
@@ -74,15 +88,17 @@ def _workload(args) -> tuple[Workload, str]:
         raise ConfigError("--seq-len", f"must be at least 1, got {seq}")
     if seq > m.max_seq:
         raise ConfigError("--seq-len", f"{seq} exceeds model.max_seq={m.max_seq}; add --set model.max_seq={seq}")
-    batch = args.global_batch or max(args.gpus, DEFAULT_BATCH_TOKENS // seq)
+    params = total_parameters(m)
+    by_size = 2 ** max(0, round(math.log2(max(1.0, default_batch_tokens(params) / seq))))  # a power of two divides
+    batch = args.global_batch or max(args.gpus, by_size)
     if batch < 1:
         raise ConfigError("--global-batch", f"must be at least 1, got {batch}")
     if m.hidden % m.heads or m.heads % m.kv_heads:
         raise ConfigError("model.hidden", "hidden must divide by heads and heads by kv_heads")
     assumed = ""
     if not args.global_batch:
-        rule = ("~4M tokens" if batch == DEFAULT_BATCH_TOKENS // seq else
-                f"~4M tokens ({DEFAULT_BATCH_TOKENS // seq} sequences) raised to one sequence per GPU")
+        size = f"~{_tokens(default_batch_tokens(params))} tokens for {parameter_count(params)} parameters"
+        rule = size if batch == by_size else f"{size} ({by_size} sequences) raised to one sequence per GPU"
         assumed = (f"assumed global batch {batch} x {seq} = {_tokens(batch * seq)} tokens per step ({rule}); "
                    "give --global-batch for yours")
     return Workload(m, batch, seq), assumed

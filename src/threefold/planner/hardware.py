@@ -61,6 +61,7 @@ class Gpu:
     link_efficiency: float = 0.8  # achievable share of the nominal link rate (NCCL bus bandwidth)
     compute_efficiency: float = 0.55  # see the module docstring
     fp32_flops: float = 0.0  # non-tensor-core FP32 peak, for --precision fp32 (0: peak / 16)
+    op_overhead_s: float = 4e-6  # host seconds to dispatch and launch one operator (planner/dispatch.py)
 
     def flops(self, precision: str) -> float:
         if precision == "fp32":
@@ -104,6 +105,7 @@ TOML_KEYS = {
     "link_efficiency": "achievable fraction of link rates (default 0.8)",
     "intra_latency_us": "latency of one collective step inside a node, microseconds",
     "inter_latency_us": "latency of one collective step across nodes, microseconds",
+    "op_overhead_us": "host time to dispatch and launch one operator, microseconds (default 4)",
 }
 
 
@@ -148,9 +150,10 @@ def load_gpu(kind: str) -> Gpu:
         inter_latency_s=table.get("inter_latency_us", defaults["inter_latency_s"] * 1e6) * 1e-6,
         link_efficiency=float(table.get("link_efficiency", defaults["link_efficiency"])),
         compute_efficiency=float(table.get("compute_efficiency", 0.5)),
+        op_overhead_s=table.get("op_overhead_us", defaults["op_overhead_s"] * 1e6) * 1e-6,
     )
 
 
 # A CPU "device" for predicting the memory of CPU runs: no allocator margin, nothing reserved.
 CPU = Gpu("cpu", 1e11, 1 << 40, 2e10, "none", 1e10, 1e10, infiniband="none", gpus_per_node=1 << 20,
-          compute_efficiency=1.0, fp32_flops=1e11)
+          compute_efficiency=1.0, fp32_flops=1e11, op_overhead_s=2e-6)

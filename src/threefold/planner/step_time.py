@@ -22,6 +22,9 @@ sequence parallelism) and, under expert parallelism, its all-to-alls on the crit
 Data-parallel and ZeRO traffic, and how much of it is exposed: planner/dp_comm.py (also local
 SGD / DiLoCo meetings, quantized ZeRO-3 communication and hpZ).
 The optimizer update is memory-bound: ~32 bytes per local parameter over HBM bandwidth.
+Under every compute term lies the host's dispatch floor (planner/dispatch.py): a micro-batch's
+forward takes at least (operators it issues) x `Gpu.op_overhead_s`, and so do its backward and
+the optimizer update; it decides the step of small models only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from functools import lru_cache
 from . import comm
 from .compute import (blocks_forward_flops_per_token, executed_attention_share, head_forward_flops_per_token,
                       recomputed_forward_flops_per_token, step_flops)
+from .dispatch import OPTIMIZER_OPS, stage_ops
 from .dp_comm import data_parallel
 from .hardware import Gpu
 from .memory import compute_bytes
@@ -128,7 +132,13 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     replicated = sparse * sparse_mlp_flops_per_token(m, s) if st.tp > 1 and not st.sequence_parallel else 0.0
     f = tokens * ((fwd - replicated) / st.tp + replicated) / rate
     per_flop = f / (tokens * fwd)  # seconds per counted FLOP of this stage
-    return f, tokens * (2 * fwd + recompute) * per_flop, f, tokens * recompute * per_flop
+    b = tokens * (2 * fwd + recompute) * per_flop
+    redo = tokens * recompute * per_flop
+    # the host's floor (planner/dispatch.py): small kernels wait for their dispatch
+    ops_f, ops_b = stage_ops(m, layers, sparse, m.experts // st.ep if m.experts else 0, stage == 0, stage == st.pp - 1)
+    ops_b += ops_f * (recompute / fwd if fwd else 0.0)
+    op = gpu.op_overhead_s
+    return max(f, ops_f * op), max(b, ops_b * op), max(f, ops_b * op / 2), redo
 
 
 def _ep_comm(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float]:
@@ -177,7 +187,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep)
     local = ((count.trainable - count.expert) / (st.dp if st.zero >= 1 else 1)
              + count.expert / (st.edp if st.zero >= 1 else 1))
-    optimizer = local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s
+    optimizer = max(local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s, OPTIMIZER_OPS * gpu.op_overhead_s)
     total = makespan + dp_exposed + optimizer
     m = st.microbatches
     return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, optimizer, total,
