@@ -80,3 +80,18 @@ def test_the_space_respects_heads_nodes_layers_and_batch():
         assert w.global_batch % (st.dp * st.microbatches) == 0
         assert st.sequence_parallel == (st.tp > 1)
         assert st.zero == 0 or st.dp > 1
+
+
+def test_every_interleaving_depth_that_divides_the_blocks_per_rank_is_searched():
+    """Real runs interleave 3-23 chunks per rank; the search once tried v = 2 only."""
+    from threefold.planner.search import interleaving_depths
+    assert interleaving_depths(80, 8) == [2, 5, 10]
+    assert interleaving_depths(126, 16) == [2, 4, 7]  # 7 or 8 blocks per rank: both roundings' divisors
+    assert interleaving_depths(105, 35) == [3]  # Megatron-LM's 530B: one block per chunk
+    assert interleaving_depths(2, 2) == []
+    w = Workload(load_config(None, ["model.preset=llama-70b"]).model, 64, 4096)
+    space = enumerate_strategies(w, 64, PRESETS["h100-80gb"], {"tp": 8, "pp": 8, "schedule": "interleaved", "zero": 0,
+                                                              "remat": "none"})
+    assert sorted({st.virtual_stages for st in space}) == [2, 5, 10]
+    best = search(w, 64, PRESETS["h100-80gb"], fixed={"tp": 8, "pp": 8, "schedule": "interleaved"}).best
+    assert best.strategy.virtual_stages == 5, best.strategy.label()  # v=10 needs more memory than 80 GB

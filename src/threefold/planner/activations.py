@@ -44,6 +44,8 @@ applies `full` to the blocks whose global index is a multiple of k.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -115,6 +117,7 @@ def sparse_block_items(m: ModelConfig, x: Shape, ep: int = 1, hf: bool = False) 
     return items
 
 
+@lru_cache(maxsize=65536)
 def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse: bool = False,
                 ep: int = 1) -> float:
     """Bytes a block keeps until its backward under a checkpointing policy ('none', 'selective', 'full')."""
@@ -138,6 +141,7 @@ def checkpointed_layers(layers: range, policy: str, every: int) -> int:
     return sum(1 for i in layers if is_checkpointed(i, policy, every))
 
 
+@lru_cache(maxsize=65536)
 def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False,
                  ep: int = 1) -> float:
     """The saved bytes of a run of blocks under `policy` (none | selective | full | every-k)."""

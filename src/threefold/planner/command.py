@@ -236,7 +236,7 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
     if extra.get("assumed"):
         lines.append(extra["assumed"])
     lines.append("")
-    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>11} " \
+    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>14} " \
              f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'tokens/s':>10} {'MFU':>5}"
     lines += [header, "-" * len(header)]
     for i, c in enumerate(r.candidates[:top], 1):
@@ -244,7 +244,7 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
         sched = (st.schedule + (f"x{st.virtual_stages}" if st.schedule == "interleaved" else "")) if st.pp > 1 else "-"
         step = f"{c.time.total_s:8.3g}" if c.time else f"{'-':>8}"
         lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3} {st.ep:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
-                     f"{sched:>11} {c.memory.total / GiB:>8.1f} {'yes' if c.fits else 'no':>4} {step} "
+                     f"{sched:>14} {c.memory.total / GiB:>8.1f} {'yes' if c.fits else 'no':>4} {step} "
                      f"{c.tokens_per_s:>10,.0f} {c.mfu:>5.1%}")
     lines.append("")
     if r.feasible:

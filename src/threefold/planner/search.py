@@ -6,7 +6,7 @@ rest, dividing the global batch; for a mixture of experts ep over the divisors o
 the expert count; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
 checkpointing none / selective / every-k (one block in two) / full - the fastest that fits wins,
 so full recomputation is chosen only when nothing cheaper fits; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
-interleaved (2 virtual stages when the layers divide). Sequence parallelism is on whenever
+interleaved (every depth v that divides the blocks per rank, `interleaving_depths`). Sequence parallelism is on whenever
 tp > 1 (same traffic as plain tensor parallelism, less memory). Any knob fixed by the caller
 is not searched.
 
@@ -82,6 +82,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+MAX_INTERLEAVING_DEPTHS = 6  # the deepest this many of them, to bound the search
+
+
+def interleaving_depths(layers: int, pp: int) -> list[int]:
+    """Virtual stages per rank the search tries: every v >= 2 that divides the blocks per rank (either
+    rounding when pp does not divide the layers), the deepest MAX_INTERLEAVING_DEPTHS. Real runs use
+    5-23 (Megatron-LM's 530B and 1T, Llama 3 405B), not only 2."""
+    per_rank = {layers // pp, -(-layers // pp)}
+    depths = sorted(v for v in range(2, layers // pp + 1) if any(n % v == 0 for n in per_rank) and pp * v <= layers)
+    return depths[-MAX_INTERLEAVING_DEPTHS:]
+
+
 def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None,
                          precision: str = "bf16") -> list[Strategy]:
     """Every strategy of the space for `gpus` GPUs; `fixed` pins knobs (dp, tp, pp, ep, zero,
@@ -114,15 +126,18 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                 remats = [fixed["remat"]] if "remat" in fixed else REMAT_POLICIES
                 schedules = [fixed["schedule"]] if "schedule" in fixed else (SCHEDULES if pp > 1 else ("1f1b",))
                 for micro, remat, schedule in product(mbs, remats, schedules):
-                    v = 1
+                    vs = [1]
                     if schedule == "interleaved":
-                        v = fixed.get("virtual_stages", 2)
-                        if v < 2 or pp * v > m.layers or micro % pp:
+                        vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else interleaving_depths(m.layers, pp)
+                        if micro % pp:
                             continue
-                    out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
-                                        schedule=schedule, virtual_stages=v,
-                                        sequence_parallel=fixed.get("sequence_parallel", tp > 1),
-                                        precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep))
+                    for v in vs:
+                        if schedule == "interleaved" and (v < 2 or pp * v > m.layers):
+                            continue
+                        out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
+                                            schedule=schedule, virtual_stages=v,
+                                            sequence_parallel=fixed.get("sequence_parallel", tp > 1),
+                                            precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep))
     return out
 
 
