@@ -105,7 +105,8 @@ def main() -> None:
         spread = f"{min(x):.3f}-{max(x):.3f}"
         q1, med, q3 = statistics.quantiles(x, n=4, method="inclusive") if len(x) > 1 else (x[0],) * 3
         quart = f"{med:.3f} [{q1:.3f}, {q3:.3f}]"
-        print(f"{n:>5} {ours:>16.0f} {ddp:>10.0f} {ours / ddp:>6.3f} {spread:>15} {quart:>28} {r['bytes_per_step']:>16.0f} "
+        print(f"{n:>5} {ours:>16.0f} {ddp:>10.0f} {ours / ddp:>6.3f} {spread:>15} {quart:>28} "
+              f"{r['bytes_per_step']:>16.0f} "
               f"{theory:>17.0f} {os.getloadavg()[0]:>5.1f}")
 
 

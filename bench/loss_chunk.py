@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    ap.add_argument("--quick", action="store_true", help="batch 1 x 128, pieces of 32 (bf16 on a CPU without bf16 units)")
+    ap.add_argument("--quick", action="store_true",
+                    help="batch 1 x 128, pieces of 32 (bf16 on a CPU without bf16 units)")
     args = ap.parse_args()
     sizes = {"batch": 1, "seq_len": 128, "chunk": 32} if args.quick else {"batch": 4, "seq_len": 256, "chunk": 256}
     for key, value in sizes.items():
@@ -91,7 +92,8 @@ def main() -> None:
         f = figures[name]
         q1, med, q3 = quartiles(times[name])
         print(f"{name:15s} loss {f['loss']:.6f}  kept for backward {f['saved'] / 2**20:8.2f} MiB  "
-              f"allocation peak {f['peak'] / 2**20:8.2f} MiB  step {med * 1e3:8.1f} ms [{q1 * 1e3:.1f}, {q3 * 1e3:.1f}]")
+              f"allocation peak {f['peak'] / 2**20:8.2f} MiB  "
+              f"step {med * 1e3:8.1f} ms [{q1 * 1e3:.1f}, {q3 * 1e3:.1f}]")
     w = figures["F.cross_entropy"]
     for name in ("default", "pieces"):
         p = figures[name]

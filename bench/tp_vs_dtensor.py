@@ -6,9 +6,10 @@ default would be the slower single-tensor loop), same tp world on CPU / gloo. th
 the decoder's plan (heads, MLP, vocab-parallel embedding, head and loss); DTensor gets
 `parallelize_module` with the equivalent styles: ColwiseParallel for q, k, v, up (gate),
 RowwiseParallel for o and down, RowwiseParallel for the token embedding and ColwiseParallel with
-a replicated output for the head (whole logits, then the model's usual loss). Timed rounds alternate so that machine noise hits both alike.
-Prints tokens/s of each and their ratio, the first losses of both (the same model, so they
-agree), and threefold's counted tp bytes per step.
+a replicated output for the head (whole logits, then the model's usual loss). Timed rounds
+alternate which side goes first, so that machine noise hits both alike. Prints tokens/s of each
+(median and quartiles over the rounds) and their ratio, the first losses of both (the same
+model, so they agree), and threefold's counted tp bytes per step.
 
     python bench/tp_vs_dtensor.py [--tp 2] [--model small] [--seq-len 128] [--batch 8] [--steps 4] [--rounds 3]
 """
