@@ -2,7 +2,12 @@
 backward, and time, side by side in one process.
 
     PYTHONPATH=src python bench/loss_chunk.py [--batch 4] [--seq-len 256] [--vocab 8192] [--chunk 256]
-                                              [--rounds 3] [--dtype bf16]
+                                              [--rounds 3] [--dtype bf16] [--quick]
+
+--quick measures batch 1 x 128 with pieces of 32 tokens (the same four pieces per micro-batch),
+for CPUs without bf16 matrix units: there bf16 matmuls are emulated (on an AVX2 CPU one step of
+the default 4 x 256 takes about 13 s, 90% of it in aten::mm; 1 x 128 takes under 2 s). Sizes given
+explicitly win over --quick; without it the sizes are the defaults above.
 
 All sides are the same `small` decoder (4 blocks, hidden 256) with the given vocabulary, its
 parameters in --dtype, one forward + backward of a (batch, seq) micro-batch per measure:
@@ -15,7 +20,8 @@ parameters in --dtype, one forward + backward of a (batch, seq) micro-batch per 
 
 Bytes kept for backward: observe/memory.py `SavedTensorMeter` (what the planner models). Peak:
 torch.profiler's CPU memory events (allocations minus frees, in order), measured in a separate
-pass from the timed rounds, so no instrumentation is inside a timed region. Rounds alternate.
+pass from the timed rounds, so no instrumentation is inside a timed region. Rounds alternate (the
+order of the sides reversed every other round); times are the median with quartiles.
 """
 
 from __future__ import annotations
@@ -38,13 +44,19 @@ from threefold.observe.memory import SavedTensorMeter, allocation_peak
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--seq-len", type=int)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--quick", action="store_true",
+                    help="batch 1 x 128, pieces of 32 (bf16 on a CPU without bf16 units)")
     args = ap.parse_args()
+    sizes = {"batch": 1, "seq_len": 128, "chunk": 32} if args.quick else {"batch": 4, "seq_len": 256, "chunk": 256}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     cfg = load_config(None, ["model.preset=small", f"model.vocab={args.vocab}"]).model
     model = build_model(cfg, 0).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
@@ -71,21 +83,28 @@ def main() -> None:
         loss = step(name, meter)
         figures[name] = {"loss": loss, "saved": meter.peak, "peak": allocation_peak(lambda: step(name))}
     times = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name in sides:
+    for r in range(args.rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
             start = time.perf_counter()
             step(name)
             times[name].append(time.perf_counter() - start)
     for name in sides:
         f = figures[name]
+        q1, med, q3 = quartiles(times[name])
         print(f"{name:15s} loss {f['loss']:.6f}  kept for backward {f['saved'] / 2**20:8.2f} MiB  "
-              f"allocation peak {f['peak'] / 2**20:8.2f} MiB  step {statistics.median(times[name]) * 1e3:8.1f} ms")
+              f"allocation peak {f['peak'] / 2**20:8.2f} MiB  "
+              f"step {med * 1e3:8.1f} ms [{q1 * 1e3:.1f}, {q3 * 1e3:.1f}]")
     w = figures["F.cross_entropy"]
     for name in ("default", "pieces"):
         p = figures[name]
         print(f"{name} / F.cross_entropy: kept {p['saved'] / w['saved']:.3f}x, peak {p['peak'] / w['peak']:.3f}x, "
               f"time {statistics.median(times[name]) / statistics.median(times['F.cross_entropy']):.3f}x, "
               f"loss rel diff {abs(p['loss'] - w['loss']) / abs(w['loss']):.1e}")
+    print(f"load {os.getloadavg()[0]:.2f} at the end")
+
+
+def quartiles(x: list[float]) -> tuple[float, float, float]:
+    return tuple(statistics.quantiles(x, n=4, method="inclusive")) if len(x) > 1 else (x[0],) * 3
 
 
 class FloatCrossEntropy(torch.nn.Module):

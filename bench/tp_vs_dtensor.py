@@ -1,13 +1,15 @@
 """threefold tensor parallelism against PyTorch's DTensor tensor parallelism, side by side.
 
-Same model (the reference decoder, untied head so both can split it), same data, same AdamW,
-same tp world on CPU / gloo. threefold applies the decoder's plan (heads, MLP, vocab-parallel
-embedding, head and loss); DTensor gets `parallelize_module` with the equivalent styles:
-ColwiseParallel for q, k, v, up (gate), RowwiseParallel for o and down, RowwiseParallel for the
-token embedding and ColwiseParallel with a replicated output for the head (whole logits, then
-the model's usual loss). Timed rounds alternate so that machine noise hits both alike.
-Prints tokens/s of each and their ratio, the first losses of both (the same model, so they
-agree), and threefold's counted tp bytes per step.
+Same model (the reference decoder, untied head so both can split it), same data, same AdamW
+(foreach on both sides, as the trainer's optimizer and torch's CUDA default are; on CPU torch's
+default would be the slower single-tensor loop), same tp world on CPU / gloo. threefold applies
+the decoder's plan (heads, MLP, vocab-parallel embedding, head and loss); DTensor gets
+`parallelize_module` with the equivalent styles: ColwiseParallel for q, k, v, up (gate),
+RowwiseParallel for o and down, RowwiseParallel for the token embedding and ColwiseParallel with
+a replicated output for the head (whole logits, then the model's usual loss). Timed rounds
+alternate which side goes first, so that machine noise hits both alike. Prints tokens/s of each
+(median and quartiles over the rounds) and their ratio, the first losses of both (the same
+model, so they agree), and threefold's counted tp bytes per step.
 
     python bench/tp_vs_dtensor.py [--tp 2] [--model small] [--seq-len 128] [--batch 8] [--steps 4] [--rounds 3]
 """
@@ -28,7 +30,7 @@ from threefold.mesh import Layout, Mesh
 from threefold.models.decoder import build_model
 from threefold.models.plan import decoder_plan
 from threefold.parallel.tensor_plan import parallelize_tensor
-from threefold.train.optim import make_optimizer
+from threefold.train.optim import param_groups
 from threefold.world import World
 
 
@@ -46,6 +48,21 @@ def dtensor_plan(cfg) -> dict:
     return plan
 
 
+def foreach_adamw(named_params, t) -> torch.optim.Optimizer:
+    """AdamW with foreach steps; DTensor parameters and plain ones (the norms DTensor leaves alone) in
+    groups of their own, as foreach kernels cannot mix them (foreach set per group: zero_grad's own
+    foreach path would gather the gradients of all groups into one list)."""
+    from torch.distributed.tensor import DTensor
+
+    groups = []
+    for group in param_groups(named_params, t.weight_decay):
+        for is_dtensor in (False, True):
+            params = [p for p in group["params"] if isinstance(p, DTensor) == is_dtensor]
+            if params:
+                groups.append({**group, "params": params, "foreach": True})
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
 def bench_rank(args: dict) -> dict:
     tp = torch.distributed.get_world_size()
     cfg = load_config(None, [f"model.preset={args['model']}", "model.tie_embeddings=false",
@@ -58,14 +75,14 @@ def bench_rank(args: dict) -> dict:
 
     ours = build_model(cfg.model, 0)
     parallelize_tensor(ours, mesh, comm, decoder_plan(cfg.model), args["sp"])
-    ours_opt = make_optimizer(ours.named_parameters(), cfg.train)
+    ours_opt = foreach_adamw(ours.named_parameters(), cfg.train)
     steps = {"threefold": (ours, ours_opt)}
     dtensor_error = None
     try:
         from torch.distributed.tensor.parallel import parallelize_module
 
         theirs = parallelize_module(build_model(cfg.model, 0), mesh.device_mesh["tp"], dtensor_plan(cfg.model))
-        steps["dtensor"] = (theirs, make_optimizer(theirs.named_parameters(), cfg.train))
+        steps["dtensor"] = (theirs, foreach_adamw(theirs.named_parameters(), cfg.train))
     except Exception as e:  # report why DTensor cannot run here instead of failing the benchmark
         dtensor_error = f"{type(e).__name__}: {e}"
 
