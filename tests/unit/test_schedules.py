@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, compute_orders,
+from threefold.pipeline.schedules import (SCHEDULES, Action, check, Schedule, ScheduleError, build_schedule, compute_orders,
                                           validate)
 from threefold.pipeline.simulate import Costs, simulate
 
@@ -69,7 +69,7 @@ def _grid():
                     if m >= p:
                         for v in (1, 2, 3, 4) if m == p else (2,):
                             yield name, p, m, v
-                else:
+                elif check(name, p, m) is None:
                     yield name, p, m, 1
 
 
