@@ -257,9 +257,11 @@ def _check_dualpipev(p: int, m: int, v: int) -> str | None:
 
 
 def _v_bubble(p: int, m: int) -> float:
-    """zb-v and dualpipev with F = I = W = 1 per stage (1/2 per chunk): a makespan of
-    3m + (p - 1)/2 (the simulator's, for every p and m the schedule accepts; unit/test_schedules.py)."""
-    return (p - 1) / (6 * m + p - 1)
+    """zb-v and dualpipev with F = I = W = 1 per rank (1/2 per chunk): a makespan of 3m + (p - 1)/2,
+    or with zb-v's m < 2p - 1 (its warm-up not filled) 3m + 2p - 1 - m. The simulator's figures for
+    every p, m the schedule accepts (unit/test_schedules.py)."""
+    idle = max((p - 1) / 2, 2 * p - 1 - m)
+    return idle / (3 * m + idle)
 
 
 @dataclass(frozen=True)
