@@ -4,8 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from threefold.pipeline.schedules import (SCHEDULES, Action, check, Schedule, ScheduleError, build_schedule, compute_orders,
-                                          validate)
+from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check,
+                                          compute_orders, validate)
 from threefold.pipeline.simulate import Costs, simulate
 
 

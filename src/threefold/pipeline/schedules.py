@@ -41,8 +41,8 @@ from .posting import add_aligned_communication
 from .replay import Replay, replay
 from .stream_replay import replay_stream
 
-__all__ = ["Action", "ScheduleKind", "kind", "check", "chunks_per_rank", "Schedule", "ScheduleError", "Replay", "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES",
-           "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
+__all__ = ["Action", "ScheduleKind", "kind", "check", "chunks_per_rank", "Schedule", "ScheduleError", "Replay",
+           "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES", "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
 
 
 # ---------------------------------------------------------------- compute orders
