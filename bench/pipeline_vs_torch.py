@@ -4,7 +4,9 @@ Same model (the reference decoder, untied so both frameworks hold plain stage mo
 stage split, same p and m, same schedule, same micro-batches and initial weights. Reports the
 median forward+backward time of one step for each and the ratio of the two per round: its median,
 its interquartile range and its extremes, and in how many rounds threefold was the faster; and
-checks that both produce the same loss and gradients. A schedule that PyTorch cannot run here
+checks that both produce the same loss and gradients. zb-v and dualpipev run against torch's
+ScheduleZBVZeroBubble and ScheduleDualPipeV (the same V placement: rank r holds stages r and
+2p - 1 - r). A schedule that PyTorch cannot run here
 prints its error.
 
     PYTHONPATH=src python bench/pipeline_vs_torch.py [--pp 2] [--microbatches 4] [--steps 51]
@@ -20,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# schedule -> (torch class name, virtual stages)
+# schedule -> (torch class name, stages per rank); the V schedules place their two chunks themselves
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
-             "interleaved": ("ScheduleInterleaved1F1B", 2), "zb-h1": ("ScheduleInterleavedZeroBubble", 1)}
+             "interleaved": ("ScheduleInterleaved1F1B", 2), "zb-h1": ("ScheduleInterleavedZeroBubble", 1),
+             "zb-v": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
+V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 class TorchStage(nn.Module):
@@ -55,7 +59,8 @@ def run_rank(schedule_name: str, overrides: list[str], steps: int) -> dict:
     from threefold.pipeline import split_pipeline
 
     torch_class, v = SCHEDULES[schedule_name]
-    cfg = load_config(None, overrides + [f"pipeline.schedule={schedule_name}", f"pipeline.virtual_stages={v}"])
+    virtual = 1 if schedule_name in V_SCHEDULES else v
+    cfg = load_config(None, overrides + [f"pipeline.schedule={schedule_name}", f"pipeline.virtual_stages={virtual}"])
     world = torch.distributed.get_world_size()
     cfg = cfg.validate(world)
     mesh = Mesh(Layout(pp=world), torch.device("cpu"))
@@ -90,15 +95,16 @@ def run_rank(schedule_name: str, overrides: list[str], steps: int) -> dict:
         schedule = cls(stages if v > 1 or torch_class.startswith("ScheduleInterleaved") else stages[0], m,
                        loss_fn=loss_fn, scale_grads=False)
         inputs = torch.cat([b.inputs for b in micro])
+        holds_first, holds_last = any(s.first for s in split.stages), any(s.last for s in split.stages)
         targets = torch.cat([b.targets for b in micro])
 
         def torch_step():
             for mod in modules:
                 mod.zero_grad(set_to_none=True)
             losses = []
-            if mesh.is_first("pp"):
-                schedule.step(inputs, target=targets, losses=losses)
-            elif mesh.is_last("pp"):
+            if holds_first:  # under the V placement rank 0 holds the first and the last stage
+                schedule.step(inputs, target=targets if holds_last else None, losses=losses)
+            elif holds_last:
                 schedule.step(target=targets, losses=losses)
             else:
                 schedule.step()
@@ -208,11 +214,12 @@ def main() -> None:
             print(f"{name:<12}{statistics.median(ours):>12.3f}{statistics.median(theirs):>10.3f}"
                   f"{statistics.median(ratios):>17.3f}{quartiles:>13}{spread:>13}{faster:>8}"
                   f"{loss_diff:>11.1e}{grad_diff:>11.1e}{tail}")
-    if "zb-h1" in costs and "1f1b" in costs:
-        zb, one = costs["zb-h1"], costs["1f1b"]
-        print(f"\nthreefold zb-h1 vs 1f1b: bubble {zb['bubble']:.3f} vs {one['bubble']:.3f} "
-              f"({zb['bubble'] / one['bubble']:.2f}x); backward as I + W {zb['backward_s']:.3f} s vs B "
-              f"{one['backward_s']:.3f} s over all ranks ({zb['backward_s'] / one['backward_s']:.2f}x: the split's cost)")
+    for zero_bubble in ("zb-h1", *V_SCHEDULES):
+        if zero_bubble in costs and "1f1b" in costs:
+            zb, one = costs[zero_bubble], costs["1f1b"]
+            print(f"\nthreefold {zero_bubble} vs 1f1b: bubble {zb['bubble']:.3f} vs {one['bubble']:.3f} "
+                  f"({zb['bubble'] / one['bubble']:.2f}x); backward {zb['backward_s']:.3f} s vs B "
+                  f"{one['backward_s']:.3f} s over all ranks ({zb['backward_s'] / one['backward_s']:.2f}x)")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .config_sections import CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig
 from .errors import ConfigError, UserError
+from .pipeline.schedules import SCHEDULES, check as check_schedule
 from .moe_checks import validate_experts
 
 if TYPE_CHECKING:
@@ -339,16 +340,23 @@ def _validate_periodic(c: Sections, dp: int) -> None:
 
 def _validate_pipeline(c: Sections) -> None:
     pipe, pp, layers, m = c.pipeline, c.parallel.pp, c.model.layers, c.train.microbatches
-    stages = pp * pipe.virtual_stages
-    if stages > layers:
-        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x virtual_stages) but the model has only "
-                          f"{layers} layers; use at most {layers} stages")
-    if pipe.virtual_stages > 1 and pipe.schedule != "interleaved":
+    kind = SCHEDULES[pipe.schedule]
+    chunks = kind.chunks_for(pipe.virtual_stages)
+    if pipe.virtual_stages > 1 and kind.chunks is not None:
         raise ConfigError("pipeline.virtual_stages", f"{pipe.virtual_stages} virtual stages need "
-                          f"pipeline.schedule=interleaved (got '{pipe.schedule}'); or set virtual_stages=1")
+                          f"pipeline.schedule=interleaved (got '{pipe.schedule}'"
+                          + (f", which places {kind.chunks} chunks per rank itself" if kind.chunks > 1 else "")
+                          + "); or set virtual_stages=1")
+    stages = pp * chunks
+    if stages > layers:
+        raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x {chunks} chunks per rank) but the model "
+                          f"has only {layers} layers; use at most {layers} stages")
     if pp > 1 and pipe.schedule == "interleaved" and m < pp:
         raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
                           f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
+    problem = check_schedule(pipe.schedule, pp, m, pipe.virtual_stages) if pp > 1 else None
+    if problem:
+        raise ConfigError("train.microbatches", problem)
     if pipe.split and pp > 1:
         parse_split(pipe.split, layers, stages)
 

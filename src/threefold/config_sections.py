@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .pipeline.schedules import SCHEDULES
+
+SCHEDULE_NAMES = tuple(SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
+
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = "tiny"
@@ -92,7 +96,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    schedule: Literal[SCHEDULE_NAMES] = "1f1b"
     virtual_stages: int = 1
     split: str = ""  # comma-separated first layer index of each stage after the first; "" = balanced
     balance: Literal["params", "time"] = "params"

@@ -94,6 +94,13 @@ def test_rank_module_keeps_global_names_and_single_device_values():
       "train.microbatches=2"], 4, "train.microbatches", "2 < pp=4"),
     (["parallel.pp=2", "model.layers=4", "pipeline.virtual_stages=2"], 2, "pipeline.virtual_stages", "interleaved"),
     (["parallel.pp=2", "model.layers=4", "pipeline.split=1,2"], 2, "pipeline.split", "2 boundaries for 2 stages"),
+    # the V schedules: two chunks per rank (pp x 2 stages), dualpipev m >= 2 pp
+    (["parallel.pp=4", "model.layers=6", "pipeline.schedule=zb-v", "train.microbatches=8"], 4, "parallel.pp",
+     r"8 pipeline stages \(pp x 2 chunks per rank\)"),
+    (["parallel.pp=4", "model.layers=8", "pipeline.schedule=dualpipev", "train.microbatches=6", "train.global_batch=12"], 4,
+     "train.microbatches", r"dualpipev needs at least as many micro-batches as stages, 2 x pp \(6 < 8\); raise"),
+    (["parallel.pp=2", "model.layers=8", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"], 2,
+     "pipeline.virtual_stages", "places 2 chunks per rank itself"),
 ])
 def test_bad_pipeline_configs(overrides, world, field, text):
     with pytest.raises(ConfigError, match=text) as e:

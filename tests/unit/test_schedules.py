@@ -4,8 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, compute_orders,
-                                          validate)
+from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check,
+                                          compute_orders, validate)
 from threefold.pipeline.simulate import Costs, simulate
 
 
@@ -69,7 +69,7 @@ def _grid():
                     if m >= p:
                         for v in (1, 2, 3, 4) if m == p else (2,):
                             yield name, p, m, v
-                else:
+                elif check(name, p, m) is None:
                     yield name, p, m, 1
 
 
@@ -84,7 +84,7 @@ def test_every_shipped_schedule_is_valid_up_to_p16_m64():
 def _replace(s: Schedule, rank: int, actions: list[Action]) -> Schedule:
     ranks = list(s.ranks)
     ranks[rank] = tuple(actions)
-    return Schedule(s.name, s.pp, s.microbatches, s.virtual, tuple(ranks))
+    return Schedule(s.name, s.pp, s.microbatches, s.virtual, tuple(ranks), s.placement)
 
 
 def test_validator_rejects_a_missing_backward():
@@ -141,3 +141,88 @@ def test_bad_requests_raise_clear_errors():
         compute_orders("interleaved", 4, 2, 2)
     with pytest.raises(ValueError, match="virtual stages need 'interleaved'"):
         compute_orders("1f1b", 4, 8, 2)
+
+
+# ---------------------------------------------------------------- the V schedules (zb-v, dualpipev)
+
+
+V_SCHEDULES = ("zb-v", "dualpipev")
+
+
+def test_every_schedule_is_one_registration():
+    from threefold.config_sections import SCHEDULE_NAMES
+
+    assert SCHEDULE_NAMES == tuple(SCHEDULES) and {"zb-v", "dualpipev"} <= set(SCHEDULES)
+    for name, kind in SCHEDULES.items():
+        assert kind.name == name and kind.placement in ("interleaved", "v") and kind.summary
+    assert [SCHEDULES[n].chunks_for(1) for n in V_SCHEDULES] == [2, 2]
+
+
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_v_schedules_are_valid_for_every_p_up_to_8_and_m_up_to_64(name):
+    """Every (p, m) the schedule accepts, under host and NCCL rules (p up to 16: the grid above)."""
+    checked = 0
+    for p in range(1, 9):
+        for m in range(1, 65):
+            if check(name, p, m) is None:
+                validate(build_schedule(name, p, m))
+                checked += 1
+    assert checked >= (512 if name == "zb-v" else 512 - 8 * 9)
+
+
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_v_placement_puts_the_second_chunk_back_up_the_pipeline(name):
+    s = build_schedule(name, 4, 8)
+    assert s.virtual == 2 and [s.stage_rank(st) for st in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [s.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    for r, actions in enumerate(s.ranks):
+        assert {a.stage for a in actions} == {r, 7 - r}
+    # stages 3 -> 4 meet on rank 3: a local hand-off, no transfer
+    assert not any(a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B") and a.stage in (3, 4) and
+                   (a.kind in ("SEND_F", "RECV_B")) == (a.stage == 3) for a in s.ranks[3])
+    # the loss (last stage) is computed on rank 0, as the first stage
+    assert any(a == Action("F", 7, 0) for a in s.ranks[0])
+
+
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_v_bubble_is_the_registered_term_and_below_zb_h1_and_1f1b(name):
+    for p in range(2, 17):
+        for m in sorted({1, 2, p, 2 * p - 1, 2 * p, 3 * p, 64} & set(range(1, 65))):
+            if check(name, p, m):
+                continue
+            sim = simulate(build_schedule(name, p, m), Costs(0.5, 0.5, 0.5))  # two chunks: half a rank each
+            assert max(sim.bubble) == pytest.approx(SCHEDULES[name].bubble(p, m, 2), abs=1e-12), (p, m)
+            if m >= 2 * p:
+                assert max(sim.bubble) < max(simulate(build_schedule("zb-h1", p, m)).bubble), (p, m)
+                assert max(sim.bubble) < max(simulate(build_schedule("1f1b", p, m)).bubble), (p, m)
+
+
+def test_dualpipev_pairs_are_adjacent_forward_then_backward():
+    for p, m in ((2, 4), (4, 8), (4, 13), (8, 16)):
+        for r in range(p):
+            order = compute_orders("dualpipev", p, m)[r]
+            pairs = SCHEDULES["dualpipev"].pairs(p, m, r)
+            assert len(pairs) == 2 * (m - 2 * p + r + 1) - (r == p - 1) + (p - 1 - r)
+            for f, b in pairs:
+                i = order.index(f)
+                assert f.kind == "F" and b.kind == "B" and order[i + 1] == b and f.stage != b.stage
+
+
+def test_v_schedules_refuse_with_the_fix():
+    with pytest.raises(ValueError, match=r"dualpipev needs at least as many micro-batches as stages, 2 x pp "
+                                         r"\(6 < 8\); raise microbatches to 8 or more"):
+        compute_orders("dualpipev", 4, 6)
+    with pytest.raises(ValueError, match="runs 2 chunks per rank; leave virtual stages at 1"):
+        compute_orders("zb-v", 4, 8, 3)
+
+
+def test_validator_rejects_w_before_i_and_a_misplaced_second_chunk_in_zb_v():
+    s = build_schedule("zb-v", 2, 4)
+    actions = list(s.ranks[0])
+    i, w = actions.index(Action("I", 3, 0)), actions.index(Action("W", 3, 0))
+    actions[i], actions[w] = actions[w], actions[i]
+    with pytest.raises(ScheduleError, match="runs W0@s3 before I0@s3"):
+        validate(_replace(s, 0, actions))
+    # the interleaved placement (stage 3 on rank 1) for the V's lists
+    with pytest.raises(ScheduleError, match="belongs to rank 1"):
+        validate(Schedule(s.name, s.pp, s.microbatches, s.virtual, s.ranks, "interleaved"))

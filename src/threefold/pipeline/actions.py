@@ -22,6 +22,25 @@ class Action(NamedTuple):
         return f"{self.kind}{self.mb}@s{self.stage}"
 
 
+PLACEMENTS = ("interleaved", "v")
+
+
+def stage_rank(placement: str, p: int, stage: int) -> int:
+    """The pp rank stage `stage` runs on. "interleaved" (Megatron-LM): s % p, chunk s // p.
+    "v" (two chunks per rank, the second running back up the pipeline): rank r holds stages r and
+    2p - 1 - r, so the last stage sits on rank 0 next to the first."""
+    if placement == "v":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+def stages_of(placement: str, p: int, v: int, rank: int) -> list[int]:
+    """The stages rank `rank` holds, in chunk order (chunk c = stage // p under both placements)."""
+    if placement == "v":
+        return [rank, 2 * p - 1 - rank]
+    return [c * p + rank for c in range(v)]
+
+
 @dataclass(frozen=True)
 class Schedule:
     name: str
@@ -29,13 +48,14 @@ class Schedule:
     microbatches: int
     virtual: int
     ranks: tuple[tuple[Action, ...], ...]  # rank -> ordered actions
+    placement: str = "interleaved"  # stage -> rank (`stage_rank`)
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual
 
     def stage_rank(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(self.placement, self.pp, stage)
 
     def stages_of(self, rank: int) -> list[int]:
-        return [c * self.pp + rank for c in range(self.virtual)]
+        return stages_of(self.placement, self.pp, self.virtual, rank)

@@ -17,7 +17,8 @@ from .simulate import Costs, simulate
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="; ".join(f"{k.name}: {k.summary}" for k in SCHEDULES.values()))
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("--out", required=True, help="picture to write: FILE.png or FILE.svg")
     p.add_argument("--costs", default="1,1,1", metavar="F,I,W",
@@ -41,11 +42,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(f"--schedule {args.schedule}: {e}") from None
     validate(schedule)
-    # interleaving splits each rank's layers into v chunks: each chunk costs 1/v of a stage
-    v = args.virtual_stages
+    # v chunks per rank (interleaved's virtual stages, the V schedules' two): each costs 1/v of a rank's layers
+    v = schedule.virtual
     sim = simulate(schedule, Costs(f / v, i / v, w / v, args.comm))
     title = f"{args.schedule}  pp={args.pp}  m={args.microbatches}" + (f"  v={v}" if v > 1 else "")
-    draw_timeline(sim.events, args.pp, out, title, unit="time (1 = one stage forward)")
+    pairs = SCHEDULES[args.schedule].pairs
+    paired = {(r, a) for r in range(args.pp) for pair in pairs(args.pp, args.microbatches, r) for a in pair} \
+        if pairs is not None else set()
+    draw_timeline(sim.events, args.pp, out, title, unit="time (1 = one rank's forward)", paired=paired)
     print(sim.summary())
     print("bubble per rank: " + " ".join(f"{b:.3f}" for b in sim.bubble))
     print(f"wrote {out}")

@@ -3,7 +3,8 @@
 The chart is the one of the GPipe / Megatron-LM / zero-bubble papers: one row per pp rank,
 a box per compute action labelled with its micro-batch, coloured by kind (forward,
 backward, backward-input, backward-weight), the gaps being the bubble. With virtual stages,
-later model chunks are drawn lighter. The same function draws a simulated schedule and a
+later model chunks are drawn lighter (the V schedules' second chunk too), and the
+overlapped forward + backward pairs of dualpipev hatched. The same function draws a simulated schedule and a
 measured run. The trace opens in chrome://tracing or ui.perfetto.dev (one track per rank).
 """
 
@@ -23,19 +24,21 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * amount for c in rgb)
 
 
-def draw_timeline(events: list[Event], pp: int, out: str | Path, title: str = "", unit: str = "time") -> Path:
-    """Draw the compute events of `events` as a rank x time chart; the format follows out's suffix."""
+def draw_timeline(events: list[Event], pp: int, out: str | Path, title: str = "", unit: str = "time",
+                  paired: set | None = None) -> Path:
+    """Draw the compute events of `events` as a rank x time chart; the format follows out's suffix.
+    `paired`: (rank, Action) of the overlapped forward + backward pairs (dualpipev), drawn hatched."""
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    fig = timeline_figure(events, pp, title, unit)
+    fig = timeline_figure(events, pp, title, unit, paired)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
-def timeline_figure(events: list[Event], pp: int, title: str = "", unit: str = "time"):
+def timeline_figure(events: list[Event], pp: int, title: str = "", unit: str = "time", paired: set | None = None):
     """The figure of draw_timeline; its title always fits inside it (the figure widens for a long one)."""
     import matplotlib
 
@@ -54,8 +57,9 @@ def timeline_figure(events: list[Event], pp: int, title: str = "", unit: str = "
     for e in compute:
         chunk = e.stage // pp
         color = _lighten(COLORS[e.kind], 0.45 * chunk / max(chunks - 1, 1))
+        hatch = "///" if paired and (e.rank, (e.kind, e.stage, e.mb)) in paired else None
         ax.add_patch(Rectangle((e.start - t0, e.rank - 0.4), e.end - e.start, 0.8, facecolor=color,
-                               edgecolor="white", linewidth=0.6, zorder=1))
+                               edgecolor="white", linewidth=0.6, zorder=1, hatch=hatch))
         if e.end - e.start >= 0.5 * smallest:
             ax.text((e.start + e.end) / 2 - t0, e.rank, str(e.mb), ha="center", va="center", fontsize=7,
                     color="white", zorder=2)
@@ -67,6 +71,8 @@ def timeline_figure(events: list[Event], pp: int, title: str = "", unit: str = "
     ax.set_title(f"{title}  (bubble {max(bubbles):.1%})" if title else f"bubble {max(bubbles):.1%}")
     kinds = [k for k in COMPUTE_KINDS if any(e.kind == k for e in compute)]
     handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds] + [Patch(color="#EEEEEE", label="idle")]
+    if paired:
+        handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="///", label="overlapped F + B"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if pp < 3 else -0.2), ncol=len(handles),
               frameon=False, fontsize=8)
     fig.tight_layout()

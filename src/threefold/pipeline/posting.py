@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Action, ScheduleError
+from .actions import Action, ScheduleError, stage_rank
 
 
 def _sent(a: Action, num_stages: int) -> tuple | None:
@@ -46,10 +46,13 @@ def _recv(msg) -> Action:
     return Action("RECV_F" if msg[0] == "act" else "RECV_B", msg[3], msg[2])
 
 
-def add_aligned_communication(orders: list[list[Action]], p: int, v: int) -> list[list[Action]]:
-    """The compute orders with sends and receives in lock-step-aligned batches (module docstring)."""
+def add_aligned_communication(orders: list[list[Action]], p: int, v: int,
+                              placement: str = "interleaved") -> list[list[Action]]:
+    """The compute orders with sends and receives in lock-step-aligned batches (module docstring).
+    Messages between two stages on one rank (the V placement's stages p - 1 and p) are local
+    hand-offs: no transfer."""
     num_stages = p * v
-    rank_of = lambda s: s % p  # noqa: E731
+    rank_of = lambda s: stage_rank(placement, p, s)  # noqa: E731
     pc = [0] * p
     arrived: set = set()  # remote messages whose batch has run
     in_transit: list = []  # remote messages produced in the previous round

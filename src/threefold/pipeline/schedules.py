@@ -1,7 +1,11 @@
 """Pipeline schedules as data: each rank's ordered list of actions, and their validator.
 
-A schedule for `pp` ranks, `m` micro-batches and `v` virtual stages per rank has S = pp * v
-stages; stage s lives on rank s % pp (chunk s // pp), the interleaved layout of Megatron-LM.
+A schedule for `pp` ranks, `m` micro-batches and `v` chunks per rank has S = pp * v stages;
+where stage s lives is its schedule's placement (`ScheduleKind.placement`, actions.stage_rank):
+rank s % pp (chunk s // pp), the interleaved layout of Megatron-LM, or the V of zb-v and
+dualpipev (rank r holds stages r and 2 pp - 1 - r). Each schedule is one `ScheduleKind` in
+`SCHEDULES` (name -> registration): its order function, checks, placement, chunks per rank,
+picture hints and planner terms.
 An `Action` is (kind, stage, micro-batch):
 
     F        forward of one micro-batch through one stage
@@ -29,15 +33,16 @@ deadlock. The runtime, the simulator, the pictures and the tests all read the sa
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable
 
-from .actions import COMM, COMPUTE, Action, Schedule, ScheduleError
+from .actions import COMM, COMPUTE, Action, Schedule, ScheduleError, stage_rank
 from .posting import add_aligned_communication
 from .replay import Replay, replay
 from .stream_replay import replay_stream
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-__all__ = ["Action", "Schedule", "ScheduleError", "Replay", "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES",
-           "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
+__all__ = ["Action", "ScheduleKind", "kind", "check", "chunks_per_rank", "Schedule", "ScheduleError", "Replay",
+           "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES", "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
 
 
 # ---------------------------------------------------------------- compute orders
@@ -108,21 +113,227 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[Action]:
     return order
 
 
-def compute_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Each rank's compute actions for schedule `name`; raises ValueError on a bad request."""
+def zb_v_order(p: int, m: int, rank: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, *Pipeline Parallelism with Controllable Memory*; torch's ZBVZeroBubble).
+
+    Two chunks per rank in a V: chunk 0 is stage `rank`, chunk 1 stage 2p - 1 - rank. Warm-up:
+    2(p - rank) - 1 forwards of chunk 0, then `rank` pairs (F chunk 1, F chunk 0), then p - rank
+    rounds (F, I, W) of chunk 1. Steady: (F, I, W) of chunk 0 then of chunk 1 (a forward of
+    chunk 0 only while micro-batches remain). Cool-down: `rank` pairs (I chunk 0, I chunk 1),
+    p - rank pairs (I, W) of chunk 0, then the deferred W's of chunk 1 and of chunk 0. The order
+    is laid out for max(m, 2p - 1) micro-batches and the actions of micro-batches >= m dropped.
+    """
+    n = max(2 * p - 1, m)
+    c0, c1 = rank, 2 * p - 1 - rank
+    order: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+    order += [Action("F", c0, i) for i in range(2 * (p - rank) - 1)]
+    f0 = 2 * (p - rank) - 1
+    for _ in range(rank):
+        order += [Action("F", c1, f1), Action("F", c0, f0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(p - rank):
+        order += [Action("F", c1, f1), Action("I", c1, b1), Action("W", c1, b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            order.append(Action("F", c0, f0))
+            f0 += 1
+        order += [Action("I", c0, b0), Action("W", c0, b0), Action("F", c1, f1), Action("I", c1, b1),
+                  Action("W", c1, b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        order += [Action("I", c0, b0), Action("I", c1, b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - rank):
+        order += [Action("I", c0, b0), Action("W", c0, w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    order += [Action("W", c1, i) for i in range(w1, b1)]
+    order += [Action("W", c0, i) for i in range(w0, b0)]
+    return [a for a in order if a.mb < m]
+
+
+def dualpipev_order(p: int, m: int, rank: int) -> list[Action]:
+    return _dualpipev(p, m, rank)[0]
+
+
+def dualpipev_pairs(p: int, m: int, rank: int) -> list[tuple[Action, Action]]:
+    """The (forward, backward) pairs DualPipeV overlaps on `rank`, each adjacent in its order."""
+    return _dualpipev(p, m, rank)[1]
+
+
+def _dualpipev(p: int, m: int, rank: int) -> tuple[list[Action], list[tuple[Action, Action]]]:
+    """DualPipeV (DeepSeek's DualPipe folded into a V; torch's ScheduleDualPipeV), m >= 2p.
+
+    Chunk 0 is stage `rank`, chunk 1 stage 2p - 1 - rank. Steps: 2(p - 1 - rank) forwards of
+    chunk 0; rank + 1 pairs (F chunk 0, F chunk 1); p - 1 - rank rounds (I chunk 1, oldest
+    pending W, F chunk 1); the main phase of m - 2p + rank + 1 rounds of two overlapped pairs,
+    (F chunk 0 + B chunk 1) and (F chunk 1 + B chunk 0) (the last rank's first round runs its
+    first pair as plain F, B); p - 1 - rank rounds (B chunk 1, pair F chunk 1 + B chunk 0);
+    rank + 1 rounds (backward chunk 1, backward chunk 0) that switch from B to I halfway (the
+    W's deferred); p - 1 - rank rounds (pending W, backward chunk 0); then the pending W's.
+    An overlapped pair is its forward followed by its backward in the list (`dualpipev_pairs`).
+    """
+    c0, c1 = rank, 2 * p - 1 - rank
+    fwd = {c0: 0, c1: 0}
+    bwd = {c0: 0, c1: 0}
+    pending: deque[Action] = deque()
+    order: list[Action] = []
+    pairs: list[tuple[Action, Action]] = []
+
+    def forward(stage):
+        order.append(Action("F", stage, fwd[stage]))
+        fwd[stage] += 1
+
+    def backward(stage, split=False):
+        order.append(Action("I" if split else "B", stage, bwd[stage]))
+        if split:
+            pending.append(Action("W", stage, bwd[stage]))
+        bwd[stage] += 1
+
+    def weight():
+        if pending:
+            order.append(pending.popleft())
+
+    def pair(f_stage, b_stage, overlapped=True):
+        forward(f_stage)
+        backward(b_stage)
+        if overlapped:
+            pairs.append((order[-2], order[-1]))
+
+    for _ in range(2 * (p - 1 - rank)):
+        forward(c0)
+    for _ in range(rank + 1):
+        forward(c0)
+        forward(c1)
+    for _ in range(p - 1 - rank):
+        backward(c1, split=True)
+        weight()
+        forward(c1)
+    for i in range(m - 2 * p + rank + 1):
+        pair(c0, c1, overlapped=not (i == 0 and rank == p - 1))  # the last rank's first: plain F, B
+        pair(c1, c0)
+    for _ in range(p - 1 - rank):
+        backward(c1)
+        pair(c1, c0)
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        backward(c1, split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        backward(c0, split)
+    for _ in range(p - 1 - rank):
+        weight()
+        backward(c0, split)
+    for _ in range(rank + 1):
+        weight()
+    while pending:
+        weight()
+    return order, pairs
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def _one_chunk(fn):
+    return lambda p, m, v: [fn(p, m, r) for r in range(p)]
+
+
+def _check_interleaved(p: int, m: int, v: int) -> str | None:
+    if p > 1 and m < p:
+        return (f"interleaved needs at least as many micro-batches as pipeline ranks ({m} < {p}); "
+                f"raise microbatches to {p} or more")
+    return None
+
+
+def _check_dualpipev(p: int, m: int, v: int) -> str | None:
+    if m < 2 * p:
+        return (f"dualpipev needs at least as many micro-batches as stages, 2 x pp ({m} < {2 * p}); "
+                f"raise microbatches to {2 * p} or more")
+    return None
+
+
+def _v_bubble(p: int, m: int) -> float:
+    """zb-v and dualpipev with F = I = W = 1 per rank (1/2 per chunk): a makespan of 3m + (p - 1)/2,
+    or with zb-v's m < 2p - 1 (its warm-up not filled) 3m + 2p - 1 - m. The simulator's figures for
+    every p, m the schedule accepts (unit/test_schedules.py)."""
+    idle = max((p - 1) / 2, 2 * p - 1 - m)
+    return idle / (3 * m + idle)
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One pipeline schedule: everything the runtime, validator, simulator, pictures, config and
+    planner read about it. Adding a schedule is adding one entry to `SCHEDULES`."""
+
+    name: str
+    orders: Callable[[int, int, int], list[list[Action]]]  # (p, m, chunks) -> every rank's compute order
+    summary: str  # one line for help texts and docs
+    placement: str = "interleaved"  # stage -> rank: "interleaved" (s % p) or "v" (actions.stage_rank)
+    chunks: int | None = 1  # model chunks per rank; None: pipeline.virtual_stages decides (interleaved)
+    check: Callable[[int, int, int], str | None] = lambda p, m, v: None  # refusal (with the fix), or None
+    split_backward: bool = False  # runs I and W (zero-bubble); the pictures then draw both halves
+    pairs: Callable[[int, int, int], list] | None = None  # rank -> overlapped (F, B) pairs, or None
+    # planner: bubble share of the makespan with F = I = W = 1 per stage (all chunks together)
+    bubble: Callable[[int, int, int], float] = lambda p, m, v: (p - 1) / (m + p - 1)
+
+    def chunks_for(self, virtual_stages: int) -> int:
+        """Model chunks per rank given `pipeline.virtual_stages`."""
+        return virtual_stages if self.chunks is None else self.chunks
+
+
+SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("gpipe", _one_chunk(gpipe_order), "all forwards, then all backwards"),
+    ScheduleKind("1f1b", _one_chunk(one_f_one_b_order), "one forward, one backward (PipeDream-flush)"),
+    ScheduleKind("interleaved", lambda p, m, v: [interleaved_order(p, m, r, v) for r in range(p)],
+                 "Megatron-LM's interleaved 1F1B over pipeline.virtual_stages chunks per rank",
+                 chunks=None, check=_check_interleaved,
+                 bubble=lambda p, m, v: (p - 1) / (v * m + p - 1)),
+    ScheduleKind("zb-h1", _one_chunk(zb_h1_order), "1F1B with the backward split into I and W, W deferred",
+                 split_backward=True, bubble=lambda p, m, v: (p - 1) / (3 * m + p - 1)),
+    ScheduleKind("zb-v", _one_chunk(zb_v_order), "zero-bubble V: two chunks per rank in a V, I and W split",
+                 placement="v", chunks=2, split_backward=True, bubble=lambda p, m, v: _v_bubble(p, m)),
+    ScheduleKind("dualpipev", _one_chunk(dualpipev_order),
+                 "DualPipeV: two chunks per rank in a V, one micro-batch's forward paired with another's backward",
+                 placement="v", chunks=2, check=_check_dualpipev, split_backward=True,
+                 pairs=dualpipev_pairs, bubble=lambda p, m, v: _v_bubble(p, m)),
+)}
+
+
+def kind(name: str) -> ScheduleKind:
+    """The registration of `name`; ValueError naming the choices for an unknown one."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
+    """Model chunks each pp rank holds under schedule `name`."""
+    return kind(name).chunks_for(virtual_stages)
+
+
+def check(name: str, p: int, m: int, v: int = 1) -> str | None:
+    """Why schedule `name` refuses (p, m, v), with the fix, or None."""
+    k = kind(name)
     if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"pp, microbatches and virtual stages must be at least 1 (got {p}, {m}, {v})")
-    if name != "interleaved" and v != 1:
-        raise ValueError(f"schedule '{name}' runs one stage per rank; virtual stages need 'interleaved'")
-    if name == "interleaved":
-        if m < p:
-            raise ValueError(f"interleaved needs at least as many micro-batches as pipeline ranks "
-                             f"({m} < {p}); raise microbatches to {p} or more")
-        return [interleaved_order(p, m, r, v) for r in range(p)]
-    order_fn = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}[name]
-    return [order_fn(p, m, r) for r in range(p)]
+        return f"pp, microbatches and virtual stages must be at least 1 (got {p}, {m}, {v})"
+    if k.chunks is not None and v not in (1, k.chunks):
+        return (f"schedule '{name}' runs {k.chunks} chunk{'s' if k.chunks > 1 else ''} per rank; "
+                + ("virtual stages need 'interleaved'" if k.chunks == 1 else "leave virtual stages at 1"))
+    return k.check(p, m, k.chunks_for(v))
+
+
+def compute_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Each rank's compute actions for schedule `name`; raises ValueError on a bad request.
+    `v`: pipeline.virtual_stages (the V schedules take their two chunks themselves)."""
+    problem = check(name, p, m, v)
+    if problem:
+        raise ValueError(problem)
+    k = SCHEDULES[name]
+    return k.orders(p, m, k.chunks_for(v))
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -134,7 +345,10 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     consumer, so the transfer overlaps the compute in between instead of delaying the consumer.
     """
     orders = compute_orders(name, p, m, v)
-    return Schedule(name, p, m, v, tuple(tuple(r) for r in add_aligned_communication(orders, p, v)))
+    k = SCHEDULES[name]
+    chunks = k.chunks_for(v)
+    ranks = add_aligned_communication(orders, p, chunks, k.placement)
+    return Schedule(name, p, m, chunks, tuple(tuple(r) for r in ranks), k.placement)
 
 
 # ---------------------------------------------------------------- communication
@@ -168,10 +382,11 @@ def _recv_action(msg) -> Action:
     return Action("RECV_F" if tag == "act" else "RECV_B", dst_stage, mb)
 
 
-def add_communication(orders: list[list[Action]], p: int, v: int) -> list[list[Action]]:
+def add_communication(orders: list[list[Action]], p: int, v: int,
+                      placement: str = "interleaved") -> list[list[Action]]:
     """Insert the sends (right after their producer) and receive postings (FIFO per peer)."""
     num_stages = p * v
-    rank_of = lambda s: s % p  # noqa: E731
+    rank_of = lambda s: stage_rank(placement, p, s)  # noqa: E731
     sent: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> messages in send order
     for r, order in enumerate(orders):
         for a in order:

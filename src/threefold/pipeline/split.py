@@ -95,22 +95,22 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
     """
     adapter = adapter or DecoderAdapter()
     p, v = mesh.size("pp"), cfg.pipeline.virtual_stages
-    all_stages = plan_stages(model, adapter, cfg, p * v, mesh, comm)
+    schedule = build_schedule(cfg.pipeline.schedule, p, cfg.train.microbatches, v)
+    all_stages = plan_stages(model, adapter, cfg, schedule.num_stages, mesh, comm)
     rank = mesh.rank("pp")
-    mine = [all_stages[c * p + rank] for c in range(v)]
+    mine = [all_stages[s] for s in schedule.stages_of(rank)]  # the schedule's placement, in chunk order
     tied_map = adapter.tied(model)
     module = RankModule(model, adapter, mine)
     if init is not None:
         materialise(module, mesh.device, tied_map, init)
     names = global_names(module, tied_map)
-    holds_first, holds_last = mine[0].first, mine[-1].last
+    holds_first, holds_last = any(s.first for s in mine), any(s.last for s in mine)
     tied, peer = [], 0
-    if tied_map and holds_first != holds_last:
+    if tied_map and holds_first != holds_last:  # under the V placement rank 0 holds both ends: one weight
         local = dict(module.named_parameters())
         wanted = tied_map.values() if holds_first else tied_map.keys()
         tied = [local[n] for n in wanted if n in local and local[n].requires_grad]
-        peer = all_stages[-1].index % p if holds_first else 0
-    schedule = build_schedule(cfg.pipeline.schedule, p, cfg.train.microbatches, v)
+        peer = schedule.stage_rank(all_stages[-1].index) if holds_first else schedule.stage_rank(0)
     seq_shards = mesh.size("tp") if cfg.parallel.sequence_parallel else 1
     return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model, seq_shards)
 

@@ -7,10 +7,12 @@ The layer list of the model (see adapter.py) is cut into S = pp * v contiguous s
   parameter count (`balance = "params"`) or its measured forward + backward time
   (`balance = "time"`); the embedding counts on the first stage, norm + head on the last.
 
-Stage s runs on pp rank s % pp (Megatron's interleaved layout, so v > 1 gives each rank v
-chunks spread along the model). A rank keeps one module, `RankModule`, that holds exactly its
-stages' parameters under their global names (`blocks.7.attn.q.weight`), so initialisation by
-name, placements, checkpoints and the gradient norm need no translation. A weight shared by
+Stage s runs on the pp rank its schedule's placement names (actions.stage_rank): s % pp
+(Megatron's interleaved layout, so v > 1 gives each rank v chunks spread along the model), or
+the V of zb-v and dualpipev (rank r holds stages r and 2 pp - 1 - r). A rank keeps one module,
+`RankModule`, that holds exactly its stages' parameters under their global names
+(`blocks.7.attn.q.weight`), so initialisation by name, placements, checkpoints and the gradient
+norm need no translation. A weight shared by
 the two ends (a tied embedding / head) lives on both the first and the last stage.
 """
 

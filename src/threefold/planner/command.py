@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from ..config import load_config
 from ..errors import ConfigError, UserError
+from ..pipeline import schedules as pipeline_schedules
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import GiB, PRESETS, load_gpu
 from .search import PlanResult, search, shortfall, slower
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for opt in ("dp", "tp", "pp", "ep", "zero", "microbatches", "virtual_stages"):
         p.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int, metavar="N", help=f"fix {opt}")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "full", "every-k"], help="fix the policy")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"], help="fix the pipeline schedule")
+    p.add_argument("--schedule", choices=list(pipeline_schedules.SCHEDULES), help="fix the pipeline schedule")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="also print this layout's breakdown, e.g. 'dp=8 tp=8 pp=1 zero=2 ckpt=selective'")
     p.add_argument("--mtbf-hours", type=float, default=DEFAULT_MTBF_HOURS, metavar="H",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from ..errors import ConfigError
+from ..pipeline import schedules as pipeline_schedules
 from .checkpoint_interval import Advice, advise
 from .hardware import GiB, Gpu
 from .search import Candidate, components
@@ -19,7 +20,7 @@ from .workload import Workload
 KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "m": "microbatches",
         "microbatches": "microbatches",
         "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule"}
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = tuple(pipeline_schedules.SCHEDULES)  # the registry's names (pipeline/schedules.py)
 POLICIES = ("none", "selective", "full", "every-k")
 
 

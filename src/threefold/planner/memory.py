@@ -128,12 +128,8 @@ def held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple
     keeping only states no other state dominates."""
     from ..pipeline import schedules  # the lists the runtime runs (pure Python)
 
-    if schedule == "interleaved":
-        order = schedules.interleaved_order(p, m, rank, v)
-    else:
-        order = {"gpipe": schedules.gpipe_order, "1f1b": schedules.one_f_one_b_order,
-                 "zb-h1": schedules.zb_h1_order}[schedule](p, m, rank)
-    counts, states = [0] * v, set()
+    order = schedules.compute_orders(schedule, p, m, v)[rank]  # the registry's order function
+    counts, states = [0] * schedules.chunks_per_rank(schedule, v), set()
     for a in order:
         chunk = a.stage // p
         if a.kind == "F":
