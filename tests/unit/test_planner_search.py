@@ -95,3 +95,19 @@ def test_every_interleaving_depth_that_divides_the_blocks_per_rank_is_searched()
     assert sorted({st.virtual_stages for st in space}) == [2, 5, 10]
     best = search(w, 64, PRESETS["h100-80gb"], fixed={"tp": 8, "pp": 8, "schedule": "interleaved"}).best
     assert best.strategy.virtual_stages == 5, best.strategy.label()  # v=10 needs more memory than 80 GB
+
+
+def test_the_v_schedules_are_searched_with_their_placement():
+    """zb-v and dualpipev hold stages r and 2p-1-r on rank r: rank 0 has the embedding and the head."""
+    from threefold.planner.workload import Strategy, rank_chunks
+    m = load_config(None, ["model.preset=llama-7b"]).model
+    chunks = rank_chunks(m, 4, 0, 2, "v")
+    assert [c.first for c in chunks] == [True, False] and [c.last for c in chunks] == [False, True]
+    assert Strategy(pp=4, schedule="zb-v").chunks == 2 and Strategy(pp=4, schedule="zb-v").placement == "v"
+    w = workload("llama-7b", 64)
+    space = enumerate_strategies(w, 16, H100, {"pp": 4, "tp": 1})
+    names = {st.schedule for st in space}
+    assert {"zb-v", "dualpipev", "zb-h1", "1f1b"} <= names and "pipedream-2bw" not in names
+    assert all(st.microbatches >= 8 for st in space if st.schedule == "dualpipev")  # its check: m >= 2p
+    best = search(w, 16, H100, fixed={"pp": 4}).best
+    assert best.strategy.schedule == "zb-v", best.strategy.label()

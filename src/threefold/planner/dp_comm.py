@@ -53,7 +53,7 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
     if st.dp == 1:
         return 0.0, 0.0
-    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     _, grad_bytes, _ = bytes_per_param(st.precision)
     link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)  # an edp group spans the same nodes
     dense_trainable, expert = count.trainable - count.expert, count.expert

@@ -144,7 +144,7 @@ def held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple
 def peak_activations(w: Workload, st: Strategy, rank: int) -> float:
     """Activation bytes pipeline rank `rank` holds at its peak."""
     v = st.chunks
-    chunks = rank_chunks(w.model, st.pp, rank, v)
+    chunks = rank_chunks(w.model, st.pp, rank, v, st.placement)
     per = [chunk_bytes(w, st, c) for c in chunks]
     if st.pp == 1:
         return per[0]
@@ -156,8 +156,7 @@ def in_flight(st: Strategy, stage: int) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at its peak (all chunks together)."""
     if st.pp == 1:
         return 1
-    v = st.virtual_stages if st.schedule == "interleaved" else 1
-    return max(sum(counts) for counts in held_states(st.schedule, st.pp, st.microbatches, v, stage))
+    return max(sum(counts) for counts in held_states(st.schedule, st.pp, st.microbatches, st.chunks, stage))
 
 
 # ------------------------------------------------------------------ the whole rank
@@ -166,14 +165,14 @@ def in_flight(st: Strategy, stage: int) -> float:
 def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> MemoryBreakdown:
     """Memory of a rank at pipeline coordinate `stage`."""
     v = st.chunks
-    count = rank_parameters(w.model, st.tp, st.pp, stage, v, st.ep)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, v, st.ep, st.placement)
     params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.dp, st.ep)
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
     acts = peak_activations(w, st, stage)
     if gpu is CPU:
         return MemoryBreakdown(params, grads, optim, acts, stage=stage)
     x = micro_shape(w, st)
-    chunks = rank_chunks(w.model, st.pp, stage, v)
+    chunks = rank_chunks(w.model, st.pp, stage, v, st.placement)
     layers = sum(len(c.layers) for c in chunks)
     hf = w.implementation == "hf-llama"
     transient = 0.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from ..pipeline.schedules import SCHEDULES as KINDS
 from .compute import mfu
 from .hardware import GiB, Gpu
 from .memory import MemoryBreakdown, rank_memory
@@ -28,7 +29,9 @@ from .workload import Strategy, Workload, total_parameters
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 REMAT_POLICIES = ("none", "selective", "every-k", "full")  # cheapest first; every-k checkpoints one block in 2
-SCHEDULES = ("1f1b", "interleaved", "zb-h1", "gpipe")
+# every synchronous schedule of the registry (pipeline/schedules.py); an asynchronous one changes the
+# optimisation and is never chosen for the user
+SEARCHED = ("1f1b", "interleaved", "zb-h1", "gpipe", "zb-v", "dualpipev")
 
 
 @dataclass
@@ -124,7 +127,7 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                 else:
                     mbs = [per_rank // b for b in MICRO_BATCH_SIZES if per_rank % b == 0]
                 remats = [fixed["remat"]] if "remat" in fixed else REMAT_POLICIES
-                schedules = [fixed["schedule"]] if "schedule" in fixed else (SCHEDULES if pp > 1 else ("1f1b",))
+                schedules = [fixed["schedule"]] if "schedule" in fixed else (SEARCHED if pp > 1 else ("1f1b",))
                 for micro, remat, schedule in product(mbs, remats, schedules):
                     vs = [1]
                     if schedule == "interleaved":
@@ -133,6 +136,9 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                             continue
                     for v in vs:
                         if schedule == "interleaved" and (v < 2 or pp * v > m.layers):
+                            continue
+                        if pp > 1 and (KINDS[schedule].check(pp, micro, v)
+                                       or pp * KINDS[schedule].chunks_for(v) > m.layers):
                             continue
                         out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
                                             schedule=schedule, virtual_stages=v,

@@ -85,7 +85,8 @@ SIMULATE_MAX_ACTIONS = 512  # above this, the closed form (exact for uniform sta
 @lru_cache(maxsize=4096)
 def _simulated_makespan(schedule: str, p: int, m: int, v: int, f: float, b_input: float, b_weight: float) -> float:
     build_schedule, Costs, simulate = _simulator()
-    return simulate(build_schedule(schedule, p, m, v), Costs(f / v, b_input / v, b_weight / v)).makespan
+    s = build_schedule(schedule, p, m, v)
+    return simulate(s, Costs(f / s.virtual, b_input / s.virtual, b_weight / s.virtual)).makespan  # per chunk
 
 
 def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
@@ -97,13 +98,18 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: flo
         return steady + (p - 1) * (f + b) / v
     if schedule == "zb-h1":
         return steady + (p - 1) * max(f + b - 2 * w, 0.0)
+    from ..pipeline.schedules import SCHEDULES
+    if SCHEDULES[schedule].placement == "v":  # the registration's bubble share (F = I = W)
+        return steady / (1 - SCHEDULES[schedule].bubble(p, m, v))
     return steady + (p - 1) * (f + b)
 
 
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> tuple[float, bool]:
     """(makespan, whether the simulator computed it)."""
     v = v if schedule == "interleaved" else 1
-    if p > 1 and _simulator() is not None and 3 * p * m * v <= SIMULATE_MAX_ACTIONS:
+    from ..pipeline.schedules import SCHEDULES
+    chunks = SCHEDULES[schedule].chunks_for(v)
+    if p > 1 and _simulator() is not None and 3 * p * m * chunks <= SIMULATE_MAX_ACTIONS:
         return _simulated_makespan(schedule, p, m, v, f, b - w, w), True
     return closed_form_makespan(schedule, p, m, v, f, b, w), False
 
@@ -112,7 +118,7 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float,
 
 
 def _sparse_layers(w: Workload, st: Strategy, stage: int) -> int:
-    return sum(w.model.is_moe_block(i) for c in rank_chunks(w.model, st.pp, stage, st.chunks) for i in c.layers)
+    return sum(w.model.is_moe_block(i) for c in rank_chunks(w.model, st.pp, stage, st.chunks, st.placement) for i in c.layers)
 
 
 def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, float, float, float]:
@@ -120,12 +126,14 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     seconds of one micro-batch. A sparse block's MLP is whole on every tp rank: without sequence
     parallelism each tp rank computes it for all its tokens (planner/moe.py)."""
     m, s = w.model, w.seq_len
-    layers = stage_layers(m, st.pp, st.chunks)[stage]
+    layers = stage_layers(m, st.pp, st.chunks, st.placement)[stage]
     sparse = _sparse_layers(w, st, stage)
     tokens = st.micro_batch_size(w) * s
     share = executed_attention_share(w.attention)  # what the attention kernel really computes
     fwd = blocks_forward_flops_per_token(m, s, layers, sparse, share)
-    if stage == st.pp - 1:
+    chunks = rank_chunks(m, st.pp, stage, st.chunks, st.placement)
+    first, last = any(c.first for c in chunks), any(c.last for c in chunks)
+    if last:
         fwd += head_forward_flops_per_token(m)
     recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every, share, sparse)
     rate = gpu.flops(st.precision) * gpu.compute_efficiency
@@ -135,7 +143,7 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     b = tokens * (2 * fwd + recompute) * per_flop
     redo = tokens * recompute * per_flop
     # the host's floor (planner/dispatch.py): small kernels wait for their dispatch
-    ops_f, ops_b = stage_ops(m, layers, sparse, m.experts // st.ep if m.experts else 0, stage == 0, stage == st.pp - 1)
+    ops_f, ops_b = stage_ops(m, layers, sparse, m.experts // st.ep if m.experts else 0, first, last)
     ops_b += ops_f * (recompute / fwd if fwd else 0.0)
     op = gpu.op_overhead_s
     return max(f, ops_f * op), max(b, ops_b * op), max(f, ops_b * op / 2), redo
@@ -168,7 +176,7 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
 
 def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     best = None
-    per_rank = stage_layers(w.model, st.pp, st.chunks)
+    per_rank = stage_layers(w.model, st.pp, st.chunks, st.placement)
     heaviest = max(range(st.pp), key=lambda r: per_rank[r])
     for stage in sorted({0, heaviest, st.pp - 1}):  # the embedding, the most blocks, the head
         f, b, wgrad, redo = _stage_compute(w, st, gpu, stage)
@@ -184,7 +192,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
-    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     local = ((count.trainable - count.expert) / (st.dp if st.zero >= 1 else 1)
              + count.expert / (st.edp if st.zero >= 1 else 1))
     optimizer = max(local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s, OPTIMIZER_OPS * gpu.op_overhead_s)

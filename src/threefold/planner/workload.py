@@ -71,8 +71,20 @@ class Strategy:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank: the virtual stages of an interleaved pipeline, else 1."""
-        return self.virtual_stages if self.schedule == "interleaved" and self.pp > 1 else 1
+        """Model chunks per pipeline rank, as the schedule's registration says (pipeline/schedules.py):
+        the virtual stages of an interleaved pipeline, two for the V schedules, else 1."""
+        if self.pp == 1:
+            return 1
+        from ..pipeline.schedules import SCHEDULES  # pure Python: the registry the runtime reads
+        return SCHEDULES[self.schedule].chunks_for(self.virtual_stages)
+
+    @property
+    def placement(self) -> str:
+        """Which rank holds which stage: "interleaved" (stage s on rank s % pp) or "v"."""
+        if self.pp == 1:
+            return "interleaved"
+        from ..pipeline.schedules import SCHEDULES
+        return SCHEDULES[self.schedule].placement
 
     @property
     def edp(self) -> int:
@@ -233,22 +245,25 @@ def balance_uniform(layers: int, stages: int, cost: float, first: float, last: f
 
 
 @lru_cache(maxsize=65536)
-def rank_chunks(m: ModelConfig, pp: int, rank: int, v: int = 1) -> list[Chunk]:
-    """The stages pipeline rank `rank` holds: stage c * pp + rank for each of its v chunks."""
+def rank_chunks(m: ModelConfig, pp: int, rank: int, v: int = 1, placement: str = "interleaved") -> list[Chunk]:
+    """The stages pipeline rank `rank` holds: stage c * pp + rank for each of its v chunks, or under the
+    V placement (zb-v, dualpipev) stages rank and 2 pp - 1 - rank."""
     ranges = stage_ranges(m, pp * v)
     last = pp * v - 1
-    return [Chunk(ranges[c * pp + rank], c * pp + rank == 0, c * pp + rank == last) for c in range(v)]
+    stages = [rank, 2 * pp - 1 - rank] if placement == "v" else [c * pp + rank for c in range(v)]
+    return [Chunk(ranges[s], s == 0, s == last) for s in stages]
 
 
-def stage_layers(m: ModelConfig, pp: int, v: int = 1) -> list[int]:
+def stage_layers(m: ModelConfig, pp: int, v: int = 1, placement: str = "interleaved") -> list[int]:
     """Blocks held by each pipeline rank (all its chunks)."""
-    return [sum(len(c.layers) for c in rank_chunks(m, pp, r, v)) for r in range(pp)]
+    return [sum(len(c.layers) for c in rank_chunks(m, pp, r, v, placement)) for r in range(pp)]
 
 
-def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int, v: int = 1, ep: int = 1) -> ParamCount:
+def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int, v: int = 1, ep: int = 1,
+                    placement: str = "interleaved") -> ParamCount:
     """Parameters held by pipeline rank `stage` (tp shards of every matrix; a sparse block's router,
     shared experts and its experts / ep whole on every tp rank, as parallel/expert.py places them)."""
-    chunks = rank_chunks(m, pp, stage, v)
+    chunks = rank_chunks(m, pp, stage, v, placement)
     layers = sum(len(c.layers) for c in chunks)
     sparse = sum(m.is_moe_block(i) for c in chunks for i in c.layers)
     count = ParamCount(layers * layer_parameters(m, tp).total, layers * layer_parameters(m, tp).frozen)
