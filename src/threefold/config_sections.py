@@ -92,7 +92,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw"] = "1f1b"
     virtual_stages: int = 1
     split: str = ""  # comma-separated first layer index of each stage after the first; "" = balanced
     balance: Literal["params", "time"] = "params"

@@ -35,7 +35,7 @@ from .posting import add_aligned_communication
 from .replay import Replay, replay
 from .stream_replay import replay_stream
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream-2bw")
 __all__ = ["Action", "Schedule", "ScheduleError", "Replay", "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES",
            "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
 
@@ -108,6 +108,16 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[Action]:
     return order
 
 
+def pipedream_2bw_order(p: int, m: int, rank: int) -> list[Action]:
+    """PipeDream-2BW (two_bw.py): 1F1B without flush; the order of two consecutive batches (batch
+    1's micro-batch i is m + i), so the picture shows the next batch's forwards entering before the
+    previous batch's last backwards. The updates and the per-step segments are two_bw.py's."""
+    from .two_bw import check_request, shown_order
+
+    check_request(p, m)
+    return shown_order(p, m, rank)
+
+
 def compute_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Each rank's compute actions for schedule `name`; raises ValueError on a bad request."""
     if name not in SCHEDULES:
@@ -121,7 +131,8 @@ def compute_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
             raise ValueError(f"interleaved needs at least as many micro-batches as pipeline ranks "
                              f"({m} < {p}); raise microbatches to {p} or more")
         return [interleaved_order(p, m, r, v) for r in range(p)]
-    order_fn = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}[name]
+    order_fn = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order,
+                "pipedream-2bw": pipedream_2bw_order}[name]
     return [order_fn(p, m, r) for r in range(p)]
 
 
@@ -134,7 +145,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     consumer, so the transfer overlaps the compute in between instead of delaying the consumer.
     """
     orders = compute_orders(name, p, m, v)
-    return Schedule(name, p, m, v, tuple(tuple(r) for r in add_aligned_communication(orders, p, v)))
+    shown = 2 * m if name == "pipedream-2bw" else m  # two batches without flush (two_bw.py)
+    return Schedule(name, p, shown, v, tuple(tuple(r) for r in add_aligned_communication(orders, p, v)))
 
 
 # ---------------------------------------------------------------- communication
