@@ -100,3 +100,8 @@ def test_two_bw_matches_the_delayed_update_and_keeps_versions(worlds, tmp_path):
             seen.setdefault((stage, mb), []).append((kind, version))
         assert len(seen) == STEPS * m
         assert all([k for k, _ in v] == ["F", "B"] and v[0][1] == v[1][1] for v in seen.values())
+    # no flush in the runtime's timeline: on rank 0, each batch's first forwards run before the
+    # previous batch's last backward (they are in one step's segment)
+    order = [(kind, mb) for kind, _, mb, _ in next(r for r in results if r["pp"] == 0)["log"]]
+    for b in range(1, STEPS):
+        assert order.index(("F", b * m)) < order.index(("B", b * m - 1)), f"batch {b} waited for a flush"
