@@ -359,6 +359,41 @@ def _validate_pipeline(c: Sections) -> None:
         raise ConfigError("train.microbatches", problem)
     if pipe.split and pp > 1:
         parse_split(pipe.split, layers, stages)
+    if pp > 1 and pipe.schedule == "pipedream-2bw":
+        _validate_two_bw(c)
+
+
+def _validate_two_bw(c: Sections) -> None:
+    """PipeDream-2BW (pipeline/two_bw.py): each stage steps alone when its backward of a batch ends, so
+    nothing that needs every stage's gradient at once (or a synchronous step) goes with it."""
+    pp, m, t, p = c.parallel.pp, c.train.microbatches, c.train, c.parallel
+    why = "pipedream-2bw updates each stage alone, as soon as its last backward of a batch ends"
+    refusals = (
+        (m < pp, "train.microbatches", f"pipedream-2bw needs at least as many micro-batches as pipeline ranks "
+                                       f"({m} < pp={pp}); use train.microbatches >= {pp}"),
+        (t.grad_clip > 0, "train.grad_clip", f"{why}, before the other stages have their gradients: there is no "
+                                             "global norm to clip by; set train.grad_clip=0"),
+        (c.model.tie_embeddings, "model.tie_embeddings", f"{why}; the tied embedding and head would have to meet "
+                                                         "between the first and last stage (a flush); set "
+                                                         "model.tie_embeddings=false"),
+        (c.precision.compute == "fp16", "precision.compute", f"{why}; fp16's loss scaler skips steps of all "
+                                                             "stages together; use precision.compute=bf16 or fp32"),
+        (p.zero > 0, "parallel.zero", "pipedream-2bw runs with plain data parallelism; set parallel.zero=0"),
+        (p.tp > 1, "parallel.tp", "pipedream-2bw runs without tensor parallelism here; set parallel.tp=1"),
+        (p.ep > 1, "parallel.ep", "pipedream-2bw runs without expert parallelism here; set parallel.ep=1"),
+        (t.compile, "train.compile", "pipedream-2bw runs its stages uncompiled; set train.compile=false"),
+        (c.remat.policy != "none", "remat.policy", "pipedream-2bw runs without activation checkpointing here; "
+                                                   "set remat.policy=none"),
+        (t.eval_every > 0, "train.eval_every", "an evaluation would run the pipeline while pipedream-2bw has "
+                                               "micro-batches in flight; set train.eval_every=0"),
+        (t.periodic, "train.sync_every", "pipedream-2bw and periodic averaging are two asynchronous schemes; "
+                                         "use one (train.sync_every=1)"),
+        (c.compress.method != "none", "compress.method", "pipedream-2bw exchanges exact gradients over dp; set "
+                                                         "compress.method=none"),
+    )
+    for refused, key, message in refusals:
+        if refused:
+            raise ConfigError(key, message)
 
 
 def parse_split(text: str, num_layers: int, num_stages: int) -> list[int]:

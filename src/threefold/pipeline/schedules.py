@@ -238,6 +238,26 @@ def _dualpipev(p: int, m: int, rank: int) -> tuple[list[Action], list[tuple[Acti
 # ---------------------------------------------------------------- the registry
 
 
+def pipedream_2bw_order(p: int, m: int, rank: int) -> list[Action]:
+    """PipeDream-2BW (two_bw.py): 1F1B without flush; the order of two consecutive batches (batch
+    1's micro-batch i is m + i), so the picture shows the next batch's forwards entering before the
+    previous batch's last backwards. The updates and the per-step segments are two_bw.py's."""
+    from .two_bw import check_request, shown_order
+
+    check_request(p, m)
+    return shown_order(p, m, rank)
+
+
+def _check_2bw(p: int, m: int, v: int) -> str | None:
+    from .two_bw import check_request
+
+    try:
+        check_request(p, m)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _one_chunk(fn):
     return lambda p, m, v: [fn(p, m, r) for r in range(p)]
 
@@ -277,6 +297,8 @@ class ScheduleKind:
     check: Callable[[int, int, int], str | None] = lambda p, m, v: None  # refusal (with the fix), or None
     split_backward: bool = False  # runs I and W (zero-bubble); the pictures then draw both halves
     pairs: Callable[[int, int, int], list] | None = None  # rank -> overlapped (F, B) pairs, or None
+    shown_batches: int = 1  # batches one schedule shows (pipedream-2bw: two, without a flush between)
+    synchronous: bool = True  # False: weights updated without a flush (the planner never picks it)
     # planner: bubble share of the makespan with F = I = W = 1 per stage (all chunks together)
     bubble: Callable[[int, int, int], float] = lambda p, m, v: (p - 1) / (m + p - 1)
 
@@ -300,6 +322,9 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
                  "DualPipeV: two chunks per rank in a V, one micro-batch's forward paired with another's backward",
                  placement="v", chunks=2, check=_check_dualpipev, split_backward=True,
                  pairs=dualpipev_pairs, bubble=lambda p, m, v: _v_bubble(p, m)),
+    ScheduleKind("pipedream-2bw", _one_chunk(pipedream_2bw_order),
+                 "PipeDream-2BW: 1F1B without flush, two weight versions (asynchronous: changes the optimisation)",
+                 check=_check_2bw, shown_batches=2, synchronous=False, bubble=lambda p, m, v: 0.0),
 )}
 
 
@@ -348,7 +373,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     k = SCHEDULES[name]
     chunks = k.chunks_for(v)
     ranks = add_aligned_communication(orders, p, chunks, k.placement)
-    return Schedule(name, p, m, chunks, tuple(tuple(r) for r in ranks), k.placement)
+    return Schedule(name, p, m * k.shown_batches, chunks, tuple(tuple(r) for r in ranks), k.placement)
 
 
 # ---------------------------------------------------------------- communication

@@ -31,7 +31,9 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 REMAT_POLICIES = ("none", "selective", "every-k", "full")  # cheapest first; every-k checkpoints one block in 2
 # every synchronous schedule of the registry (pipeline/schedules.py); an asynchronous one changes the
 # optimisation and is never chosen for the user
-SEARCHED = ("1f1b", "interleaved", "zb-h1", "gpipe", "zb-v", "dualpipev")
+SEARCHED = tuple(sorted((name for name, kind in KINDS.items() if kind.synchronous),
+                        key=lambda n: ("1f1b", "interleaved", "zb-h1", "gpipe").index(n)
+                        if n in ("1f1b", "interleaved", "zb-h1", "gpipe") else 4))  # ties go to the simpler
 
 
 @dataclass

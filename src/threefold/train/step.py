@@ -202,6 +202,9 @@ class TrainStep:
             self.scaler.to(comm.mesh.device)
         self.meter = parallel.meter
 
+    def drain(self) -> None:
+        """Nothing is in flight between synchronous steps (pipedream-2bw's step drains its pipeline here)."""
+
     def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult:
         """Run optimizer step `step` (1-based)."""
         # fp16: the scaler's device tensor, copied (the update below changes it in place)

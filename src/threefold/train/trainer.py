@@ -37,6 +37,7 @@ from .metrics import MetricsLog, plot_run
 from .preempt import Preempted, StopSignals
 from .rundir import check_resume, run_directory, update_run
 from .step import Device, PendingRead, StepResult, TorchDevice, TrainStep, start_read
+from .two_bw_step import TwoBWStep
 from .summary import print_summary
 
 
@@ -99,7 +100,9 @@ class Trainer:
         # AdamW or momentum SGD with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
         # 1-bit Adam takes its place when compress.method=onebit asks for it
         self.optimizer = self.parallel.make_optimizer(cfg.train)
-        self.step_fn = TrainStep(self.parallel, self.optimizer, self.comm, cfg.train)
+        # pipedream-2bw steps each stage inside the schedule (train/two_bw_step.py); drained before a save
+        self.step_fn = (TwoBWStep if cfg.pipeline.schedule == "pipedream-2bw" and p.pp > 1 else TrainStep)(
+            self.parallel, self.optimizer, self.comm, cfg.train)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
             val_sampler, cfg.train, self.parallel.module, self.comm,
@@ -180,6 +183,7 @@ class Trainer:
         dies_here = (fault.kind == "kill_in_save" and fault.rank == self.mesh.global_rank
                      and fault.step == self.step and first_attempt())
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if dies_here else None  # halfway through its file
+        self.step_fn.drain()  # pipedream-2bw: the flush; the saved state has every update applied
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
         self._saved_step = self.step
 
@@ -365,6 +369,7 @@ class Trainer:
                     continue
                 records.append(self.finish_step(launched))
                 self._complete(records[-1], log)
+            self.step_fn.drain()  # pipedream-2bw: the last batch's update (a no-op for synchronous steps)
             stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
             if stopped and self._saved_step != self.step:
                 self.save_checkpoint()

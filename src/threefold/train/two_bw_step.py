@@ -1,0 +1,94 @@
+"""The training step of PipeDream-2BW (pipeline/two_bw.py): each stage steps alone, inside the schedule.
+
+A call runs step t's segment of the timeline: the forwards of batch t (whose loss the step
+reports), the tail of batch t - 1's backwards and, on every stage, the update with batch t - 1's
+gradient (`U`), then the head of batch t's backwards. The update at U is the synchronous step's
+math restricted to one stage: the dp sync of its gradients (its dp peers reach the same U), the
+norm of its own gradients (summed over dp), learning rate `lr_at(k)` for the k-th update (k =
+t - 1: the learning-rate schedule follows the batches), the optimizer step, unless the stage's
+gradient is not finite. Nothing is clipped (no stage has the global norm when it steps: the
+config refuses train.grad_clip > 0). After the segment the stages' squared norms are summed over
+pp for the record: `grad_norm` of step t is the global norm of the gradient applied in step t
+(batch t - 1's; 0 at the first step after a flush, which applies none), `lr` the rate it was
+applied with (0 when none), `skipped` whether a stage skipped it. `drain()` is the flush: the
+last batch's remaining backwards and its update (lr_at(t)), before a checkpoint and at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..config import TrainConfig
+from ..parallel import ParallelModel
+from ..parallel.master import ShardedOptimizer
+from .optim import lr_at, set_lr
+from .step import StepResult
+
+
+def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
+    """The sum of squares of this stage's distinct gradient elements: `step.global_grad_norm` over
+    tp and dp, without the sum over pp (the other stages step at other times)."""
+    mesh = comm.mesh
+    local_dp = dp_axis == "dp" and replicated and all("dp" in place.replicated_over for place in placements)
+
+    def owns(axis: str) -> bool:
+        if axis == "dp":
+            return dp_axis is None or local_dp or mesh.rank(dp_axis) == 0
+        return mesh.rank(axis) == 0
+
+    owned = [p.grad for p, place in zip(params, placements)
+             if p.grad is not None and all(owns(axis) for axis in place.replicated_over)]
+    sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    if owned:
+        sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
+    for axis in ("tp", None if local_dp else dp_axis):
+        if axis is not None:
+            comm.all_reduce(sumsq, axis, tag="grad_norm")
+    return sumsq
+
+
+class TwoBWStep:
+    """`TrainStep`'s face (`step(t, micro_batches, tokens) -> StepResult`, `drain()`) for pipedream-2bw."""
+
+    def __init__(self, parallel: ParallelModel, optimizer: ShardedOptimizer, comm: Comm, cfg: TrainConfig):
+        self.parallel = parallel
+        self.grad_sync = parallel.grad_sync
+        self.optimizer = optimizer
+        self.comm = comm
+        self.cfg = cfg
+        self.runtime = parallel.pipeline
+        self.runtime.on_update = self._update
+        self.meter = parallel.meter
+        self._step = 0  # the step whose segment ran last
+        self._lr = 0.0  # the rate of the update applied in this call (0: none)
+        self._applied = torch.zeros(2, dtype=torch.float32, device=comm.mesh.device)  # sumsq, not finite
+
+    def __call__(self, step: int, micro_batches, global_tokens: int) -> StepResult:
+        if not self.runtime.in_flight:
+            self.grad_sync.zero_grad()
+        self._step, self._lr = step, 0.0
+        self._applied = torch.zeros(2, dtype=torch.float32, device=self.comm.mesh.device)
+        loss_sum = self.runtime.forward_backward(micro_batches, global_tokens)
+        figures = self._applied.clone()
+        self.comm.all_reduce(figures, "pp", tag="grad_norm")  # every stage has stepped (or not) by now
+        return StepResult(loss_sum, figures[0].sqrt(), self._lr, figures[1] > 0, 1.0)
+
+    def drain(self) -> None:
+        """The flush: apply the last batch's update (lr_at of its step); nothing stays in flight."""
+        self._step += 1  # the drain applies the update of the step that ran last
+        self.runtime.drain()
+        self._step -= 1
+
+    def _update(self) -> None:
+        """This stage's optimizer step with the batch it has just finished (run at its U)."""
+        self.grad_sync.finish()
+        params, placements = self.optimizer.prepare_grads(1.0)
+        sumsq = stage_sumsq(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
+        found_inf = ~torch.isfinite(sumsq)
+        self._lr = lr_at(self._step - 1, self.cfg)
+        set_lr(self.optimizer, self._lr)
+        self.optimizer.step(found_inf)
+        self.parallel.settle()
+        self._applied = torch.stack([torch.where(found_inf, 0.0, sumsq), found_inf.float()])
+        self.grad_sync.zero_grad()
