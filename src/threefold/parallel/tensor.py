@@ -85,11 +85,12 @@ def leave_region(y: torch.Tensor, comm: Comm, sequence_parallel: bool, seq_dim: 
 
 class _Regather:
     """One forward of a sequence-parallel region: its consumers' backward all-gather the saved shard
-    once between them (the first gathers, the last lets the gathered tensor go)."""
+    once between them (the first gathers, the last lets the gathered tensor go). Only consumers of
+    the region's own forward count; a checkpoint's recomputation of them does not."""
 
     def __init__(self, comm: Comm, seq_dim: int):
         self.comm, self.seq_dim = comm, seq_dim
-        self.uses, self.done, self.full = 0, 0, None
+        self.uses, self.done, self.full, self.open = 0, 0, None, True
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
@@ -97,7 +98,7 @@ class _Regather:
         full = self.full
         self.done += 1
         if self.done >= self.uses:
-            self.full, self.done = None, 0  # a recomputed backward (checkpointing) gathers again
+            self.full, self.done = None, 0  # a second backward (recomputation) gathers again
         return full
 
 
@@ -108,27 +109,32 @@ class SequenceRegion:
     them saves the shard, not the (b, s, h) gathered tensor, and their backward gathers it again
     (one all-gather per region per backward, bytes filed under "all_gather.sp_regather"), as
     Megatron-LM does (Korthikanti et al. 2022, section 4.2.2). The gathered tensor lives only
-    through the region's forward. `current` hands the shard from the region's entry to its linears
-    within one forward call (a weak reference: it keeps nothing alive).
+    through the region's forward (unless a checkpoint inside the region keeps it as its input).
+    A linear finds its shard by the gathered tensor it was given (a weak reference: the region
+    keeps nothing alive but the shard of a gathered tensor that is still alive), so a checkpoint's
+    recomputation inside the region saves exactly what the first forward saved.
     """
 
     def __init__(self, comm: Comm, seq_dim: int):
         self.comm, self.seq_dim = comm, seq_dim
-        self._current: tuple[weakref.ref, torch.Tensor, _Regather] | None = None
+        self._entries: list[tuple[weakref.ref, torch.Tensor, _Regather]] = []
 
     def enter(self, x_shard: torch.Tensor) -> torch.Tensor:
         full = all_gather_from_group(x_shard, self.comm, AXIS, self.seq_dim)
-        self._current = (weakref.ref(full), x_shard, _Regather(self.comm, self.seq_dim))
+        self._entries = [e for e in self._entries if e[0]() is not None]
+        self._entries.append((weakref.ref(full), x_shard, _Regather(self.comm, self.seq_dim)))
         return full
 
     def shard_of(self, x_full: torch.Tensor) -> tuple[torch.Tensor, _Regather] | None:
-        """(shard, regather) when `x_full` is the tensor this region's entry gathered last."""
-        if self._current is None or self._current[0]() is not x_full:
-            return None
-        return self._current[1], self._current[2]
+        """(shard, regather) when `x_full` is a tensor this region's entry gathered."""
+        for ref, shard, regather in self._entries:
+            if ref() is x_full:
+                return shard, regather
+        return None
 
     def leave(self) -> None:
-        self._current = None
+        if self._entries:
+            self._entries[-1][2].open = False
 
 
 class _LinearOnShard(torch.autograd.Function):
@@ -136,7 +142,7 @@ class _LinearOnShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_full, x_shard, weight, bias, regather):
-        regather.uses += 1
+        regather.uses += regather.open
         ctx.regather, ctx.has_bias = regather, bias is not None
         ctx.save_for_backward(x_shard, weight)
         return F.linear(x_full, weight, bias)
