@@ -37,7 +37,7 @@ LAYOUTS = {"dp": ["parallel.dp=2"],
 # graphs dynamo compiles over the 3 steps (no recompilation after the first): without a pipeline one per
 # region - embed, the blocks (one graph for both), norm, head, loss - more where a collective inside a
 # region cuts it (tp; ZeRO-2's wait for a segment of the parameter all-gather); one per stage for pp
-GRAPHS = {"dp": 5, "zero2": 6, "zero3": 5, "pp": 1, "tp": 20}
+GRAPHS = {"dp": 5, "zero2": 6, "zero3": 5, "pp": 1, "tp": 28}
 # the sync's reductions over dp, as Comm records them
 REDUCTIONS = {"all_reduce", "reduce_scatter"}
 

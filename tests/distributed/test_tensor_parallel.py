@@ -68,6 +68,24 @@ MODEL_CASES = [  # (preset, sequence parallel)
     ("tiny", False), ("tiny", True), ("tiny-llama", False), ("tiny-llama", True)]
 
 
+def adjusted_korthikanti_block_bytes(cfg, b: int, s: int, t: int, c: int) -> float:
+    """Korthikanti et al. 2022's sequence-parallel block bytes (34 sbh/t + 5 a s^2 b/t at c = 2) adjusted
+    to threefold's block (docs/planner.md): no dropout masks (-2 sbh/t), flash attention (its fp32
+    log-sum-exp 4 b a s instead of the 5 a s^2 b scores), the norm statistics, SwiGLU, grouped kv heads,
+    RoPE's copy of the attention output and its cached tables, RMSNorm's fp32 composite on the CPU.
+    Everything is split over t; the linears keep their region's input shard once (c sbh/t per region)."""
+    sbh, bs = s * b * cfg.hidden, b * s
+    kv = cfg.kv_heads * cfg.head_dim
+    if cfg.norm == "layernorm":
+        norm = c * sbh + 2 * c * bs  # input, mean, rstd
+    else:
+        norm = 8 * sbh + 4 * bs  # fp32 input and normalised, rsqrt
+    attention = c * (sbh + 2 * bs * kv) + c * sbh * (2 if cfg.position == "rope" else 1) + 4 * b * cfg.heads * s
+    mlp = (4 if cfg.mlp == "swiglu" else 2) * c * bs * cfg.ffn_hidden
+    tables = 4 * s * cfg.head_dim if cfg.position == "rope" else 0
+    return (2 * norm + 2 * c * sbh + attention + mlp) / t + tables
+
+
 def _split_names(cfg, tp: int) -> set[str]:
     """Global parameters the plan splits over tp (written out here independently of the plan)."""
     names = set()
@@ -174,7 +192,7 @@ def check_one_pass(cases) -> dict:
             reference.blocks[0].attn_norm(x_norm)
         assert norm_meter.current * (tp if sp else 1) == ref_norm_meter.current, (norm_meter.current, tp)
         # bytes per block per micro-batch: Megatron's four all-reduces of b*s*h (fwd + bwd), or with
-        # SP four all-gathers and four reduce-scatters of the same activations
+        # SP four all-gathers and four reduce-scatters of the same activations, and two more all-gathers
         x = torch.randn(b, s, h, generator=gen)
         dy = torch.randn(b, s, h, generator=gen)
         if sp:
@@ -187,12 +205,21 @@ def check_one_pass(cases) -> dict:
         if sp:
             per_op = (act - act // tp) * 4
             assert sent.get("all_gather") == 4 * per_op and sent.get("reduce_scatter") == 4 * per_op, sent
+            # the attention's and the MLP's linears gather their saved input shard again in backward, once each
+            assert sent.get("all_gather.sp_regather") == 2 * per_op, sent
             assert "all_reduce" not in sent, sent
             activation_bytes = sent["all_gather"] + sent["reduce_scatter"]
         else:
             assert sent.get("all_reduce") == 4 * 2 * (act - ring_chunk(act, tp, rank)) * 4, sent
             assert "all_gather" not in sent and "reduce_scatter" not in sent, sent
             activation_bytes = sent["all_reduce"]
+        if sp:  # a block keeps the paper's sequence-parallel bytes, adjusted to what it really has
+            x_shard = torch.randn(b, s // tp, h, generator=gen, requires_grad=True)
+            block_meter = SavedTensorMeter(exclude=list(model.parameters()))
+            with block_meter.measure():
+                model.blocks[0](x_shard)
+            want = adjusted_korthikanti_block_bytes(cfg, b, s, tp, 4)
+            assert abs(block_meter.current - want) <= 0.05 * want, (preset, block_meter.current, want)
         report.append({"case": (preset, sp), "errors": errors, "block_bytes": activation_bytes,
                        "partial_grad_bytes": sent.get("all_reduce.partial_grads", 0)})
     return report

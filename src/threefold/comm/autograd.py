@@ -20,14 +20,19 @@ import torch
 from .collectives import Comm
 
 
-def _gather(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def gather_along(comm: Comm, x: torch.Tensor, axis: str, dim: int, tag: str = "") -> torch.Tensor:
+    """The ranks' `x` concatenated along `dim` (not differentiable; `tag` files the bytes)."""
     n = comm.mesh.size(axis)
     if n == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
-    comm.all_gather(out, moved, axis)
+    comm.all_gather(out, moved, axis, tag=tag)
     return out.movedim(0, dim)
+
+
+def _gather(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return gather_along(comm, x, axis, dim)
 
 
 def _reduce_scatter(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ their gradients are summed over tp by a gradient hook (bytes filed under
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import replace
 
 import torch
@@ -32,6 +33,7 @@ from torch import nn
 
 from ..comm import (Comm, all_gather_from_group, copy_to_group, gather_from_group, reduce_from_group,
                     reduce_scatter_to_group, scatter_to_group)
+from ..comm.autograd import gather_along
 from ..models.cross_entropy import softmax_minus_one_hot
 from ..models.loss_pieces import chunk_rows
 from ..sharding import Placement
@@ -81,6 +83,81 @@ def leave_region(y: torch.Tensor, comm: Comm, sequence_parallel: bool, seq_dim: 
     return reduce_from_group(y, comm, AXIS)
 
 
+class _Regather:
+    """One forward of a sequence-parallel region: its consumers' backward all-gather the saved shard
+    once between them (the first gathers, the last lets the gathered tensor go). Only consumers of
+    the region's own forward count; a checkpoint's recomputation of them does not."""
+
+    def __init__(self, comm: Comm, seq_dim: int):
+        self.comm, self.seq_dim = comm, seq_dim
+        self.uses, self.done, self.full, self.open = 0, 0, None, True
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = gather_along(self.comm, shard, AXIS, self.seq_dim, tag="sp_regather")
+        full = self.full
+        self.done += 1
+        if self.done >= self.uses:
+            self.full, self.done = None, 0  # a second backward (recomputation) gathers again
+        return full
+
+
+class SequenceRegion:
+    """A tensor-parallel region's input under sequence parallelism, kept as its 1/tp sequence shard.
+
+    The region all-gathers its (b, s/t, h) input once for all its column-parallel linears; each of
+    them saves the shard, not the (b, s, h) gathered tensor, and their backward gathers it again
+    (one all-gather per region per backward, bytes filed under "all_gather.sp_regather"), as
+    Megatron-LM does (Korthikanti et al. 2022, section 4.2.2). The gathered tensor lives only
+    through the region's forward (unless a checkpoint inside the region keeps it as its input).
+    A linear finds its shard by the gathered tensor it was given (a weak reference: the region
+    keeps nothing alive but the shard of a gathered tensor that is still alive), so a checkpoint's
+    recomputation inside the region saves exactly what the first forward saved.
+    """
+
+    def __init__(self, comm: Comm, seq_dim: int):
+        self.comm, self.seq_dim = comm, seq_dim
+        self._entries: list[tuple[weakref.ref, torch.Tensor, _Regather]] = []
+
+    def enter(self, x_shard: torch.Tensor) -> torch.Tensor:
+        full = all_gather_from_group(x_shard, self.comm, AXIS, self.seq_dim)
+        self._entries = [e for e in self._entries if e[0]() is not None]
+        self._entries.append((weakref.ref(full), x_shard, _Regather(self.comm, self.seq_dim)))
+        return full
+
+    def shard_of(self, x_full: torch.Tensor) -> tuple[torch.Tensor, _Regather] | None:
+        """(shard, regather) when `x_full` is a tensor this region's entry gathered."""
+        for ref, shard, regather in self._entries:
+            if ref() is x_full:
+                return shard, regather
+        return None
+
+    def leave(self) -> None:
+        if self._entries:
+            self._entries[-1][2].open = False
+
+
+class _LinearOnShard(torch.autograd.Function):
+    """y = x_full W^T + b, saving the region's shard instead of x_full; backward regathers it."""
+
+    @staticmethod
+    def forward(ctx, x_full, x_shard, weight, bias, regather):
+        regather.uses += regather.open
+        ctx.regather, ctx.has_bias = regather, bias is not None
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_shard, weight = ctx.saved_tensors
+        x_full = ctx.regather.gather(x_shard)
+        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        flat = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w = flat.t().matmul(x_full.reshape(-1, x_full.shape[-1])) if ctx.needs_input_grad[2] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_x, None, grad_w, grad_b, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y_bs[o/tp] = x_bsh W_r^T + b_r: this rank's slice of the output features.
 
@@ -103,13 +180,18 @@ class ColumnParallelLinear(nn.Module):
         self.transposed = transposed  # weight stored (in, out): GPT-2's Conv1D
         self.in_features = weight.shape[0 if transposed else 1]
         self.out_features = out_features or (rows[1] if rows else weight.shape[1 if transposed else 0])
+        self.region: SequenceRegion | None = None  # the enclosing region under sequence parallelism
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         weight, bias = (self.weight.t() if self.transposed else self.weight), self.bias
         if self.rows is not None:
             weight = weight.narrow(0, *self.rows)
             bias = None if bias is None else bias.narrow(0, *self.rows)
-        y = F.linear(x_bsh, weight, bias)
+        shard = self.region.shard_of(x_bsh) if self.region is not None else None
+        if shard is not None and torch.is_grad_enabled():
+            y = _LinearOnShard.apply(x_bsh, shard[0], weight, bias, shard[1])
+        else:
+            y = F.linear(x_bsh, weight, bias)
         if self.gather_output:
             y = gather_from_group(y, self.comm, AXIS, -1)[..., : self.out_features]
         return y

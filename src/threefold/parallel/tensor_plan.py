@@ -19,7 +19,7 @@ from ..mesh import Mesh
 from ..plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, TensorPlanError, VocabEmbedding,  # noqa: F401
                      VocabHead, VocabLoss)
 from ..sharding import Placement
-from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
+from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, SequenceRegion, VocabParallelCrossEntropy,
                      VocabParallelEmbedding, as_parameter, enter_region, padded_size, scatter_sequence, sum_gradient_over)
 
 
@@ -153,12 +153,14 @@ def _build(style, name: str, module: nn.Module, sharder: _Sharder, comm: Comm, s
     raise TensorPlanError(f"tensor plan: unknown style {style!r} for {name}")
 
 
-def _region_hook(comm: Comm, sp: bool, seq_dim: int):
+def _region_hook(comm: Comm, sp: bool, seq_dim: int, region: SequenceRegion | None = None):
+    enter = region.enter if region is not None else (lambda x: enter_region(x, comm, sp, seq_dim))
+
     def hook(module, args, kwargs):
         if args:
-            return (enter_region(args[0], comm, sp, seq_dim),) + tuple(args[1:]), kwargs
+            return (enter(args[0]),) + tuple(args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": enter_region(kwargs["hidden_states"], comm, sp, seq_dim)}
+            return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
         raise TypeError(f"{type(module).__name__}: a tensor-parallel region needs its input as the first "
                         "argument or as hidden_states=")
     return hook
@@ -214,8 +216,14 @@ def shard_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
         for name, module in _matching(model, pattern):
             _set_module(model, name, _build(style, name, module, sharder, comm, sp, plan))
     for pattern in plan.regions:
-        for _, module in _matching(model, pattern):
-            module.register_forward_pre_hook(_region_hook(comm, sp, plan.seq_dim), with_kwargs=True)
+        for name, module in _matching(model, pattern):
+            region = SequenceRegion(comm, plan.seq_dim) if sp else None
+            module.register_forward_pre_hook(_region_hook(comm, sp, plan.seq_dim, region), with_kwargs=True)
+            if region is not None:  # its column-parallel linears save the shard (tensor.py SequenceRegion)
+                module.register_forward_hook(lambda *_, region=region: region.leave())
+                for inner_name, inner in module.named_modules():
+                    if isinstance(inner, ColumnParallelLinear):
+                        inner.region = region
     for pattern in plan.partial + (plan.sequence if sp else ()):
         for _, module in _matching(model, pattern):
             sharder.sum_over_tp(*module.parameters(recurse=False))

@@ -16,9 +16,10 @@ threefold's reference decoder, per block:
                 the flash log-sum-exp 4*b*heads*s/t; with RoPE the output is copied for the o
                 projection (c*bsh/t); the cos/sin tables (4*s*d) are cached, one pair for all blocks
     mlp         GELU: up output, GELU output 2c*bsf/t; SwiGLU: gate, silu, up, product 4c*bsf/t
-Sequence parallelism (tp > 1): the norms see s/t tokens; each column-parallel linear of a region
-saves its own (b*s, h) copy of the all-gathered input: 3 for q/k/v, 1 (GELU) or 2 (SwiGLU) for
-the MLP, 1 for the head - the runtime does not share one gathered buffer between them.
+Sequence parallelism (tp > 1): the norms see s/t tokens; a region's column-parallel linears (q/k/v,
+the MLP's up/gate, the head) save the 1/t sequence shard of their input once between them, not
+the all-gathered (b*s, h) tensor, and their backward all-gathers it again (Megatron-LM's way,
+Korthikanti et al. 2022 section 4.2.2; parallel/tensor.py `SequenceRegion`).
 Outside the blocks: the token indices (without tp the int64 rows of the rank's whole batch,
 shared by inputs and targets: a view, so the whole storage counts in every forward that
 saves it; with tp the embedding's masked local ids 8*bs and mask bs), learned positions 8*s,
@@ -84,9 +85,10 @@ def norm_items(m: ModelConfig, x: Shape, hf: bool = False) -> float:
 
 
 def linear_inputs(m: ModelConfig, x: Shape, consumers: int) -> float:
-    """The input a norm hands to `consumers` column-parallel linears: shared, or copied each under SP."""
+    """The input a norm hands to `consumers` column-parallel linears: saved once, shared by them; under
+    SP its 1/t sequence shard (the linears' backward all-gathers it again, parallel/tensor.py SequenceRegion)."""
     whole = x.c * x.bs * m.hidden
-    return consumers * whole if x.sp and x.t > 1 else whole
+    return whole / x.t if x.sp and x.t > 1 else whole
 
 
 def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:

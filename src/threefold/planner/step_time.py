@@ -7,8 +7,10 @@ Per micro-batch on the slowest pipeline stage (first or last):
 (the pipeline's sends and receives as the workload's software runs them: planner/pipeline_p2p.py)
 Tensor parallelism (Megatron-LM) all-reduces the block's (b, s, h) activations twice in forward
 and twice in backward (again twice for a fully recomputed forward); with sequence parallelism
-these become reduce-scatter + all-gather pairs of the same volume. They sit on the critical
-path (not overlapped), as in Megatron-LM.
+these become reduce-scatter + all-gather pairs of the same volume, and the backward all-gathers
+each region's saved sequence shard once more (the linears keep the shard, not the gathered input:
+parallel/tensor.py SequenceRegion). They sit on the critical path (not overlapped; Megatron-LM
+overlaps that all-gather with the weight-gradient matmul, threefold does not yet).
 
 The pipeline's makespan comes from `threefold.pipeline.simulate` when that module is present
 (the event simulator of the real schedules) and from the closed forms otherwise:
@@ -171,7 +173,10 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
     backward_count = 2 + (2 if st.remat == "full" else 0)
     if st.remat == "every-k":
         backward_count += 2 / max(1, st.remat_every)
-    return 2 * layers * one, backward_count * layers * one
+    regather = 0.0
+    if st.sequence_parallel:  # each region's linears all-gather their saved shard again (parallel/tensor.py)
+        regather = 2 * comm.all_gather(nbytes, st.tp, link)
+    return 2 * layers * one, backward_count * layers * one + layers * regather
 
 
 def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
