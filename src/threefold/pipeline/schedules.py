@@ -40,6 +40,7 @@ from .actions import COMM, COMPUTE, Action, Schedule, ScheduleError, stage_rank
 from .posting import add_aligned_communication
 from .replay import Replay, replay
 from .stream_replay import replay_stream
+from .two_bw_timeline import check_request, shown_order
 
 __all__ = ["Action", "ScheduleKind", "kind", "check", "chunks_per_rank", "Schedule", "ScheduleError", "Replay",
            "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES", "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
@@ -242,15 +243,11 @@ def pipedream_2bw_order(p: int, m: int, rank: int) -> list[Action]:
     """PipeDream-2BW (two_bw.py): 1F1B without flush; the order of two consecutive batches (batch
     1's micro-batch i is m + i), so the picture shows the next batch's forwards entering before the
     previous batch's last backwards. The updates and the per-step segments are two_bw.py's."""
-    from .two_bw import check_request, shown_order
-
     check_request(p, m)
     return shown_order(p, m, rank)
 
 
 def _check_2bw(p: int, m: int, v: int) -> str | None:
-    from .two_bw import check_request
-
     try:
         check_request(p, m)
     except ValueError as e:
