@@ -144,7 +144,14 @@ class StepResult:
 
 def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
                      dp_axis: str | None = "dp", replicated: bool = False) -> torch.Tensor:
-    """sqrt of the sum of squares of every distinct gradient element of the global model.
+    """sqrt of the sum of squares of every distinct gradient element of the global model
+    (`grad_sum_of_squares` summed over tp, pp and dp)."""
+    return grad_sum_of_squares(params, placements, comm, dp_axis, replicated, ("tp", "pp")).sqrt()
+
+
+def grad_sum_of_squares(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
+                        dp_axis: str | None, replicated: bool, axes: tuple[str, ...]) -> torch.Tensor:
+    """The sum of squares of every distinct gradient element, summed over `axes` and dp.
 
     Each rank adds the gradients it owns - a copy replicated over an axis counts only at that
     axis's coordinate 0 - and the partial sums are added over every mesh axis, so shards,
@@ -170,10 +177,10 @@ def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], co
     sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
     if owned:
         sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
-    for axis in ("tp", "pp", None if local_dp else dp_axis):
+    for axis in (*axes, None if local_dp else dp_axis):
         if axis is not None:
             comm.all_reduce(sumsq, axis, tag="grad_norm")
-    return sumsq.sqrt()
+    return sumsq
 
 
 def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:

@@ -23,29 +23,13 @@ from ..config import TrainConfig
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
 from .optim import lr_at, set_lr
-from .step import StepResult
+from .step import StepResult, grad_sum_of_squares
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
     """The sum of squares of this stage's distinct gradient elements: `step.global_grad_norm` over
     tp and dp, without the sum over pp (the other stages step at other times)."""
-    mesh = comm.mesh
-    local_dp = dp_axis == "dp" and replicated and all("dp" in place.replicated_over for place in placements)
-
-    def owns(axis: str) -> bool:
-        if axis == "dp":
-            return dp_axis is None or local_dp or mesh.rank(dp_axis) == 0
-        return mesh.rank(axis) == 0
-
-    owned = [p.grad for p, place in zip(params, placements)
-             if p.grad is not None and all(owns(axis) for axis in place.replicated_over)]
-    sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    if owned:
-        sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
-    for axis in ("tp", None if local_dp else dp_axis):
-        if axis is not None:
-            comm.all_reduce(sumsq, axis, tag="grad_norm")
-    return sumsq
+    return grad_sum_of_squares(params, placements, comm, dp_axis, replicated, ("tp",))
 
 
 class TwoBWStep:
