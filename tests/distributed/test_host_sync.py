@@ -49,15 +49,19 @@ def read_order(out: str) -> list:
     trainer = Trainer(make_config(BASE + ["parallel.dp=2", "train.steps=5", "checkpoint.save_every=3"], out))
     events, launch, read = [], trainer.step_fn, step_module.PendingRead.values
 
-    def launched(step, *args):
-        events.append(f"L{step}")
-        return launch(step, *args)
+    class Launched:  # the trainer's step, recording each launch
+        def __call__(self, step, *args):
+            events.append(f"L{step}")
+            return launch(step, *args)
+
+        def drain(self):
+            launch.drain()
 
     def reading(pending):
         events.append("R")
         return read(pending)
 
-    trainer.step_fn = launched
+    trainer.step_fn = Launched()
     step_module.PendingRead.values = reading
     try:
         records = trainer.run()
