@@ -123,3 +123,37 @@ def test_gpu_prediction_adds_buffers_and_the_stated_margin_cpu_does_not():
     assert gpu.buffers > 0 and gpu.transient > 0
     used = gpu.total - gpu.margin
     assert gpu.margin == pytest.approx(ALLOCATOR_MARGIN * used + 2**30)
+
+
+def _held_by_hand(name, p, m, v, rank):
+    """The states after every forward, none dropped, then those no other state dominates."""
+    from threefold.pipeline import schedules
+
+    counts, states = [0] * schedules.chunks_per_rank(name, v), set()
+    for a in schedules.compute_orders(name, p, m, v)[rank]:
+        if a.kind == "F":
+            counts[a.stage // p] += 1
+            states.add(tuple(counts))
+        elif a.kind in ("B", "W"):
+            counts[a.stage // p] -= 1
+    return tuple(sorted((s for s in states if not any(o != s and all(x >= y for x, y in zip(o, s)) for o in states)),
+                        reverse=True))
+
+
+def test_held_states_shortcuts_are_exact():
+    """The planner's held states (computed once for all ranks, from the states before each release,
+    and from a shorter steady run when the states stop changing with m) equal the plain count over
+    the whole schedule, for every registered schedule, including counts past the shortcut's base."""
+    from threefold.pipeline import schedules
+    from threefold.planner.memory import held_states, steady_microbatches
+
+    shortened = 0
+    for name in schedules.SCHEDULES:
+        for p, v in ((2, 1), (3, 1), (4, 1), (4, 2), (8, 1), (8, 2), (2, 3)):
+            for m in (1, 2, 3, 5, 8, 12, 16, 24, 36, 43, 55, 64, 72, 96):
+                if schedules.check(name, p, m, v):
+                    continue
+                shortened += steady_microbatches(name, p, m, v) != m
+                for rank in range(p):
+                    assert held_states(name, p, m, v, rank) == _held_by_hand(name, p, m, v, rank), (name, p, m, v, rank)
+    assert shortened > 50  # the shortcut is exercised, not only the plain path

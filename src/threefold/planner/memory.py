@@ -122,23 +122,60 @@ def chunk_bytes(w: Workload, st: Strategy, chunk: Chunk, rows_seen: bool = False
     return total
 
 
-@lru_cache(maxsize=4096)
 def held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
     """Micro-batches held per chunk after each forward of `rank` (the states where peaks occur),
     keeping only states no other state dominates."""
+    return _held_states_of_every_rank(schedule, p, steady_microbatches(schedule, p, m, v), v)[rank]
+
+
+@lru_cache(maxsize=1024)
+def steady_microbatches(schedule: str, p: int, m: int, v: int) -> int:
+    """A smaller micro-batch count whose held states equal those of `m`, or `m` itself.
+
+    Past its warm-up a schedule repeats a steady pattern, so the states where peaks occur stop
+    changing with m (gpipe's do not: it holds every micro-batch). That is checked, not assumed: the
+    count `base` and `base + p` (same remainder modulo p, so the schedule's checks agree) must give
+    the same states; otherwise the whole `m` is computed."""
+    from ..pipeline import schedules
+
+    base = 4 * p * max(v, 2) + m % p
+    if m <= base + p or schedules.check(schedule, p, base, v) or schedules.check(schedule, p, base + p, v):
+        return m
+    same = _held_states_of_every_rank(schedule, p, base, v) == _held_states_of_every_rank(schedule, p, base + p, v)
+    return base if same else m
+
+
+@lru_cache(maxsize=1024)
+def _held_states_of_every_rank(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`held_states` of every rank from one computation of the orders (they are made together)."""
     from ..pipeline import schedules  # the lists the runtime runs (pure Python)
 
-    order = schedules.compute_orders(schedule, p, m, v)[rank]  # the registry's order function
-    counts, states = [0] * schedules.chunks_per_rank(schedule, v), set()
-    for a in order:
-        chunk = a.stage // p
-        if a.kind == "F":
-            counts[chunk] += 1
+    per_rank = []
+    for order in schedules.compute_orders(schedule, p, m, v):  # the registry's order function
+        counts, states, rising = [0] * schedules.chunks_per_rank(schedule, v), set(), False
+        for a in order:
+            chunk = a.stage // p
+            if a.kind == "F":
+                counts[chunk] += 1
+                rising = True
+            elif a.kind in ("B", "W"):
+                if rising:  # a state just before a release; those within a run of forwards are dominated
+                    states.add(tuple(counts))
+                    rising = False
+                counts[chunk] -= 1
+        if rising:
             states.add(tuple(counts))
-        elif a.kind in ("B", "W"):
-            counts[chunk] -= 1
-    ordered = sorted(states, reverse=True)
-    return tuple(s for s in ordered if not any(o != s and all(x >= y for x, y in zip(o, s)) for o in ordered))
+        per_rank.append(_undominated(states))
+    return tuple(per_rank)
+
+
+def _undominated(states: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The states no other state dominates (at least as many in every chunk), largest first."""
+    kept: list[tuple[int, ...]] = []
+    for s in sorted(states, reverse=True):  # whatever dominates s comes before it, or is dominated by a kept one
+        if not any(all(x >= y for x, y in zip(k, s)) for k in kept):
+            kept.append(s)
+    return tuple(kept)
 
 
 def peak_activations(w: Workload, st: Strategy, rank: int) -> float:
