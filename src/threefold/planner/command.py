@@ -18,7 +18,7 @@ from ..config import load_config
 from ..errors import ConfigError, UserError
 from ..pipeline import schedules as pipeline_schedules
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
-from .hardware import GiB, PRESETS, load_gpu
+from .hardware import NETWORKS, GiB, PRESETS, load_gpu, network, network_label, network_of, with_network
 from .search import PlanResult, search, shortfall, slower
 from .slow_links import advise as slow_link_advice
 from .workload import Workload, active_parameters, total_parameters
@@ -55,9 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, help="sequences per step (default: ~4M tokens)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--network", metavar="NAME",
+                   help=f"inter-node network, replacing the GPU kind's: {', '.join(NETWORKS)} (docs/planner.md, "
+                        "\"Networks and presets\")")
     p.add_argument("--inter-gbps", type=float, metavar="GB/S",
                    help="inter-node bandwidth per GPU in Gb/s (bits), replacing the GPU kind's, e.g. 25 for a slow "
-                        "network: the plan then says whether periodic sync or ZeRO++ options pay")
+                        "network: the plan then says whether periodic sync or ZeRO++ options pay (overrides "
+                        "--network's rate)")
     for opt in ("dp", "tp", "pp", "ep", "zero", "microbatches", "virtual_stages"):
         p.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int, metavar="N", help=f"fix {opt}")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "full", "every-k"], help="fix the policy")
@@ -137,10 +141,13 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ConfigError("--gpus", f"must be at least 1, got {args.gpus}")
     gpu = load_gpu(args.gpu)
+    if args.network is not None:
+        gpu = with_network(gpu, network(args.network))
     if args.inter_gbps is not None:
         if args.inter_gbps <= 0:
             raise ConfigError("--inter-gbps", f"must be positive, got {args.inter_gbps}")
-        gpu = replace(gpu, inter_bytes_per_s=args.inter_gbps / 8 * 1e9, infiniband=f"{args.inter_gbps:g} Gb/s")
+        label = f"{args.inter_gbps:g} Gb/s" + (f" ({args.network} latency)" if args.network else "")
+        gpu = replace(gpu, inter_bytes_per_s=args.inter_gbps / 8 * 1e9, infiniband=label)
     w, assumed = _workload(args)
     fixed = _fixed(args)
     explain = parse_layout(args.explain) if args.explain else None
@@ -211,7 +218,8 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
     out = {
         "model": model_summary(r.workload),
         "gpu": {"name": g.name, "peak_flops": g.peak_flops, "memory_bytes": g.memory_bytes, "nvlink": g.nvlink,
-                "infiniband": g.infiniband, "gpus_per_node": g.gpus_per_node},
+                "infiniband": g.infiniband, "gpus_per_node": g.gpus_per_node,
+                "network": _network_json(g)},
         "gpus": r.gpus,
         "workload": {"global_batch": r.workload.global_batch, "seq_len": r.workload.seq_len,
                      "tokens_per_step": r.workload.tokens, "assumed": extra.get("assumed", "")},
@@ -229,11 +237,19 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
     return out
 
 
+def _network_json(g) -> dict:
+    """The inter-node network of the plan: its name (None for a custom rate), per-GPU rate and latency."""
+    net = network_of(g)
+    return {"name": net.name if net else None, "kind": net.kind if net else None,
+            "gbps_per_gpu": g.inter_bytes_per_s * 8 / 1e9, "latency_s": g.inter_latency_s,
+            "source": net.source if net else ""}
+
+
 def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
     w, g, extra = r.workload, r.gpu, extra or {}
     lines = [f"{w.model.preset}: {parameter_count(total_parameters(w.model))} parameters, global batch {w.global_batch} x "
              f"{w.seq_len} tokens, {r.gpus} x {g.name} ({g.memory_bytes / GiB:.0f} GiB, {g.nvlink}, "
-             f"{g.infiniband} InfiniBand); {r.evaluated} strategies evaluated"]
+             f"{network_label(g)}); {r.evaluated} strategies evaluated"]
     if extra.get("assumed"):
         lines.append(extra["assumed"])
     lines.append("")

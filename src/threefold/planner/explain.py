@@ -3,7 +3,8 @@ explicit layout is impossible, and the checkpoint-interval advice.
 
 A LAYOUT is the label the table prints, or any part of it: "dp=4 tp=4 pp=4 zero=1 m=256
 ckpt=selective zb-h1" (keys dp, tp, pp, ep, zero, m, ckpt, every, schedule, v; a bare schedule name,
-"interleavedx2" included). Knobs it leaves out are searched as usual.
+"interleavedx2" included; "sp" / "nosp" fix sequence parallelism on / off, "hpz" fixes ZeRO-3's hpZ on).
+Knobs it leaves out are searched as usual.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def parse_layout(text: str) -> dict:
     """'dp=4 tp=2 ckpt=full zb-h1' -> knobs for search(fixed=...); ConfigError naming the bad token."""
     fixed: dict = {}
     for token in re.split(r"[\s,]+", text.strip()):
-        if not token or token == "sp":
+        if not token:
+            continue
+        if token in ("sp", "nosp"):
+            fixed["sequence_parallel"] = token == "sp"
+            continue
+        if token == "hpz":
+            fixed["hpz"] = True
             continue
         match = re.fullmatch(r"interleavedx(\d+)", token)
         if token in SCHEDULES or match:
@@ -65,6 +72,17 @@ def breakdown(c: Candidate, gpu: Gpu) -> list[str]:
              ("margin", mem.margin)]
     lines.append(f"  memory {mem.total / GiB:.1f} of {gpu.memory_bytes / GiB:.0f} GiB (pipeline rank {mem.stage}) = "
                  + " + ".join(f"{k} {v / GiB:.1f}" for k, v in parts if v > 0))
+    st = c.strategy
+    if st.zero == 3:
+        groups = f"parameters and gradients sharded over dp={st.dp}" + (f" (routed experts over {st.edp})"
+                                                                          if st.ep > 1 else "")
+        if st.hpz:
+            groups += (f"; hpZ secondary weights over the {c.hpz_group} dp ranks of a node "
+                       f"({c.hpz_bytes / GiB:.2f} GiB, in optimizer), the backward all-gather on {gpu.nvlink}")
+        lines.append(f"  ZeRO-3: {groups}")
+    if t.ep_overlapped_s > 0:
+        lines.append(f"  expert-parallel all-to-all: {_s(t.ep_comm_s)} exposed, {_s(t.ep_overlapped_s)} hidden behind "
+                     "the paired chunks' compute")
     return lines
 
 
@@ -92,6 +110,17 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
         out.append(f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of dp)")
     if pp and pp > m.layers:
         out.append(f"pp={pp} is more than the {m.layers} layers")
+    if fixed.get("hpz"):
+        zero = fixed.get("zero")
+        if zero is not None and zero != 3:
+            out.append(f"hpz needs zero=3, not zero={zero}")
+        elif dp and tp:
+            inside = min(dp, gpu.gpus_per_node // tp)
+            if inside >= dp:
+                out.append(f"hpz needs dp={dp} to span more than one node ({gpu.gpus_per_node // tp} dp ranks a node)")
+            elif inside < 2 or dp % inside:
+                out.append(f"hpz needs 2 or more dp ranks on each node and dp={dp} a multiple of them "
+                           f"({max(inside, 1)} a node with tp={tp})")
     if tp and pp and gpus % (tp * pp):
         out.append(f"tp x pp = {tp * pp} does not divide {gpus} GPUs")
     if (dp or (tp and pp and gpus % (tp * pp) == 0)) and w.global_batch % (dp or gpus // (tp * pp)):

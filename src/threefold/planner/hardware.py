@@ -15,8 +15,16 @@ Sources (vendor data sheets):
   B200: NVIDIA DGX B200 / HGX B200 data sheet - 2.25 PFLOP/s dense BF16 per GPU (4.5 with
         sparsity), HBM3e 8 TB/s, 180 GB usable per GPU in DGX B200 (1,440 GB per node; 192 GB
         physical), NVLink 5 at 1.8 TB/s total, NVSwitch gen 4, 8 x ConnectX-7 400 Gb/s.
+  H800: NVIDIA H800 SXM5 (the H100 die for export markets) - the H100 SXM's 989 TFLOP/s dense BF16
+        and 80 GB HBM3 at 3.35 TB/s, NVLink cut to 400 GB/s total (NVIDIA H800 product brief; also
+        DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, section 3.1: "each node in the
+        H800 cluster contains 8 GPUs connected by NVLink and NVSwitch within nodes", InfiniBand across
+        nodes; section 3.2.2: "IB (50 GB/s)" per GPU across nodes, "NVLink (160 GB/s)" achieved inside
+        one; and DeepSeek-AI, "Insights into DeepSeek-V3", arXiv:2505.09343, section 5: eight 400 Gb/s
+        ConnectX-7 InfiniBand NICs per node, one per GPU).
   InfiniBand generations: EDR 100, HDR 200, NDR 400, XDR 800 Gb/s per port (InfiniBand Trade
         Association roadmap); one port per GPU as in the DGX nodes above.
+  Other networks (`NETWORKS`, `threefold plan --network NAME`): each entry names its source.
 
 `compute_efficiency` is not a vendor number: it is the fraction of the dense peak that the
 matrix multiplications of a transformer layer sustain in a real training loop (kernel
@@ -30,7 +38,7 @@ per H100, Dubey et al. 2024, table 4).
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import UserError
@@ -86,9 +94,80 @@ PRESETS: dict[str, Gpu] = {
                      infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
     "h200-141gb": Gpu("h200-141gb", 989e12, 141 * GiB, 4800 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
                       infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
+    # the H100 SXM's compute and HBM, NVLink 400 GB/s, one 400 Gb/s InfiniBand NIC per GPU (module docstring)
+    "h800-80gb": Gpu("h800-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4 (h800)", 400 / 2 * GB, _ib("ndr"),
+                     infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
     "b200-192gb": Gpu("b200-192gb", 2250e12, 180 * GiB, 8000 * GB, "nvlink5", _nvlink("nvlink5"), _ib("ndr"),
                       infiniband="ndr", compute_efficiency=0.45, fp32_flops=80e12),
 }
+
+
+@dataclass(frozen=True)
+class Network:
+    """An inter-node network as the planner sees it: the rate one GPU can push across nodes (its NIC, or
+    its share of the node's NICs) and the latency of one collective step over it."""
+
+    name: str
+    kind: str  # InfiniBand | RoCE | EFA (display)
+    gbps: float  # per GPU, Gb/s (bits) in one direction
+    latency_s: float = 12e-6  # one step of a collective across nodes (the Gpu default: no per-network source)
+    source: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.kind}, {self.gbps:g} Gb/s per GPU)"
+
+
+# Inter-node networks (`threefold plan --network NAME`, or `network = "NAME"` in a GPU's TOML table).
+# Rates are per GPU in one direction. No source gives a per-network latency of one NCCL step, so every
+# entry keeps the Gpu default (12 us); the achievable share of the rate stays the GPU kind's
+# `link_efficiency` (NCCL's bus bandwidth over the nominal rate).
+#   InfiniBand: InfiniBand Trade Association roadmap (https://www.infinibandta.org/infiniband-roadmap/):
+#     EDR 100, HDR 200, NDR 400, XDR 800 Gb/s per 4x port; DGX A100 has 8 HDR and DGX H100 8 NDR ports
+#     for 8 GPUs (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html,
+#     https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html).
+#   RoCE: RDMA over Ethernet, one NIC per GPU as in Meta's Llama 3 clusters, 400 Gb/s per GPU
+#     (Gangidi et al., "RDMA over Ethernet for Distributed AI Training at Meta Scale", SIGCOMM 2024;
+#     https://engineering.fb.com/2024/08/05/data-center-engineering/roce-network-distributed-ai-training-at-scale/),
+#     and the 200 GbE generation (ConnectX-6 Dx, https://www.nvidia.com/en-us/networking/ethernet/connectx-6-dx/).
+#   EFA: AWS Elastic Fabric Adapter. p4d.24xlarge: 400 Gb/s per instance of 8 A100, 50 Gb/s per GPU
+#     (https://aws.amazon.com/blogs/compute/amazon-ec2-p4d-instances-deep-dive/); p5.48xlarge: up to
+#     3,200 Gb/s over 32 network cards per instance of 8 H100, 400 Gb/s per GPU
+#     (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html).
+_IBTA = "InfiniBand Trade Association roadmap; one port per GPU as in DGX A100 / DGX H100"
+NETWORKS: dict[str, Network] = {n.name: n for n in (
+    Network("ib-edr", "InfiniBand", 100, source=_IBTA),
+    Network("ib-hdr", "InfiniBand", 200, source=_IBTA),
+    Network("ib-ndr", "InfiniBand", 400, source=_IBTA),
+    Network("ib-xdr", "InfiniBand", 800, source=_IBTA),
+    Network("roce-200", "RoCE", 200, source="200 GbE RoCE, one NIC per GPU (ConnectX-6 Dx generation)"),
+    Network("roce-400", "RoCE", 400, source="400 GbE RoCE, one NIC per GPU (Meta, SIGCOMM 2024: Llama 3 clusters)"),
+    Network("efa-p4d", "EFA", 400 / 8, source="AWS p4d.24xlarge: 400 Gb/s EFA per instance of 8 GPUs"),
+    Network("efa-p5", "EFA", 3200 / 8, source="AWS p5.48xlarge: 3,200 Gb/s EFA per instance of 8 GPUs"),
+)}
+
+
+def network(name: str, flag: str = "--network") -> Network:
+    """The network `name`; UserError (one line, the choices) for an unknown one."""
+    if name not in NETWORKS:
+        raise UserError(f"{flag}: unknown network '{name}'; choose one of {', '.join(NETWORKS)}")
+    return NETWORKS[name]
+
+
+def with_network(gpu: Gpu, net: Network) -> Gpu:
+    """`gpu` with its inter-node links replaced by `net`'s rate and latency."""
+    return replace(gpu, inter_bytes_per_s=net.gbps / 8 * GB, inter_latency_s=net.latency_s, infiniband=net.name)
+
+
+def network_of(gpu: Gpu) -> Network | None:
+    """The named network of `gpu` (a preset's InfiniBand generation, or one set by name), else None."""
+    net = NETWORKS.get(gpu.infiniband) or NETWORKS.get(f"ib-{gpu.infiniband}")
+    return net if net is not None and abs(net.gbps / 8 * GB - gpu.inter_bytes_per_s) < 1 else None
+
+
+def network_label(gpu: Gpu) -> str:
+    """How the table's header names the inter-node network."""
+    return f"{gpu.infiniband} InfiniBand" if gpu.infiniband in INFINIBAND_GBPS else gpu.infiniband
+
 
 # Keys of a custom GPU's TOML table [gpu] and what they mean (units in the name).
 TOML_KEYS = {
@@ -100,6 +179,7 @@ TOML_KEYS = {
     "nvlink_gbps": "intra-node bandwidth per GPU, GB/s in one direction",
     "infiniband": "inter-node network name (display)",
     "ib_gbps": "inter-node bandwidth per GPU, Gb/s (bits) in one direction",
+    "network": "a named inter-node network (NETWORKS) instead of ib_gbps: its rate and latency",
     "gpus_per_node": "GPUs joined by the intra-node link",
     "compute_efficiency": "sustained fraction of peak for a transformer layer (default 0.5)",
     "link_efficiency": "achievable fraction of link rates (default 0.8)",
@@ -128,22 +208,23 @@ def load_gpu(kind: str) -> Gpu:
     unknown = set(table) - set(TOML_KEYS)
     if unknown:
         raise UserError(f"--gpu: unknown key(s) {', '.join(sorted(unknown))} in '{kind}'; valid: {', '.join(TOML_KEYS)}")
-    required = ["peak_tflops", "memory_gib", "hbm_tbps", "nvlink_gbps", "ib_gbps"]
+    net = network(str(table["network"]), f"--gpu: network in '{kind}'") if "network" in table else None
+    required = ["peak_tflops", "memory_gib", "hbm_tbps", "nvlink_gbps"] + ([] if net else ["ib_gbps"])
     missing = [k for k in required if k not in table]
     if missing:
         raise UserError(f"--gpu: '{kind}' lacks {', '.join(missing)} in its [gpu] table")
     for key, value in table.items():
-        if key not in ("name", "nvlink", "infiniband") and (not isinstance(value, (int, float)) or value <= 0):
+        if key not in ("name", "nvlink", "infiniband", "network") and (not isinstance(value, (int, float)) or value <= 0):
             raise UserError(f"--gpu: {key} in '{kind}' must be a positive number, got {value!r}")
     defaults = {f.name: f.default for f in fields(Gpu)}
-    return Gpu(
+    gpu = Gpu(
         name=str(table.get("name", path.stem)),
         peak_flops=table["peak_tflops"] * 1e12,
         memory_bytes=int(table["memory_gib"] * GiB),
         hbm_bytes_per_s=table["hbm_tbps"] * 1e12,
         nvlink=str(table.get("nvlink", "custom")),
         intra_bytes_per_s=table["nvlink_gbps"] * GB,
-        inter_bytes_per_s=table["ib_gbps"] / 8 * GB,
+        inter_bytes_per_s=table.get("ib_gbps", net.gbps if net else 0) / 8 * GB,
         infiniband=str(table.get("infiniband", "custom")),
         gpus_per_node=int(table.get("gpus_per_node", defaults["gpus_per_node"])),
         intra_latency_s=table.get("intra_latency_us", defaults["intra_latency_s"] * 1e6) * 1e-6,
@@ -152,6 +233,11 @@ def load_gpu(kind: str) -> Gpu:
         compute_efficiency=float(table.get("compute_efficiency", 0.5)),
         op_overhead_s=table.get("op_overhead_us", defaults["op_overhead_s"] * 1e6) * 1e-6,
     )
+    if net is not None and "ib_gbps" not in table and "inter_latency_us" not in table:
+        gpu = with_network(gpu, net)
+    elif net is not None:  # the table's own keys refine the named network
+        gpu = replace(gpu, infiniband=str(table.get("infiniband", net.name)))
+    return gpu
 
 
 # A CPU "device" for predicting the memory of CPU runs: no allocator margin, nothing reserved.

@@ -31,11 +31,23 @@ the combined rows c*A*h, the scaled rows c*A*h and the index of the sum 8*A; und
 arrived rows are regrouped by expert and back (two more int64 indices, 16*A); shared experts
 save as a dense MLP of their width. The load is assumed balanced (each rank receives A rows);
 a rank whose experts are more popular holds more.
+
+Overlap of the all-to-all (`Workload.a2a_overlap`, `overlapped_all_to_all`): software that runs a
+paired forward and backward of two different chunks at once (DeepSeek-V3's DualPipe: "overlap the
+computation and communication within a pair of individual forward and backward chunks", DeepSeek-AI
+2024, arXiv:2412.19437, section 3.2.1) hides one chunk's all-to-all behind the other chunk's compute.
+For the schedules whose registration names such pairs (`ScheduleKind.pairs`: dualpipev), a pair costs
+the larger of its compute and its all-to-all, so what stays exposed of it is
+    max(0, a2a(F chunk) + a2a(B other chunk) - compute(F chunk) - compute(B other chunk));
+the forwards and backwards outside the pairs (warm-up, the zero-bubble rounds, cool-down) keep their
+all-to-all fully exposed. threefold's own runtime runs a pair back to back on one stream with a
+blocking dispatch (docs/pipeline.md, DualPipeV), so for it (the default) nothing is hidden.
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from ..config import ModelConfig
 from . import comm
@@ -142,3 +154,32 @@ def all_to_all_seconds(rows: float, m: ModelConfig, c: int, ep: int, tp: int, gp
     t_intra = nbytes * (local - 1) / (ep - 1) / intra.bytes_per_s + (local - 1) * intra.latency_s
     t_inter = nbytes * remote / (ep - 1) / inter.bytes_per_s + remote * inter.latency_s if remote else 0.0
     return max(t_intra, t_inter)
+
+
+@lru_cache(maxsize=1024)
+def overlapped_pairs(schedule: str, p: int, m: int, rank: int) -> int:
+    """How many (forward, backward) pairs of different chunks `rank` runs overlapped (0: none)."""
+    from ..pipeline.schedules import SCHEDULES  # pure Python: the registry the runtime reads
+
+    kind = SCHEDULES[schedule]
+    if p <= 1 or kind.pairs is None or kind.check(p, m, 1):
+        return 0
+    return len(kind.pairs(p, m, rank))
+
+
+def overlapped_all_to_all(schedule: str, p: int, m: int, rank: int, compute_f: float, compute_b: float,
+                          a2a_f: float, a2a_b: float) -> tuple[float, float, float]:
+    """(forward, backward, hidden) all-to-all seconds per micro-batch of a rank, on average over its m
+    micro-batches, when its schedule's pairs overlap one chunk's all-to-all with the other chunk's
+    compute (module docstring). `compute_*` and `a2a_*` are one micro-batch's, all chunks together; a
+    pair holds one chunk's forward and the other chunk's backward (half of each, two chunks a rank)."""
+    pairs = overlapped_pairs(schedule, p, m, rank)
+    total = a2a_f + a2a_b
+    if not pairs or total <= 0:
+        return a2a_f, a2a_b, 0.0
+    from ..pipeline.schedules import SCHEDULES
+
+    chunks = SCHEDULES[schedule].chunks_for(1)
+    hidden = pairs * min(total, compute_f + compute_b) / chunks / m  # per micro-batch, on average
+    keep = 1 - hidden / total
+    return a2a_f * keep, a2a_b * keep, hidden

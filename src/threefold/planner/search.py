@@ -6,9 +6,15 @@ rest, dividing the global batch; for a mixture of experts ep over the divisors o
 the expert count; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
 checkpointing none / selective / every-k (one block in two) / full - the fastest that fits wins,
 so full recomputation is chosen only when nothing cheaper fits; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
-interleaved (every depth v that divides the blocks per rank, `interleaving_depths`). Sequence parallelism is on whenever
-tp > 1 (same traffic as plain tensor parallelism, less memory). Any knob fixed by the caller
-is not searched.
+interleaved (every depth v that divides the blocks per rank, `interleaving_depths`). Any knob fixed by
+the caller is not searched.
+
+Two knobs are settled per family after its best member is found (`_refine`), which keeps the search's
+cost: sequence parallelism (tried on first whenever tp > 1, then off with each checkpointing policy;
+it stays on only when it pays: needed to fit, or faster - its backward re-gather costs time) and
+hpZ for ZeRO-3 (`hpz_group`: the secondary weight partition over the dp ranks of one node, the only
+group the runtime builds, parallel/hpz.py; tried with each checkpointing policy, kept when faster
+and fitting).
 
 The answer names the best strategy and, for every other (dp, tp, pp, ep, zero) family, its best
 member with the reason it loses: memory short by how much, or slower by how much and where
@@ -23,9 +29,9 @@ from itertools import product
 from ..pipeline.schedules import SCHEDULES as KINDS
 from .compute import mfu
 from .hardware import GiB, Gpu
-from .memory import MemoryBreakdown, rank_memory
+from .memory import MemoryBreakdown, dp_per_node, rank_memory, slow_link_state_bytes
 from .step_time import StepTime, step_time
-from .workload import Strategy, Workload, total_parameters
+from .workload import Strategy, Workload, rank_parameters, total_parameters
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 REMAT_POLICIES = ("none", "selective", "every-k", "full")  # cheapest first; every-k checkpoints one block in 2
@@ -45,6 +51,8 @@ class Candidate:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     why: str = ""
+    hpz_group: int = 0  # with hpZ: the dp ranks of a node that shard the secondary weight copy
+    hpz_bytes: float = 0.0  # that copy's bytes on the rank (counted in the "optimizer" memory)
 
     def as_dict(self) -> dict:
         st = self.strategy
@@ -61,6 +69,9 @@ class Candidate:
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "step_breakdown_s": self.time.as_dict() if self.time else None,
             "why": self.why,
+            # ZeRO-3's shard groups (additive): parameters and gradients over dp (edp for routed experts);
+            # with hpZ a secondary copy of the weights over `hpz_group` dp ranks of one node
+            "hpz": st.hpz, "hpz_group": self.hpz_group or None, "hpz_secondary_bytes": int(round(self.hpz_bytes)),
         }
 
 
@@ -102,8 +113,10 @@ def interleaving_depths(layers: int, pp: int) -> list[int]:
 def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None,
                          precision: str = "bf16") -> list[Strategy]:
     """Every strategy of the space for `gpus` GPUs; `fixed` pins knobs (dp, tp, pp, ep, zero,
-    microbatches, remat, schedule, virtual_stages, sequence_parallel). ep (a mixture of experts only)
-    runs over the divisors of dp that divide the expert count."""
+    microbatches, remat, schedule, virtual_stages, sequence_parallel, hpz). ep (a mixture of experts only)
+    runs over the divisors of dp that divide the expert count. Sequence parallelism starts on when
+    tp > 1 and hpZ off (`search` settles both per family); a fixed `hpz` keeps only the ZeRO-3
+    layouts whose dp groups the runtime can give a node-local partition (`hpz_group`)."""
     fixed = fixed or {}
     m = w.model
     out = []
@@ -124,6 +137,9 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
             eps = [e for e in _divisors(dp) if m.experts and m.experts % e == 0] or [1]
             eps = [e for e in eps if e == fixed["ep"]] if "ep" in fixed else eps
             for zero, ep in product([zeros] if isinstance(zeros, int) else zeros, eps):
+                hpz = fixed.get("hpz", False)
+                if hpz and not hpz_group(Strategy(dp=dp, tp=tp, pp=pp, zero=zero), gpu):
+                    continue
                 if "microbatches" in fixed:
                     mbs = [fixed["microbatches"]] if per_rank % fixed["microbatches"] == 0 else []
                 else:
@@ -145,15 +161,33 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                         out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
                                             schedule=schedule, virtual_stages=v,
                                             sequence_parallel=fixed.get("sequence_parallel", tp > 1),
-                                            precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep))
+                                            precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep,
+                                            hpz=hpz))
     return out
+
+
+def hpz_group(st: Strategy, gpu: Gpu) -> int:
+    """The group hpZ's secondary partition is sharded over: the dp ranks of one node, as the runtime
+    builds it (parallel/hpz.py, `dp_intra`); 0 where the runtime refuses hpZ (not ZeRO-3, every dp rank
+    in one node, one dp rank per node, or dp groups that do not split evenly over nodes)."""
+    inside = dp_per_node(st, gpu)
+    ok = st.zero == 3 and 2 <= inside < st.dp and st.dp % inside == 0 and gpu.gpus_per_node % st.tp == 0
+    return inside if ok else 0
+
+
+def _hpz_bytes(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> float:
+    if not st.hpz or st.zero < 3:
+        return 0.0
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
+    return slow_link_state_bytes(count, replace(st, sync_every=1), dp_per_node(st, gpu))
 
 
 def evaluate(w: Workload, st: Strategy, gpu: Gpu) -> Candidate:
     mem = rank_memory(w, st, gpu)
     t = step_time(w, st, gpu)
     return Candidate(st, mem, mem.total <= gpu.memory_bytes, t, w.tokens / t.total_s,
-                     mfu(w, t.total_s, st.world_size, gpu.flops(st.precision)))
+                     mfu(w, t.total_s, st.world_size, gpu.flops(st.precision)),
+                     hpz_group=hpz_group(st, gpu) if st.hpz else 0, hpz_bytes=_hpz_bytes(w, st, gpu, mem.stage))
 
 
 # ------------------------------------------------------------------ explanations
@@ -216,6 +250,9 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
         c = evaluate(w, st, gpu)
         if held is None or not held.fits or c.tokens_per_s > held.tokens_per_s:
             families[key] = c
+    for key, c in families.items():
+        if c.fits:
+            families[key] = _refine(w, c, gpu, fixed or {})
     ranked = sorted(families.values(), key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else c.memory.total))
     for i, c in enumerate(ranked):
         if c.time is None:
@@ -231,6 +268,29 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
             c.why = slower(c, best)
     message = "" if feasible else nothing_fits_message(w, gpus, gpu, best, precision, constrained=bool(fixed))
     return PlanResult(w, gpu, gpus, ranked, len(strategies), feasible, message)
+
+
+def _refine(w: Workload, best: Candidate, gpu: Gpu, fixed: dict) -> Candidate:
+    """A family's best member with sequence parallelism off and with hpZ on (each knob the caller left
+    open), at every checkpointing policy it allows: the fastest that fits wins, the member itself on a
+    tie (SP then stays on only when it is needed to fit or is faster)."""
+    st = best.strategy
+    remats = [fixed["remat"]] if "remat" in fixed else REMAT_POLICIES
+    variants = []
+    if st.tp > 1 and st.sequence_parallel and "sequence_parallel" not in fixed:
+        variants += [dict(sequence_parallel=False, remat=r) for r in remats]
+    if not st.hpz and "hpz" not in fixed and hpz_group(st, gpu):
+        variants += [dict(hpz=True, remat=r) for r in remats]
+        variants += [dict(hpz=True, sequence_parallel=False, remat=r) for r in remats
+                     if st.tp > 1 and st.sequence_parallel and "sequence_parallel" not in fixed]
+    for changes in variants:
+        v = replace(st, **changes)
+        if v == st or rank_memory(w, v, gpu).total > gpu.memory_bytes:
+            continue
+        c = evaluate(w, v, gpu)
+        if c.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+            best = c
+    return best
 
 
 def _no_layout_message(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None) -> str:

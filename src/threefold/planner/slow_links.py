@@ -80,7 +80,7 @@ def _crosses_nodes(c: Candidate, gpu: Gpu) -> bool:
 
 def _variants(c: Candidate, gpu: Gpu) -> list[tuple[int, str, object, str]]:
     """(risk order: ZeRO-3 options, then DiLoCo by period; name, strategy, risk) of the options for `c`."""
-    st = c.strategy
+    st = replace(c.strategy, hpz=False)  # the search may have chosen hpZ: each option says whether it has it
     if st.zero == 3:  # hpZ needs 2 or more dp ranks per node and more than one node (the runtime refuses otherwise)
         hpz = 2 <= dp_per_node(st, gpu) < st.dp
         return [(order, name, replace(st, **changes), risk) for order, (name, changes, risk) in enumerate(ZERO3_OPTIONS)

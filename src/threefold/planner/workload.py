@@ -37,6 +37,9 @@ class Workload:
     # Megatron-core since 2023) or runs after the pipeline flush (Megatron-LM / DeepSpeed of 2021-22)
     grad_overlap: bool = True
     pipeline_p2p: str = "batched"  # PIPELINE_P2P
+    # whether the software overlaps a chunk's expert all-to-all with the paired chunk's compute in the
+    # schedule's overlapped pairs (DeepSeek-V3's DualPipe); threefold's runtime does not (planner/moe.py)
+    a2a_overlap: bool = False
 
     @property
     def tokens(self) -> int:
