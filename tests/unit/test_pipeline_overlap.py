@@ -29,6 +29,7 @@ def test_hidden_is_the_other_side_computing_while_an_all_to_all_is_in_flight():
 def test_busy_time_counts_a_pair_running_at_once_once():
     from threefold.pipeline.timeline import Event, bubble_fractions, busy_time
 
-    events = [Event(0, "F", 0, 3, 0, 2), Event(0, "B", 3, 1, 1, 3), Event(0, "W", 0, 0, 5, 6), Event(1, "F", 1, 0, 0, 6)]
+    events = [Event(0, "F", 0, 3, 0, 2), Event(0, "B", 3, 1, 1, 3), Event(0, "W", 0, 0, 5, 6),
+              Event(1, "F", 1, 0, 0, 6)]
     assert busy_time(events, 0) == 4  # 0-3 and 5-6, not 2 + 2 + 1
     assert bubble_fractions(events, 2) == [pytest.approx(1 / 3), 0.0]
