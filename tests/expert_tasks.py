@@ -51,7 +51,8 @@ def train_experts(overrides: list[str], out: str) -> dict:
             "ep_group": mesh.ranks("ep"), "ep_rank": mesh.rank("ep"),
             "resumed_from": trainer.resumed_from.name if trainer.resumed_from else None,
             "coords": {a: mesh.rank(a) for a in ("pp", "dp", "tp", "ep")},
-            "flight": [r.to_dict() for r in trainer.comm.records if r.op.startswith("all_to_all")][-2:]}
+            "flight": [r.to_dict() for r in trainer.comm.records if r.op.startswith("all_to_all")][-2:],
+            "overlap": trainer.parallel.pipeline.pair_overlap() if trainer.parallel.pipeline is not None else None}
 
 
 def train_many(runs: list[tuple[list[str], str]]) -> list[dict]:

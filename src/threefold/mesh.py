@@ -13,7 +13,9 @@ gradients. With ep = 1, edp is dp.
 A lane is a second process group over the same ranks as an axis (`add_lane`, `group(axis, lane)`):
 on NCCL every communicator runs its collectives on a CUDA stream of its own, in issue order, so
 traffic on a lane does not queue behind the axis's own (ZeRO-3's parameter gathers on dp's
-`gather` lane start while the previous unit's reduce-scatter on dp still runs).
+`gather` lane start while the previous unit's reduce-scatter on dp still runs). ep's `pair` lane
+carries the all-to-alls of the backward that dualpipev runs beside a forward (pipeline/runtime.py):
+each of the two threads of a pair keeps to its own group, so every group sees one order.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh
 # all-to-all group) x `edp` (the dp ranks holding the same experts, which sum their gradients)
 EXPERT_AXES = ("ep", "edp")
 GATHER = "gather"  # the lane of parameter gathers (ZeRO-3)
-LANES = (GATHER,)  # second groups over an axis's ranks (Mesh.add_lane)
-LANE_AXES = ("dp", "edp")  # the axes that have lanes
+PAIR = "pair"  # the lane of the backward's all-to-alls in a dualpipev pair (pipeline/runtime.py)
+LANES = (GATHER, PAIR)  # second groups over an axis's ranks (Mesh.add_lane)
+LANE_AXES = ("dp", "edp", "ep")  # the axes that have lanes
 
 
 def cuda_index(env=os.environ) -> int:
@@ -163,7 +166,7 @@ class Mesh:
         torch.cuda.synchronize(self.device)
 
     def add_lane(self, axis: str, lane: str) -> None:
-        """Create `lane`, a second process group over the same ranks as `axis` (dp or edp), for
+        """Create `lane`, a second process group over the same ranks as `axis` (dp, edp or ep), for
         traffic that must not wait behind the axis's own collectives (see the module's text).
 
         Collective: every rank calls it at the same point (strategies do, while `parallelize` builds
@@ -176,7 +179,7 @@ class Mesh:
             return
         lists = self._axis_rank_lists(axis)
         key = (self.device.type, (self.layout.pp, self.layout.dp, self.layout.tp),
-               self.layout.ep if axis == "edp" else 1, axis, lane)
+               self.layout.ep if axis in ("edp", "ep") else 1, axis, lane)
         group = _cached(key, lambda: dist.new_subgroups_by_enumeration(lists)[0])
         self._lanes[(axis, lane)] = group
         if self.device.type == "cuda":  # a first collective that every member joins, before any use
@@ -189,8 +192,10 @@ class Mesh:
         return "dp" if axis == "edp" and self.layout.ep == 1 else axis  # without expert parallelism edp is dp
 
     def _axis_rank_lists(self, axis: str) -> list[list[int]]:
-        """The global ranks of every group of `axis` (dp, or edp under expert parallelism), in one order."""
-        return self._dp_groups() if axis == "dp" else self._cut_dp(self.layout.ep)[1]
+        """The global ranks of every group of `axis` (dp, or ep / edp under expert parallelism), in one order."""
+        if axis == "dp":
+            return self._dp_groups()
+        return self._cut_dp(self.layout.ep)[0 if axis == "ep" else 1]
 
     def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
         """The ep / edp groups: each dp group cut into runs of ep consecutive coordinates (ep), and

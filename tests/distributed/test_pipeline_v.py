@@ -82,3 +82,48 @@ def test_v_placement_puts_both_ends_on_rank_zero(runs):
         first = [n for n in ranks[0]["params"] if n.startswith("embed")]
         assert first and any(n.startswith("head") or n.startswith("norm") for n in ranks[0]["params"]), name
         assert not any(n.startswith(("embed", "head", "norm")) for n in ranks[3]["params"]), name
+
+
+def test_dualpipev_hides_each_pairs_all_to_all_behind_the_other_side(runs):
+    """With ep = 2 each overlapped pair runs at once (pipeline/runtime.py): every pair of the
+    paired schedule ran as one unit on every rank, each side's all-to-alls on its own ep group,
+    and some all-to-all time of one side was covered by the other side's computation. Summed over
+    every rank and step (dozens of pairs): an all-to-all waits for the peer replica, while the
+    other thread computes, so the figure is not a race a loaded machine loses. Under
+    debug.comm_semantics=nccl the pairs run one after the other (docs/pipeline.md)."""
+    from threefold.pipeline.schedules import build_schedule, paired_schedule
+
+    _, together = paired_schedule(build_schedule("dualpipev", 2, 4))
+    hidden = 0.0
+    for r in runs["dualpipev p2 ep2"]:
+        got = r["overlap"]
+        assert got["pairs"] == 6 * len(together[r["coords"]["pp"]]) > 0, got
+        assert got["in_flight_s"] > 0 and 0 <= got["hidden_s"] <= got["in_flight_s"], got
+        hidden += got["hidden_s"]
+    assert hidden > 0
+    for r in runs["dualpipev p2 ep2 nccl"]:
+        assert r["overlap"]["pairs"] == 0
+
+
+def overlap_figure(steps: int = 6) -> list[dict]:
+    """dualpipev p = 2, ep = 2 on tiny-moe (the test's case): each rank's pair overlap over `steps`
+    steps (docs/pipeline.md: `python -m tests.distributed.test_pipeline_v`)."""
+    import tempfile
+
+    from threefold.world import World
+
+    name = "dualpipev p2 ep2"
+    size, overrides, _ = CASES[name]
+    overrides = [o for o in overrides if not o.startswith("train.steps=")] + [f"train.steps={steps}"]
+    world = World(size, timeout_s=600)
+    try:
+        per_rank = world.run(train_many, [(overrides, tempfile.mkdtemp())])
+    finally:
+        world.close(force=True)
+    return [dict(r[0]["overlap"], rank=r[0]["rank"], pp=r[0]["coords"]["pp"]) for r in per_rank]
+
+
+if __name__ == "__main__":
+    for row in overlap_figure():
+        print(f"rank {row['rank']} (pp {row['pp']}): {row['pairs']} pairs, all-to-all in flight "
+              f"{row['in_flight_s'] * 1e3:.1f} ms, hidden {row['hidden_s'] * 1e3:.1f} ms: {row['fraction']:.2f}")

@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check,
-                                          compute_orders, validate)
+                                          compute_orders, paired_schedule, validate)
 from threefold.pipeline.simulate import Costs, simulate
 
 
@@ -60,10 +60,11 @@ def test_communication_latency_lengthens_the_makespan():
 # ---------------------------------------------------------------- validator
 
 
-def _grid():
-    """Every p up to 16 with micro-batch counts around the interesting points up to 64."""
-    for p in range(1, 17):
-        for m in sorted({1, 2, p - 1, p, p + 1, 2 * p + 1, 3 * p, 64} & set(range(1, 65))):
+def _grid(ps=range(1, 17), ms=lambda p: {1, 2, p - 1, p, p + 1, 2 * p + 1, 3 * p, 64}):
+    """Every p up to 16 with micro-batch counts around the interesting points up to 64 (the full
+    sweep, `python -m tests.unit.test_schedules`); `ps` and `ms` bound it."""
+    for p in ps:
+        for m in sorted(set(ms(p)) & set(range(1, 65))):
             for name in SCHEDULES:
                 if name == "pipedream-2bw":  # needs m >= p (unit/test_two_bw.py checks its steps)
                     if m >= p:
@@ -76,12 +77,42 @@ def _grid():
                     yield name, p, m, 1
 
 
-def test_every_shipped_schedule_is_valid_up_to_p16_m64():
-    checked = 0
-    for name, p, m, v in _grid():
-        validate(build_schedule(name, p, m, v))
-        checked += 1
-    assert checked > 400
+def _validate_all(grid) -> tuple[int, set]:
+    """Validate every entry (host and NCCL rules), dualpipev also as the runtime runs its pairs
+    (`paired_schedule`); (count, the schedules covered)."""
+    checked, names = 0, set()
+    for name, p, m, v in grid:
+        s = build_schedule(name, p, m, v)
+        validate(s)
+        if SCHEDULES[name].pairs is not None:
+            paired, together = paired_schedule(s)
+            validate(paired)
+            assert [len(t) for t in together] == [len(SCHEDULES[name].pairs(p, m, r)) for r in range(p)]
+        checked, names = checked + 1, names | {name}
+    return checked, names
+
+
+# the bounded sweep of the suite: p at the small and odd sizes and 8, 16; m at the edges of each
+# schedule's checks (p - 1, p, p + 1, 2p, 2p + 1) below 8, 2p + 1 at 8 and the largest, p = 16 with m = 64
+BOUNDED = dict(ps=(1, 2, 3, 4, 5, 8, 16),
+               ms=lambda p: {1, p - 1, p, p + 1, 2 * p, 2 * p + 1} if p < 8 else {2 * p + 1} if p < 16 else {64})
+
+
+def test_every_schedule_is_valid_at_representative_sizes_up_to_p16_m64():
+    checked, names = _validate_all(_grid(**BOUNDED))
+    assert names == set(SCHEDULES)  # every registered schedule, the largest p and m among them
+    assert {(n, 16, 64) for n in SCHEDULES} <= {(n, p, m) for n, p, m, _ in _grid(**BOUNDED)}
+    assert checked > 100
+
+
+def full_sweep() -> int:
+    """Every p <= 16 with m around the interesting points up to 64 (about a minute)."""
+    checked, _ = _validate_all(_grid())
+    return checked
+
+
+if __name__ == "__main__":
+    print(f"{full_sweep()} schedules valid under host and NCCL rules (p <= 16, m <= 64)")
 
 
 def _replace(s: Schedule, rank: int, actions: list[Action]) -> Schedule:

@@ -39,13 +39,22 @@ does not queue behind the axis's other collectives. Its bytes are still the axis
 axis do not change) and its record says the lane; `axis_seq` counts the axis's calls on all its
 lanes together (every rank issues them in one order).
 
+A thread's lane. `with comm.lane(axis, lane):` runs the all-to-alls the calling thread issues
+on `axis` on that lane (a `Mesh.add_lane` group), whatever code issues them: dualpipev's pair
+runs a backward on a second thread beside a forward (pipeline/runtime.py), and each thread's
+all-to-alls keep to one group, so every group sees the same order on every rank. Their bytes
+are the axis's; `axis_seq` counts them apart ("<axis>:<lane>"), the two threads interleaving
+differently on each rank. The bookkeeping is under a lock (two threads may issue at once).
+
 Groups of size one need no communication: such calls return at once and are not recorded.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -162,6 +171,13 @@ class AllOf:
         return all(work.is_completed() for work in self.works)
 
 
+class _ThreadLanes(threading.local):
+    """Each thread's {axis: lane} (`Comm.lane`)."""
+
+    def __init__(self):
+        self.lanes: dict[str, str] = {}
+
+
 _DONE = Handle(None, None)
 SEMANTICS = ("native", "nccl")
 
@@ -220,22 +236,27 @@ class Comm:
         self._seq = 0
         self._axis_seq: dict[str, int] = collections.defaultdict(int)
         self._group_ranks: dict[str, tuple] = {}
+        self._lock = threading.Lock()  # the bookkeeping, when two threads issue (`lane`)
+        self._thread = _ThreadLanes()  # {axis: lane} of the calling thread (`lane`)
 
     # ------------------------------------------------------------ bookkeeping
 
-    def _start(self, op: str, axis: str, tensor: torch.Tensor, nbytes: int, lane: str = "") -> CollectiveRecord | None:
-        self._seq += 1
-        self.traffic.add(axis, op, nbytes)
-        if not self.recording:
-            return None
-        self._axis_seq[axis] += 1
-        group = self._group_ranks.get(axis)
-        if group is None:
-            group = self._group_ranks[axis] = tuple(self.mesh.ranks(axis))
-        record = CollectiveRecord(self._seq, op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                                  nbytes, _callsite(), time.monotonic(), None, group, self._axis_seq[axis],
-                                  lane=lane)
-        self.records.append(record)
+    def _start(self, op: str, axis: str, tensor: torch.Tensor, nbytes: int, lane: str = "",
+               counter: str = "") -> CollectiveRecord | None:
+        with self._lock:
+            self._seq += 1
+            self.traffic.add(axis, op, nbytes)
+            if not self.recording:
+                return None
+            counter = counter or axis
+            self._axis_seq[counter] += 1
+            group = self._group_ranks.get(axis)
+            if group is None:
+                group = self._group_ranks[axis] = tuple(self.mesh.ranks(axis))
+            record = CollectiveRecord(self._seq, op, axis, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                                      nbytes, _callsite(), time.monotonic(), None, group, self._axis_seq[counter],
+                                      lane=lane)
+            self.records.append(record)
         for listener in self.listeners:
             listener(record)
         return record
@@ -255,6 +276,23 @@ class Comm:
 
     def _trivial(self, axis: str) -> bool:
         return self.mesh.size(axis) == 1
+
+    @contextlib.contextmanager
+    def lane(self, axis: str, lane: str):
+        """Inside, this thread's all-to-alls on `axis` run on `lane` (module text)."""
+        lanes = self._thread.lanes
+        before = lanes.get(axis)
+        lanes[axis] = lane
+        try:
+            yield
+        finally:
+            if before is None:
+                lanes.pop(axis)
+            else:
+                lanes[axis] = before
+
+    def _thread_lane(self, axis: str) -> str:
+        return self._thread.lanes.get(axis, "")
 
     # ------------------------------------------------------------ collectives
 
@@ -350,8 +388,9 @@ class Comm:
             output.copy_(input)
             return _DONE if async_op else None
         nbytes = (input.numel() - input.numel() // self.mesh.size(axis)) * input.element_size()
-        record = self._start("all_to_all", axis, input, nbytes)
-        work = dist.all_to_all_single(output, input, group=self.mesh.group(axis), async_op=True)
+        lane = self._thread_lane(axis)
+        record = self._start("all_to_all", axis, input, nbytes, lane, f"{axis}:{lane}" if lane else "")
+        work = dist.all_to_all_single(output, input, group=self._group(axis, lane), async_op=True)
         return self._finish(work, record, async_op)
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
@@ -365,9 +404,11 @@ class Comm:
         row = input[0].numel() if input.dim() > 1 else 1
         kept = input_splits[self.mesh.rank(axis)]
         nbytes = (sum(input_splits) - kept) * row * input.element_size()
-        record = self._start(f"all_to_all.{tag}" if tag else "all_to_all", axis, input, nbytes)
+        lane = self._thread_lane(axis)
+        record = self._start(f"all_to_all.{tag}" if tag else "all_to_all", axis, input, nbytes, lane,
+                             f"{axis}:{lane}" if lane else "")
         work = dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
-                                      input_split_sizes=list(input_splits), group=self.mesh.group(axis),
+                                      input_split_sizes=list(input_splits), group=self._group(axis, lane),
                                       async_op=True)
         self._finish(work, record, False)
 

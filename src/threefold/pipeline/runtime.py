@@ -20,11 +20,31 @@ runs the model; tests substitute stages of known cost to measure the schedule it
 Every compute action is timed (after its input arrived) into `timeline`, by the device's clock
 (`clock_for`): CUDA events on CUDA, where the host only issues kernels and its own clock would
 time the issuing, not the work; the host's clock on the CPU.
+
+Overlapped pairs (dualpipev with ep > 1, `pairs`): DeepSeek's point in pairing one micro-batch's
+forward with another's backward is to hide each one's expert all-to-all behind the other's
+computation. The runtime runs such a pair as one unit (`schedules.paired_schedule` moves the
+communication between the two out and proves the result valid): the backward on a second
+thread (`_Worker`), inside `comm.lane("ep", PAIR)` so that every all-to-all it issues runs on
+ep's second group, the forward on this thread on ep's own group. While one side waits for its
+all-to-all (gloo and NCCL release the interpreter's lock while they wait), the other computes.
+Each group sees one order on every rank (the same pairs, the same layers): no mismatch, and
+every byte still goes through `Comm`, counted on ep. The two touch different stages' weights
+(the backward only writes gradients, in the schedule's order), so the arithmetic is bit for
+bit the sequential one's. Per pair the runtime keeps the host times of both sides and of the
+all-to-alls each issued; `pair_overlap()` gives the time an all-to-all of one side was in
+flight while the other side computed (pipeline/overlap.py). It needs every collective inside a
+stage to be ep's all-to-all: tp = 1, no ZeRO-3, no activation checkpointing (whose
+recomputation flag is process-wide), no compiled stages (pipeline/split.py decides).
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,9 +52,11 @@ import torch
 import torch.distributed
 
 from ..comm import Comm
+from ..mesh import PAIR
 from ..models.moe import MoE, routers_aux_loss
 from ..observe.memory import SavedTensorMeter
 from . import backward_split
+from . import overlap
 from .adapter import PipelineAdapter
 from .schedules import COMM, Schedule
 from .stage import RankModule, Stage
@@ -134,6 +156,7 @@ class ModuleCompute:
         self.meter = meter
         self.scale = 1
         self.held = 0  # activation bytes held right now
+        self._held_lock = threading.Lock()  # an overlapped pair's backward runs on another thread
         self.side_loss: torch.Tensor | float = 0.0  # this step's auxiliary losses of stages without the loss
         self._params = {}
         self._plans: dict = {}  # stage index -> its graph's weight groups (backward_split.py)
@@ -158,9 +181,14 @@ class ModuleCompute:
         if meter is None:
             return self._forward(stage, x, targets)
         (out, state), state.nbytes = meter.count(self._meter_key(stage, x), lambda: self._forward(stage, x, targets))
-        self.held += state.nbytes
-        meter.peak = max(meter.peak, self.held)
+        with self._held_lock:
+            self.held += state.nbytes
+            meter.peak = max(meter.peak, self.held)
         return out, state
+
+    def _release(self, state: MicroState) -> None:
+        with self._held_lock:
+            self.held -= state.nbytes
 
     def _meter_key(self, stage: Stage, x: torch.Tensor):
         """What fixes the bytes a stage's forward saves: the stage and its input's shape and dtype;
@@ -200,7 +228,7 @@ class ModuleCompute:
     def backward(self, stage, state: MicroState, grad):
         with self._sync():
             torch.autograd.backward(state.out, grad)
-        self.held -= state.nbytes
+        self._release(state)
         return None if stage.first else state.inp.grad
 
     def backward_input(self, stage, state: MicroState, grad):
@@ -227,7 +255,7 @@ class ModuleCompute:
                 self.grad_sync.gather_for(weights)
             backward_split.backward_weight(state.groups)
         state.groups = []
-        self.held -= state.nbytes
+        self._release(state)
 
 
 class _CarryLoss(torch.autograd.Function):
@@ -273,11 +301,47 @@ class _nullcontext:
         return False
 
 
+class _Worker:
+    """A daemon thread running one function at a time (an overlapped pair's backward), started at
+    its first use; daemon: a failed step never keeps the process alive waiting for it."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn) -> Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="threefold-pair", daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(e)
+
+
+def _wait(claim: tuple) -> torch.Tensor | None:
+    handle, tensor = claim
+    if handle is not None:
+        handle.wait()
+    return tensor
+
+
 class PipelineRuntime:
-    """Executes `schedule.ranks[rank]` for each training step (see the module docstring)."""
+    """Executes `schedule.ranks[rank]` for each training step (see the module docstring).
+
+    `pairs`: this rank's (F, B) pairs to run at once (adjacent in `schedule`, which is then
+    `schedules.paired_schedule`'s), their all-to-alls on two ep groups; empty: one action at a time."""
 
     def __init__(self, schedule: Schedule, stages: list[Stage], compute: StageCompute, comm: Comm,
-                 activation_shape, dtype: torch.dtype = torch.float32, tied_grads=None):
+                 activation_shape, dtype: torch.dtype = torch.float32, tied_grads=None,
+                 pairs: frozenset = frozenset()):
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.mesh.rank("pp")
@@ -296,6 +360,26 @@ class PipelineRuntime:
         self.receives_first = comm.semantics == "native" and comm.mesh.device.type == "cpu"
         self._receives = tuple(a for a in self.actions if a.kind in RECEIVES)
         self._rest = tuple(a for a in self.actions if a.kind not in RECEIVES)
+        self.pairs = pairs
+        self._worker = _Worker() if pairs else None
+        self._pair_times: list = []  # (PairTimes, forward records, backward records) not yet tallied
+        self._overlap = overlap.Tally()
+
+    def pair_overlap(self) -> dict:
+        """The overlapped pairs since the runtime began: their count, the seconds their all-to-alls
+        were in flight, the seconds of that the other side computed, and the fraction hidden
+        (pipeline/overlap.py). A pair whose all-to-alls have not all completed waits for the next call."""
+        self.comm.poll()
+        pending = []
+        for times, forward, backward in self._pair_times:
+            if any(r.end is None for r in forward + backward):
+                pending.append((times, forward, backward))
+                continue
+            times.forward_comm = [(r.start, r.end) for r in forward]
+            times.backward_comm = [(r.start, r.end) for r in backward]
+            self._overlap.add(times)
+        self._pair_times = pending
+        return self._overlap.to_dict()
 
     def take_tied_sum(self):
         """The tied weights' gradient sum, no longer run after the schedule: the caller runs it (after
@@ -348,39 +432,14 @@ class PipelineRuntime:
                 sending = [(h, t) for h, t in sending if not h.is_completed()]
                 i = j
                 continue
-            stage = self.stages[a.stage]
-            key = (a.stage, a.mb)
-            if a.kind == "F":
-                if stage.first:
-                    x = micro_batches[a.mb].inputs
-                else:
-                    x = self._take(("F", a.stage, a.mb), inbox, local)
-                start = self.clock.mark()
-                out, states[key] = self.compute.forward(stage, x, micro_batches[a.mb].targets if stage.last else None)
-                end = self.clock.mark()
-                if stage.last:
-                    loss += out
-                elif self._peer(a.stage + 1) == self.rank:
-                    local[("F", a.stage + 1, a.mb)] = out
-                else:
-                    outbox[("F", a.stage, a.mb)] = out
-            elif a.kind in ("B", "I"):
-                grad = None if stage.last else self._take(("B", a.stage, a.mb), inbox, local)
-                start = self.clock.mark()
-                if a.kind == "B":
-                    grad_in = self.compute.backward(stage, states.pop(key), grad)
-                else:
-                    grad_in = self.compute.backward_input(stage, states[key], grad)
-                end = self.clock.mark()
-                if not stage.first:
-                    if self._peer(a.stage - 1) == self.rank:
-                        local[("B", a.stage - 1, a.mb)] = grad_in
-                    else:
-                        outbox[("B", a.stage, a.mb)] = grad_in
-            else:  # W
-                start = self.clock.mark()
-                self.compute.backward_weight(stage, states.pop(key))
-                end = self.clock.mark()
+            if a.kind == "F" and i + 1 < n and (a, actions[i + 1]) in self.pairs:
+                self._pair(a, actions[i + 1], micro_batches, inbox, outbox, local, states, loss, timeline)
+                i += 2
+                continue
+            x = _wait(self._claim(a, micro_batches, inbox, local))
+            state = states.pop((a.stage, a.mb)) if a.kind in ("B", "W") else None
+            out, start, end = self._compute(a, x, state, micro_batches, states)
+            self._deliver(a, out, loss, outbox, local)
             timeline.append(Event(self.rank, a.kind, a.stage, a.mb, start, end))
             i += 1
         for handle, _ in sending:
@@ -389,6 +448,81 @@ class PipelineRuntime:
         if self.tied_grads is not None:
             self.tied_grads()
         return loss + self.compute.side_loss
+
+    def _claim(self, a, micro_batches, inbox: dict, local: dict) -> tuple:
+        """What compute action `a` starts from, as (handle to wait for or None, tensor): a forward's
+        input, a backward's output gradient (None on the last stage), nothing for W."""
+        stage = self.stages[a.stage]
+        if a.kind == "F" and stage.first:
+            return None, micro_batches[a.mb].inputs
+        if a.kind == "W" or (a.kind != "F" and stage.last):
+            return None, None
+        key = ("F" if a.kind == "F" else "B", a.stage, a.mb)
+        if key in local:
+            return None, local.pop(key)
+        return inbox.pop(key)
+
+    def _compute(self, a, x, state, micro_batches, states: dict) -> tuple:
+        """Run compute action `a` from `x` (B and W: with its popped `state`): (its output or None,
+        start mark, end mark)."""
+        stage = self.stages[a.stage]
+        start = self.clock.mark()
+        if a.kind == "F":
+            out, states[(a.stage, a.mb)] = self.compute.forward(stage, x, micro_batches[a.mb].targets
+                                                                if stage.last else None)
+        elif a.kind == "B":
+            out = self.compute.backward(stage, state, x)
+        elif a.kind == "I":
+            out = self.compute.backward_input(stage, states[(a.stage, a.mb)], x)
+        else:
+            out = self.compute.backward_weight(stage, state)
+        return out, start, self.clock.mark()
+
+    def _deliver(self, a, out, loss: torch.Tensor, outbox: dict, local: dict) -> None:
+        """Where `a`'s output goes: the loss, a stage on this rank, or the outbox for its SEND."""
+        stage = self.stages[a.stage]
+        if a.kind == "F":
+            if stage.last:
+                loss += out
+            elif self._peer(a.stage + 1) == self.rank:
+                local[("F", a.stage + 1, a.mb)] = out
+            else:
+                outbox[("F", a.stage, a.mb)] = out
+        elif a.kind in ("B", "I") and not stage.first:
+            if self._peer(a.stage - 1) == self.rank:
+                local[("B", a.stage - 1, a.mb)] = out
+            else:
+                outbox[("B", a.stage, a.mb)] = out
+
+    def _pair(self, f, b, micro_batches, inbox, outbox, local, states, loss, timeline) -> None:
+        """Forward `f` here and backward `b` on the worker at once (module docstring); outputs and
+        events as if run one after the other."""
+        f_claim, b_claim = self._claim(f, micro_batches, inbox, local), self._claim(b, micro_batches, inbox, local)
+        b_state = states.pop((b.stage, b.mb)) if b.kind == "B" else None
+        records = self.comm.records
+        seen = records[-1].seq if records else 0
+
+        def backward():
+            with self.comm.lane("ep", PAIR):
+                grad = _wait(b_claim)
+                began = time.monotonic()
+                result = self._compute(b, grad, b_state, micro_batches, states)
+                return result, (began, time.monotonic())
+
+        future = self._worker.submit(backward)
+        x = _wait(f_claim)  # an exception here leaves the worker to its daemon thread
+        began = time.monotonic()
+        f_out, f_start, f_end = self._compute(f, x, None, micro_batches, states)
+        f_span = (began, time.monotonic())
+        (b_out, b_start, b_end), b_span = future.result()
+        self._deliver(f, f_out, loss, outbox, local)
+        self._deliver(b, b_out, loss, outbox, local)
+        timeline.append(Event(self.rank, f.kind, f.stage, f.mb, f_start, f_end))
+        timeline.append(Event(self.rank, b.kind, b.stage, b.mb, b_start, b_end))
+        issued = itertools.takewhile(lambda r: r.seq > seen, reversed(records))
+        a2a = [r for r in issued if r.axis == "ep" and r.op.startswith("all_to_all")]
+        self._pair_times.append((overlap.PairTimes(f_span, b_span), [r for r in a2a if r.lane != PAIR],
+                                 [r for r in a2a if r.lane == PAIR]))
 
     def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
         """The input (F) or output gradient (B) of a stage: a local hand-off or a received buffer."""

@@ -43,7 +43,8 @@ from .stream_replay import replay_stream
 from .two_bw_timeline import check_request, shown_order
 
 __all__ = ["Action", "ScheduleKind", "kind", "check", "chunks_per_rank", "Schedule", "ScheduleError", "Replay",
-           "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES", "RULES", "build_schedule", "compute_orders", "add_communication", "validate"]
+           "replay", "replay_stream", "COMM", "COMPUTE", "SCHEDULES", "RULES", "build_schedule", "compute_orders", "add_communication", "validate",
+           "paired_schedule"]
 
 
 # ---------------------------------------------------------------- compute orders
@@ -371,6 +372,39 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     chunks = k.chunks_for(v)
     ranks = add_aligned_communication(orders, p, chunks, k.placement)
     return Schedule(name, p, m * k.shown_batches, chunks, tuple(tuple(r) for r in ranks), k.placement)
+
+
+def paired_schedule(s: Schedule) -> tuple[Schedule, tuple[frozenset, ...]]:
+    """`s` with each overlapped (F, B) pair of its registration (`ScheduleKind.pairs`) run as one
+    unit: the pair's F and B adjacent, the communication between them moved out - all of it
+    before the F when it holds no send of the F's output, all after the B when it holds no
+    receive the B needs, else its receive postings before the F and its sends after. Returns the
+    schedule and, per rank, the pairs that run together (pipeline/runtime.py runs the two at
+    once). Run as one unit, a pair waits for both inputs and posts both outputs as this
+    sequential order does, so `validate` of the result proves the overlapped execution (unit
+    tests: every p <= 16, m <= 64 of the sweep, host and NCCL rules)."""
+    pairs = SCHEDULES[s.name].pairs
+    if pairs is None:
+        return s, tuple(frozenset() for _ in range(s.pp))
+    ranks, together = [], []
+    for r, actions in enumerate(s.ranks):
+        order, joined = list(actions), set()
+        for f, b in pairs(s.pp, s.microbatches, r):
+            i, k = order.index(f), order.index(b)
+            between = order[i + 1:k]
+            if any(a.kind not in COMM for a in between):
+                continue
+            if Action("SEND_F", f.stage, f.mb) not in between:  # nothing of the F's: all before it
+                order[i:k + 1] = between + [f, b]
+            elif Action("RECV_B", b.stage, b.mb) not in between:  # nothing the B needs: all after it
+                order[i:k + 1] = [f, b] + between
+            else:  # the receives before the F, the sends after the B
+                receives = [a for a in between if a.kind in ("RECV_F", "RECV_B")]
+                order[i:k + 1] = receives + [f, b] + [a for a in between if a not in receives]
+            joined.add((f, b))
+        ranks.append(tuple(order))
+        together.append(frozenset(joined))
+    return Schedule(s.name, s.pp, s.microbatches, s.virtual, tuple(ranks), s.placement), tuple(together)
 
 
 # ---------------------------------------------------------------- communication

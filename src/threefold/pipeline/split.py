@@ -14,11 +14,11 @@ from torch import nn
 
 from ..comm import Comm
 from ..config import Config
-from ..mesh import Mesh
+from ..mesh import PAIR, Mesh
 from ..observe.memory import SavedTensorMeter
 from .adapter import DecoderAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
-from .schedules import Schedule, build_schedule
+from .schedules import Schedule, build_schedule, kind, paired_schedule
 from ..config_checks import parse_split
 from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
                     stages_from_bounds)
@@ -38,6 +38,7 @@ class PipelineSplit:
     tied_peer: int  # pp coordinate holding the other copy
     model_cfg: object
     seq_shards: int = 1  # sequence parallelism: each tp rank holds 1/tp of the sequence between stages
+    overlap_pairs: bool = False  # run the schedule's (F, B) pairs at once (`overlaps_pairs`)
 
     def runtime(self, comm: Comm, grad_sync, dtype: torch.dtype = torch.float32,
                 weights: list[torch.Tensor] | None = None, compile_stage=None) -> PipelineRuntime:
@@ -57,13 +58,30 @@ class PipelineSplit:
         gradient_of = grad_sync.gradient_of if grad_sync is not None else (lambda p: p.grad)
         tied_grads = (lambda: sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied],
                                                  self.tied_peer)) if self.tied else None
-        return PipelineRuntime(self.schedule, self.stages, compute, comm, self.activation_shape, dtype, tied_grads)
+        schedule, pairs = self.schedule, frozenset()
+        # not under debug.comm_semantics=nccl: that mode's host waits for a whole p2p batch (sends
+        # included) before a receive counts as arrived, which ties the two threads of a pair to the
+        # other replica's progress through both ep groups: a cycle (docs/pipeline.md)
+        if self.overlap_pairs and compile_stage is None and comm.semantics == "native":
+            schedule, together = paired_schedule(self.schedule)
+            pairs = together[comm.mesh.rank("pp")]
+        return PipelineRuntime(schedule, self.stages, compute, comm, self.activation_shape, dtype, tied_grads,
+                               pairs)
 
     def activation_shape(self, tokens_shape: tuple[int, ...]) -> tuple[int, ...]:
         """What crosses stages for a micro-batch of `tokens_shape` (batch, sequence) token ids: under
         sequence parallelism this rank's share of the sequence, as the blocks leave it."""
         batch, seq, *rest = tokens_shape
         return self.adapter.activation_shape(self.model_cfg, (batch, seq // self.seq_shards, *rest))
+
+
+def overlaps_pairs(cfg: Config, mesh: Mesh) -> bool:
+    """Whether the runtime runs the schedule's overlapped (F, B) pairs at once, each side's expert
+    all-to-alls on its own ep group (runtime.py): a schedule with pairs (dualpipev), ep > 1, and
+    no other collective inside a stage or process-wide state two threads would share - tp = 1,
+    ZeRO below 3, no activation checkpointing, no compiled stages."""
+    return (kind(cfg.pipeline.schedule).pairs is not None and mesh.size("ep") > 1 and mesh.size("tp") == 1
+            and cfg.parallel.zero < 3 and cfg.remat.policy == "none" and not cfg.train.compile)
 
 
 def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_stages: int,
@@ -116,7 +134,11 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
         tied = [local[n] for n in wanted if n in local and local[n].requires_grad]
         peer = schedule.stage_rank(all_stages[-1].index) if holds_first else schedule.stage_rank(0)
     seq_shards = mesh.size("tp") if cfg.parallel.sequence_parallel else 1
-    return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model, seq_shards)
+    overlap = overlaps_pairs(cfg, mesh)
+    if overlap:  # collective: every rank splits the pipeline at the same point
+        mesh.add_lane("ep", PAIR)
+    return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model, seq_shards,
+                         overlap)
 
 
 def _grad_or_zeros(param: nn.Parameter, gradient_of) -> torch.Tensor:

@@ -28,7 +28,15 @@ def makespan(events: list[Event]) -> float:
 
 
 def busy_time(events: list[Event], rank: int) -> float:
-    return sum(e.end - e.start for e in events if e.rank == rank and e.kind in COMPUTE_KINDS)
+    """The time the rank computed: the union of its compute events (dualpipev's overlapped pairs
+    run two at once)."""
+    total, reach = 0.0, None
+    for start, end in sorted((e.start, e.end) for e in events if e.rank == rank and e.kind in COMPUTE_KINDS):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
 
 
 def bubble_fractions(events: list[Event], pp: int) -> list[float]:
