@@ -7,7 +7,7 @@ import pytest
 from threefold.config import load_config
 from threefold.errors import UserError
 from threefold.planner import comm
-from threefold.planner.compute import mfu, step_flops
+from threefold.planner.compute import block_forward_seconds, mfu, step_flops
 from threefold.planner.hardware import PRESETS, GiB, load_gpu
 from threefold.planner.memory import rank_memory
 from threefold.planner.step_time import closed_form_makespan, hardware_tflops_per_gpu, step_time
@@ -29,17 +29,17 @@ def gpt(heads, hidden, layers):
 # set of docs/planner.md: `error` is the doc's figure, pinned so that the table stays true.
 MEGATRON = [
     # (what, heads, hidden, layers, tp, pp, gpus, global batch, reported TFLOP/s per GPU, error)
-    ("table 2: 174.6B (GPT-3) on 384 GPUs", 96, 12288, 96, 8, 12, 384, 1536, 153, -0.012),
-    ("table 2: 174.6B (GPT-3) on 768 GPUs", 96, 12288, 96, 8, 12, 768, 1536, 149, -0.018),
-    ("table 2: 174.6B (GPT-3) on 1536 GPUs", 96, 12288, 96, 8, 12, 1536, 1536, 141, -0.025),
-    ("table 2: 529.6B on 560 GPUs", 128, 20480, 105, 8, 35, 560, 2240, 171, -0.092),
-    ("table 2: 529.6B on 2240 GPUs", 128, 20480, 105, 8, 35, 2240, 2240, 159, -0.108),
-    ("table 1: 1.7B on 32 GPUs", 24, 2304, 24, 1, 1, 32, 512, 137, 0.169),
-    ("table 1: 7.5B on 128 GPUs", 32, 4096, 36, 4, 1, 128, 512, 142, -0.017),
-    ("table 1: 39.1B on 512 GPUs", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.024),
-    ("table 1: 145.6B on 1536 GPUs", 96, 12288, 80, 8, 8, 1536, 2304, 148, -0.029),
-    ("table 1: 529.6B on 2520 GPUs", 128, 20480, 105, 8, 35, 2520, 2520, 163, -0.130),
-    ("table 1: 1008B on 3072 GPUs", 160, 25600, 128, 8, 64, 3072, 3072, 163, -0.127),
+    ("table 2: 174.6B (GPT-3) on 384 GPUs", 96, 12288, 96, 8, 12, 384, 1536, 153, 0.017),
+    ("table 2: 174.6B (GPT-3) on 768 GPUs", 96, 12288, 96, 8, 12, 768, 1536, 149, 0.011),
+    ("table 2: 174.6B (GPT-3) on 1536 GPUs", 96, 12288, 96, 8, 12, 1536, 1536, 141, 0.004),
+    ("table 2: 529.6B on 560 GPUs", 128, 20480, 105, 8, 35, 560, 2240, 171, 0.036),
+    ("table 2: 529.6B on 2240 GPUs", 128, 20480, 105, 8, 35, 2240, 2240, 159, 0.018),
+    ("table 1: 1.7B on 32 GPUs", 24, 2304, 24, 1, 1, 32, 512, 137, -0.011),
+    ("table 1: 7.5B on 128 GPUs", 32, 4096, 36, 4, 1, 128, 512, 142, -0.093),
+    ("table 1: 39.1B on 512 GPUs", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.015),
+    ("table 1: 145.6B on 1536 GPUs", 96, 12288, 80, 8, 8, 1536, 2304, 148, -0.001),
+    ("table 1: 529.6B on 2520 GPUs", 128, 20480, 105, 8, 35, 2520, 2520, 163, -0.007),
+    ("table 1: 1008B on 3072 GPUs", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.002),
 ]
 
 
@@ -141,8 +141,10 @@ def test_schedule_simulator_agrees_with_the_closed_forms(schedule, v):
 
 # Narayanan et al. 2021, table 2: ZeRO-3 without model parallelism (DeepSpeed), 174.6B model,
 # global batch 1536, full recomputation. The model follows the collapse as the per-GPU batch
-# shrinks and communication is exposed, but predicts 24-27% above these figures (it assumes
-# prefetched all-gathers hide perfectly behind compute): bounded at 30% here, see docs/planner.md.
+# shrinks and communication is exposed, but predicts 27-40% above these figures (it assumes
+# prefetched all-gathers hide perfectly behind compute, and without tp the GEMMs are large enough to
+# run near the plateau, which DeepSpeed's ZeRO-3 of 2021 did not reach): bounded at 45% here, see
+# docs/planner.md.
 ZERO3 = [(384, 4, 144), (768, 2, 88), (1536, 1, 44)]
 
 
@@ -151,16 +153,20 @@ def test_zero3_without_model_parallelism_tracks_deepspeed(gpus, micro_batch, rep
     w = Workload(gpt(96, 12288, 96), 1536, 2048, attention="dense")  # DeepSpeed of 2021: no flash
     st = Strategy(dp=gpus, zero=3, microbatches=1536 // (gpus * micro_batch), remat="full")
     predicted = hardware_tflops_per_gpu(w, st, step_time(w, st, A100).total_s)
-    assert abs(predicted / reported - 1) <= 0.30, f"predicted {predicted:.0f} vs {reported} TFLOP/s"
+    assert abs(predicted / reported - 1) <= 0.45, f"predicted {predicted:.0f} vs {reported} TFLOP/s"
 
 
 def test_a_flash_kernel_is_charged_half_the_causal_attention():
     m = load_config(None, ["model.preset=llama-7b"]).model
     st, gpu = Strategy(remat="selective"), PRESETS["h100-80gb"]
     flash, dense = (step_time(Workload(m, 8, 8192, attention=a), st, gpu) for a in ("flash", "dense"))
-    # attention core per token: 4 s h forward, x3 with backward, +1 recomputed (selective): half of it skipped
-    skipped = 0.5 * 4 * 8192 * m.hidden * (3 + 1) * m.layers * 8 * 8192 / (gpu.flops("bf16") * gpu.compute_efficiency)
-    assert dense.total_s - flash.total_s == pytest.approx(skipped, rel=1e-6)
+    assert flash.total_s < dense.total_s  # the dense kernel computes the masked half and moves the scores
+    # the fused kernel's time is its executed FLOPs (half of the counted 4 s h per token) at attention_efficiency
+    slower = replace(gpu, attention_efficiency=gpu.attention_efficiency / 2)
+    one, two = (block_forward_seconds(m, 1, 8192, 1, False, "flash", g, "bf16")[0] for g in (gpu, slower))
+    executed = 0.5 * 4 * 8192 * m.attn_width * 8192
+    assert two - one == pytest.approx(executed / (gpu.flops("bf16") * gpu.attention_efficiency
+                                                  * gpu.compute_efficiency), rel=1e-9)
     assert step_flops(Workload(m, 8, 8192, attention="flash"), st) == step_flops(Workload(m, 8, 8192), st)
 
 

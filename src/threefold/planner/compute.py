@@ -17,8 +17,10 @@ when recomputation is full.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from ..config import ModelConfig
+from .hardware import Gpu
 from .moe import dense_mlp_flops_per_token, sparse_blocks, sparse_mlp_flops_per_token
 from .workload import Strategy, Workload
 
@@ -89,3 +91,102 @@ def step_flops(w: Workload, st: Strategy, hardware: bool = True) -> float:
 def mfu(w: Workload, step_time_s: float, gpus: int, peak_flops: float) -> float:
     """Model FLOPs utilisation: model FLOPs per second over the cluster's dense peak."""
     return step_flops(w, Strategy(), hardware=False) / (step_time_s * gpus * peak_flops)
+
+
+# ------------------------------------------------------------------ time: matmul shapes
+#
+# How fast a layer's matrix multiplications run depends on their shapes, not on one share of the peak
+# per GPU (NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001, 2023):
+#   * a GEMM (M x K) @ (K x N) does 2MNK FLOPs and moves at least (MK + KN + MN) elements; below the
+#     arithmetic intensity peak / HBM bandwidth it is memory-bound (the roofline);
+#   * its output is cut into tiles, one per multiprocessor at a time: a dimension that is not a multiple
+#     of the tile computes padding (tile quantization), and tiles that do not fill the last wave of
+#     `Gpu.sms` multiprocessors leave some idle (wave quantization). cuBLAS picks the tile per shape:
+#     the largest (256 x 128) reuses data best, smaller ones trade per-tile throughput for fewer idle
+#     multiprocessors; the model takes the best of four with relative throughputs 1, 0.9, 0.8, 0.6
+#     (assumed, in the guide's order of efficiency);
+#   * a large, well-shaped GEMM reaches `Gpu.gemm_efficiency` of the dense peak (measured cuBLAS
+#     plateaus, hardware.py).
+# The elementwise work between the GEMMs (norms, residual adds, the MLP activation, rotary positions,
+# a dense softmax) is memory-bound: its bytes over the HBM bandwidth. A fused causal (flash) attention
+# kernel runs at `Gpu.attention_efficiency` of the peak on the FLOPs it executes. Everything is divided
+# by `Gpu.compute_efficiency`, the one fitted share (hardware.py).
+
+TILES = ((256, 128, 1.0), (128, 128, 0.9), (128, 64, 0.8), (64, 64, 0.6))  # (rows, columns, relative rate)
+
+
+def _ceil(a: float, b: float) -> int:
+    return -(-int(a) // int(b))
+
+
+def quantization_efficiency(m: int, n: int, sms: int, batch: int = 1) -> float:
+    """Share of the multiprocessors' time doing useful work for an m x n output (`batch` of them),
+    the best over the tile shapes of TILES."""
+    best = 0.0
+    for tm, tn, rate in TILES:
+        for rows, cols in ((tm, tn), (tn, tm)):
+            tiles = _ceil(m, rows) * _ceil(n, cols) * batch
+            waves = _ceil(tiles, sms)
+            useful = (m * n * batch) / (tiles * rows * cols) * tiles / (waves * sms)
+            best = max(best, rate * useful)
+    return best
+
+
+def gemm_seconds(m: int, n: int, k: int, gpu: Gpu, precision: str = "bf16", batch: int = 1) -> float:
+    """Seconds of `batch` GEMMs (m x k) @ (k x n) on one GPU: the slower of compute (at the shape's share
+    of the peak) and the memory roofline."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    compute = flops / (gpu.flops(precision) * gpu.gemm_efficiency * quantization_efficiency(m, n, gpu.sms, batch))
+    memory = compute_element_bytes(precision) * (m * k + k * n + m * n) * batch / gpu.hbm_bytes_per_s
+    return max(compute, memory)
+
+
+def compute_element_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@lru_cache(maxsize=8192)
+def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                          attention: str, gpu: Gpu, precision: str) -> tuple[float, float]:
+    """(seconds, FLOPs) of one dense block's forward of a micro-batch on one tp rank, from the shapes of
+    its matmuls: q/k/v and the attention output (column / row parallel, 1/tp of the width), the MLP's
+    up (and gate) and down, the attention scores and weighted sum per head; plus its memory-bound
+    elementwise work."""
+    rows = micro_batch * seq_len  # tokens of the micro-batch: the GEMMs' M
+    h, f = m.hidden, m.ffn_hidden
+    kv = m.kv_heads * m.head_dim
+    q_width = _ceil(m.attn_width, tp)
+    t = 0.0
+    t += gemm_seconds(rows, q_width + 2 * _ceil(kv, tp), h, gpu, precision)  # q, k, v (one fused weight)
+    t += gemm_seconds(rows, h, q_width, gpu, precision)  # attention output (row parallel)
+    up = (2 if m.mlp == "swiglu" else 1) * _ceil(f, tp)
+    t += gemm_seconds(rows, up, h, gpu, precision)  # MLP up (and gate)
+    t += gemm_seconds(rows, h, _ceil(f, tp), gpu, precision)  # MLP down
+    heads = micro_batch * _ceil(m.heads, tp)
+    share = executed_attention_share(attention)
+    attn_flops = share * 4.0 * seq_len * m.attn_width * rows / tp  # q.k^T and the weighted sum, executed
+    el = compute_element_bytes(precision)
+    if attention == "flash":
+        t += attn_flops / (gpu.flops(precision) * gpu.attention_efficiency)
+    else:  # the s x s scores go through memory: two batched GEMMs and the softmax (+ its dropout) between
+        t += gemm_seconds(seq_len, seq_len, m.head_dim, gpu, precision, heads)
+        t += gemm_seconds(seq_len, m.head_dim, seq_len, gpu, precision, heads)
+        t += 4 * el * heads * seq_len * seq_len / gpu.hbm_bytes_per_s
+    # elementwise, read + write per token: 2 norms (2h each), 2 residual adds (3h each), the activation
+    # (gelu 2f, swiglu 3f), rotary q and k (2 x their widths); norms and adds are sharded only under sp
+    sharded = (3 if m.mlp == "swiglu" else 2) * f + (2 * (m.attn_width + kv) if m.position == "rope" else 0)
+    unsharded = 4 * h + 6 * h
+    elements = rows * (sharded / tp + unsharded / (tp if sequence_parallel else 1))
+    t += el * elements / gpu.hbm_bytes_per_s
+    flops = rows * (2 * block_matmul_params(m) / tp) + attn_flops
+    return t / gpu.compute_efficiency, flops
+
+
+@lru_cache(maxsize=4096)
+def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, gpu: Gpu,
+                         precision: str) -> float:
+    """The output projection of one micro-batch on one tp rank (vocabulary-parallel: 1/tp of the rows)."""
+    rows = micro_batch * seq_len
+    return gemm_seconds(rows, _ceil(m.padded_vocab, tp), m.hidden, gpu, precision) / gpu.compute_efficiency

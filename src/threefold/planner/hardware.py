@@ -26,13 +26,31 @@ Sources (vendor data sheets):
         Association roadmap); one port per GPU as in the DGX nodes above.
   Other networks (`NETWORKS`, `threefold plan --network NAME`): each entry names its source.
 
-`compute_efficiency` is not a vendor number: it is the fraction of the dense peak that the
-matrix multiplications of a transformer layer sustain in a real training loop (kernel
-efficiency, launch gaps, memory-bound epilogues). It is calibrated on Megatron-LM's published
-A100 results (Narayanan et al. 2021, table 2: 153-171 TFLOP/s per A100 for 175B/530B with
-pipeline bubbles under 3%, i.e. ~0.55-0.6 of peak); Hopper and Blackwell reach a smaller share
-of their much higher peaks in the same software (~0.45-0.5, e.g. Llama 3 405B: 380-430 TFLOP/s
-per H100, Dubey et al. 2024, table 4).
+Matrix-multiplication speed depends on the shapes (planner/compute.py, `gemm_seconds`): each GEMM
+runs at `peak x gemm_efficiency x (tile and wave quantization of its M x N output over `sms`
+multiprocessors)`, or at the HBM roofline when its arithmetic intensity is below peak / bandwidth;
+a fused causal attention kernel at `peak x attention_efficiency`. Sources:
+  sms: A100 whitepaper (108 SMs), H100 whitepaper (132 SMs in the SXM5 part, as in H200), Blackwell
+        B200 (148 SMs, two dies of 74).
+  gemm_efficiency: the share of the dense peak cuBLAS reaches on large, well-aligned BF16 GEMMs,
+        from published measurements: A100 ~250 of 312 TFLOP/s (NVIDIA, "Matrix Multiplication
+        Background User's Guide", the large-GEMM plateau of its A100 figures: 0.8), H100 SXM ~700-750
+        of 989 (0.72-0.76, power-limited clocks under dense tensor-core load; 0.74), B200 assumed the
+        same share as H100 (0.74; no independent measurement at hand).
+  attention_efficiency: FlashAttention-2 (Dao 2023) reports 50-73% of the A100's peak forward and
+        ~60% in backward (0.6); on H100 FlashAttention-2 reaches ~35-40% and FlashAttention-3 / cuDNN
+        ~60-75% (Shah et al. 2024); threefold's SDPA and 2024 Megatron-Core use the Hopper kernels
+        (0.55). B200: as H100.
+  Tiles and waves follow the same guide (its sections "Tile Quantization" and "Wave Quantization":
+        an output tile of 256 x 128 per SM is the most efficient, a GEMM whose tiles fill the SMs
+        unevenly runs its last wave partly idle).
+
+`compute_efficiency` is the one fitted constant, the same for every preset: the share of that
+kernel-level time a real training loop achieves (launch gaps, kernels not modelled such as
+fused epilogues and the loss, stream synchronisations). It was set on the calibration set only
+(Narayanan et al. 2021, A100; docs/planner.md "Calibration set"); the Hopper and Blackwell
+presets differ from the A100 only through their vendor numbers and the published kernel shares
+above, not through a constant set on an H100 run.
 """
 
 from __future__ import annotations
@@ -67,7 +85,10 @@ class Gpu:
     intra_latency_s: float = 5e-6  # per message step of a collective inside a node
     inter_latency_s: float = 12e-6  # per message step across nodes
     link_efficiency: float = 0.8  # achievable share of the nominal link rate (NCCL bus bandwidth)
-    compute_efficiency: float = 0.55  # see the module docstring
+    compute_efficiency: float = 0.93  # see the module docstring: the one fitted constant, every preset
+    sms: int = 108  # streaming multiprocessors, for wave quantization
+    gemm_efficiency: float = 0.8  # share of the dense peak a large, well-shaped GEMM reaches
+    attention_efficiency: float = 0.6  # share of the dense peak a fused (flash) attention kernel reaches
     fp32_flops: float = 0.0  # non-tensor-core FP32 peak, for --precision fp32 (0: peak / 16)
     op_overhead_s: float = 4e-6  # host seconds to dispatch and launch one operator (planner/dispatch.py)
 
@@ -87,18 +108,22 @@ def _ib(gen: str) -> float:
 
 PRESETS: dict[str, Gpu] = {
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GiB, 1555 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
-                     infiniband="hdr", compute_efficiency=0.58, fp32_flops=19.5e12),
+                     infiniband="hdr", fp32_flops=19.5e12),
     "a100-80gb": Gpu("a100-80gb", 312e12, 80 * GiB, 2039 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
-                     infiniband="hdr", compute_efficiency=0.58, fp32_flops=19.5e12),
+                     infiniband="hdr", fp32_flops=19.5e12),
     "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
-                     infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
+                     infiniband="ndr", fp32_flops=67e12, sms=132,
+                     gemm_efficiency=0.74, attention_efficiency=0.55),
     "h200-141gb": Gpu("h200-141gb", 989e12, 141 * GiB, 4800 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
-                      infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
+                      infiniband="ndr", fp32_flops=67e12, sms=132,
+                      gemm_efficiency=0.74, attention_efficiency=0.55),
     # the H100 SXM's compute and HBM, NVLink 400 GB/s, one 400 Gb/s InfiniBand NIC per GPU (module docstring)
     "h800-80gb": Gpu("h800-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4 (h800)", 400 / 2 * GB, _ib("ndr"),
-                     infiniband="ndr", compute_efficiency=0.5, fp32_flops=67e12),
+                     infiniband="ndr", fp32_flops=67e12, sms=132,
+                     gemm_efficiency=0.74, attention_efficiency=0.55),
     "b200-192gb": Gpu("b200-192gb", 2250e12, 180 * GiB, 8000 * GB, "nvlink5", _nvlink("nvlink5"), _ib("ndr"),
-                      infiniband="ndr", compute_efficiency=0.45, fp32_flops=80e12),
+                      infiniband="ndr", fp32_flops=80e12, sms=148,
+                      gemm_efficiency=0.74, attention_efficiency=0.55),
 }
 
 
@@ -181,7 +206,10 @@ TOML_KEYS = {
     "ib_gbps": "inter-node bandwidth per GPU, Gb/s (bits) in one direction",
     "network": "a named inter-node network (NETWORKS) instead of ib_gbps: its rate and latency",
     "gpus_per_node": "GPUs joined by the intra-node link",
-    "compute_efficiency": "sustained fraction of peak for a transformer layer (default 0.5)",
+    "compute_efficiency": "achieved share of the modelled kernel time in a training loop (default 0.93)",
+    "sms": "streaming multiprocessors, for the GEMM wave quantization (default 108)",
+    "gemm_efficiency": "share of the dense peak a large GEMM reaches (default 0.8)",
+    "attention_efficiency": "share of the dense peak a fused attention kernel reaches (default 0.6)",
     "link_efficiency": "achievable fraction of link rates (default 0.8)",
     "intra_latency_us": "latency of one collective step inside a node, microseconds",
     "inter_latency_us": "latency of one collective step across nodes, microseconds",
@@ -230,7 +258,10 @@ def load_gpu(kind: str) -> Gpu:
         intra_latency_s=table.get("intra_latency_us", defaults["intra_latency_s"] * 1e6) * 1e-6,
         inter_latency_s=table.get("inter_latency_us", defaults["inter_latency_s"] * 1e6) * 1e-6,
         link_efficiency=float(table.get("link_efficiency", defaults["link_efficiency"])),
-        compute_efficiency=float(table.get("compute_efficiency", 0.5)),
+        compute_efficiency=float(table.get("compute_efficiency", defaults["compute_efficiency"])),
+        sms=int(table.get("sms", defaults["sms"])),
+        gemm_efficiency=float(table.get("gemm_efficiency", defaults["gemm_efficiency"])),
+        attention_efficiency=float(table.get("attention_efficiency", defaults["attention_efficiency"])),
         op_overhead_s=table.get("op_overhead_us", defaults["op_overhead_s"] * 1e6) * 1e-6,
     )
     if net is not None and "ib_gbps" not in table and "inter_latency_us" not in table:
@@ -242,4 +273,5 @@ def load_gpu(kind: str) -> Gpu:
 
 # A CPU "device" for predicting the memory of CPU runs: no allocator margin, nothing reserved.
 CPU = Gpu("cpu", 1e11, 1 << 40, 2e10, "none", 1e10, 1e10, infiniband="none", gpus_per_node=1 << 20,
-          compute_efficiency=1.0, fp32_flops=1e11, op_overhead_s=2e-6)
+          compute_efficiency=1.0, fp32_flops=1e11, op_overhead_s=2e-6, sms=1, gemm_efficiency=1.0,
+          attention_efficiency=1.0)

@@ -2,7 +2,9 @@
              + data-parallel / ZeRO communication not hidden behind backward + optimizer update.
 
 Per micro-batch on the slowest pipeline stage (first or last):
-    forward   its FLOPs / (peak * compute_efficiency) + tensor-parallel all-reduces + pipeline p2p
+    forward   its matmuls at the rate their shapes reach (compute.py: roofline, tile and wave quantization,
+              fused attention, memory-bound elementwise work, / compute_efficiency) + tensor-parallel
+              all-reduces + pipeline p2p
     backward  2 x forward FLOPs + recomputation, same rate + tensor-parallel all-reduces + pipeline p2p
 (the pipeline's sends and receives as the workload's software runs them: planner/pipeline_p2p.py)
 Tensor parallelism (Megatron-LM) all-reduces the block's (b, s, h) activations twice in forward
@@ -36,8 +38,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from . import comm
-from .compute import (blocks_forward_flops_per_token, executed_attention_share, head_forward_flops_per_token,
-                      recomputed_forward_flops_per_token, step_flops)
+from .compute import (block_forward_seconds, blocks_forward_flops_per_token, executed_attention_share,
+                      head_forward_flops_per_token, head_forward_seconds, recomputed_forward_flops_per_token,
+                      step_flops)
 from .dispatch import OPTIMIZER_OPS, stage_ops
 from .dp_comm import data_parallel
 from .hardware import Gpu
@@ -140,9 +143,17 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     if last:
         fwd += head_forward_flops_per_token(m)
     recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every, share, sparse)
-    rate = gpu.flops(st.precision) * gpu.compute_efficiency
+    # the blocks' rate from the shapes of a dense block's matmuls on this tp rank (compute.py); a sparse
+    # block's MLP FLOPs run at that rate too
+    mb = st.micro_batch_size(w)
+    block_s, block_flops = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu,
+                                                 st.precision)
+    rate = block_flops / block_s
+    head = head_forward_flops_per_token(m) if last else 0.0
     replicated = sparse * sparse_mlp_flops_per_token(m, s) if st.tp > 1 and not st.sequence_parallel else 0.0
-    f = tokens * ((fwd - replicated) / st.tp + replicated) / rate
+    f = tokens * ((fwd - head - replicated) / st.tp + replicated) / rate
+    if last:
+        f += head_forward_seconds(m, mb, s, st.tp, gpu, st.precision)
     per_flop = f / (tokens * fwd)  # seconds per counted FLOP of this stage
     b = tokens * (2 * fwd + recompute) * per_flop
     redo = tokens * recompute * per_flop
