@@ -128,6 +128,11 @@ class RematConfig:
     # for selective: comma-separated parts of each block (submodules or methods); "" = the model family's own
     # (ModelSpec.selective: attn.core for the reference decoder, layer.self_attn / attn for Hugging Face models)
     targets: str = ""
+    # activation offload (parallel/remat.py `apply_offload`): cpu keeps what the chosen blocks save for
+    # backward in host memory (pinned, copied on a side stream on CUDA) and brings it back ahead of their backward
+    offload: Literal["none", "cpu"] = "none"
+    # for offload=cpu: the blocks (global indices, comma-separated, ranges a-b, e.g. "0-3,6"); "" = every block
+    offload_blocks: str = ""
 
 
 @dataclass(frozen=True)
