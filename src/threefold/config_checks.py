@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .config_sections import CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig
+from .config_sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
+                              offload_block_set)
 from .errors import ConfigError, UserError
 from .pipeline.schedules import SCHEDULES, check as check_schedule
 from .moe_checks import validate_experts
@@ -420,8 +421,6 @@ def _validate_activation_offload(c: Sections) -> None:
     r = c.remat
     if r.offload == "none":
         return
-    from .parallel.remat import offload_block_set  # pure parsing, no model
-
     offload_block_set(r.offload_blocks, c.model.layers)
     if c.train.compile:
         raise ConfigError("remat.offload", "the offload's saved-tensor hooks run in Python, outside a compiled "

@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import RematConfig
+from ..config_sections import offload_block_set
 from ..errors import ConfigError
 from ..models.forwards import recomputing
 
@@ -163,26 +164,6 @@ def apply_remat(model: nn.Module, cfg: RematConfig, family_targets: tuple[str, .
 # ------------------------------------------------------------------ activation offload
 
 
-def offload_block_set(text: str, layers: int) -> frozenset[int] | None:
-    """`remat.offload_blocks` ("0-3,6"; "" = every block) as global block indices (None: every block);
-    ConfigError naming the key on a bad list."""
-    if not text.strip():
-        return None
-    chosen: set[int] = set()
-    for part in (p.strip() for p in text.split(",")):
-        lo, sep, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ConfigError("remat.offload_blocks", f"'{part}' is not a block index or a range a-b; give e.g. "
-                              "'0-3,6' (empty: every block)") from None
-        if not 0 <= first <= last < layers:
-            raise ConfigError("remat.offload_blocks", f"'{part}' is outside the model's blocks 0..{layers - 1} "
-                              "(or a range that decreases)")
-        chosen.update(range(first, last + 1))
-    return frozenset(chosen)
-
-
 @dataclass
 class _Stored:
     """One storage a block saved: its host copy until it is brought back, then the device copy."""
@@ -258,7 +239,8 @@ class ActivationOffload:
                 return fn(*args, **kwargs)
             window = _Window(index)
             last = self._last() if self._last is not None else None
-            if last is not None and last.block < index:  # the same forward pass, one block on
+            if last is not None and last.block == index - 1:  # the same forward, one block on (a pipeline's
+                # other chunks and micro-batches never follow their block's predecessor on this rank)
                 window.previous = self._last
             self._last = weakref.ref(window)
             kept = {t.untyped_storage()._cdata for t in block.buffers()}
