@@ -183,7 +183,8 @@ class _Window:
     stored: dict[int, _Stored] = field(default_factory=dict)
     sources: list[torch.Tensor] = field(default_factory=list)  # kept until the forward leaves the block
     previous: weakref.ref | None = None  # the block called before it in the same forward: next in backward
-    fetched: bool = False
+    started: bool = False  # its backward has asked for a saved tensor
+    fetched: bool = False  # its copies are on their way back (or back)
     __weakref__: object = None
 
 
@@ -298,16 +299,21 @@ class ActivationOffload:
         if isinstance(saved, torch.Tensor):
             return saved
         window = saved.window
-        if not window.fetched:
-            self._fetch(window)
-            previous = window.previous() if window.previous is not None else None
-            if previous is not None and not previous.fetched:
-                self._fetch(previous)  # the next block's backward: its copies queue behind these
+        if not window.started:  # the block's backward starts: its copies (if not prefetched), then the next's
+            self._start(window)
         entry = window.stored[saved.key]
         if entry.ready is not None:
             torch.cuda.current_stream(entry.device).wait_event(entry.ready)
         return torch.empty(0, dtype=saved.dtype, device=entry.device).set_(
             entry.back.untyped_storage(), saved.offset, saved.size, saved.stride)
+
+    def _start(self, window: _Window) -> None:
+        window.started = True
+        if not window.fetched:
+            self._fetch(window)
+        previous = window.previous() if window.previous is not None else None
+        if previous is not None and not previous.fetched:
+            self._fetch(previous)  # the next block's backward: its copies queue behind these
 
     def _fetch(self, window: _Window) -> None:
         window.fetched = True
