@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .config_sections import CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig
+from .config_sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
+                              offload_block_set)
 from .errors import ConfigError, UserError
 from .pipeline.schedules import SCHEDULES, check as check_schedule
 from .moe_checks import validate_experts
@@ -78,6 +79,7 @@ def _validate(c: S, world_size: int) -> S:
                           f"{pr.growth_factor}, {pr.backoff_factor}, {pr.growth_interval}")
     if c.remat.every < 1:
         raise ConfigError("remat.every", f"must be at least 1, got {c.remat.every}")
+    _validate_activation_offload(c)
     if m.hidden % m.heads and not m.head_size:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
@@ -413,6 +415,21 @@ def parse_split(text: str, num_layers: int, num_stages: int) -> list[int]:
     return bounds
 
 
+def _validate_activation_offload(c: Sections) -> None:
+    """remat.offload=cpu (parallel/remat.py): the block list parses, and the combinations it cannot serve
+    are refused."""
+    r = c.remat
+    if r.offload == "none":
+        return
+    offload_block_set(r.offload_blocks, c.model.layers)
+    if c.train.compile:
+        raise ConfigError("remat.offload", "the offload's saved-tensor hooks run in Python, outside a compiled "
+                          "graph; set train.compile=false or remat.offload=none")
+    if c.pipeline.schedule == "pipedream-2bw" and c.parallel.pp > 1:
+        raise ConfigError("remat.offload", "pipedream-2bw keeps stashed weight versions that the offload would "
+                          "copy as activations; set remat.offload=none")
+
+
 # --- options that change nothing ---------------------------------------------------------------
 # Every key whose effect depends on another setting (an axis of the layout, a policy, a method) is
 # listed with the condition under which it does something. A key set away from its default while
@@ -445,6 +462,7 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
               lambda c, dp: c.parallel.pp > 1, "parallel.pp > 1"),
     NilEffect(("remat.every",), lambda c, dp: c.remat.policy == "every-k", "remat.policy=every-k"),
     NilEffect(("remat.targets",), lambda c, dp: c.remat.policy == "selective", "remat.policy=selective"),
+    NilEffect(("remat.offload_blocks",), lambda c, dp: c.remat.offload == "cpu", "remat.offload=cpu"),
     NilEffect(("precision.initial_scale", "precision.growth_interval", "precision.growth_factor",
                "precision.backoff_factor"), lambda c, dp: c.precision.compute == "fp16",
               "precision.compute=fp16 (the loss scaler)"),
@@ -484,6 +502,7 @@ ALWAYS_EFFECTIVE = frozenset({
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.zero", "parallel.ep", "parallel.zero_weight_comm",
     "parallel.zero_grad_comm", "parallel.zero_hpz", "parallel.offload", "parallel.elastic_world",
     "precision.compute", "precision.reduce_dtype", "precision.tf32", "remat.policy",
+    "remat.offload",
     "train.steps", "train.global_batch", "train.microbatches", "train.seq_len", "train.optimizer", "train.lr",
     "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.seed",
     "train.deterministic", "train.eval_every", "train.compile",

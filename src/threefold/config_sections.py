@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from .errors import ConfigError
 from .pipeline.schedules import SCHEDULES
 
 SCHEDULE_NAMES = tuple(SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
@@ -128,6 +129,38 @@ class RematConfig:
     # for selective: comma-separated parts of each block (submodules or methods); "" = the model family's own
     # (ModelSpec.selective: attn.core for the reference decoder, layer.self_attn / attn for Hugging Face models)
     targets: str = ""
+    # activation offload (parallel/remat.py `apply_offload`): cpu keeps what the chosen blocks save for
+    # backward in host memory (pinned, copied on a side stream on CUDA) and brings it back ahead of their backward
+    offload: Literal["none", "cpu"] = "none"
+    # for offload=cpu: the blocks (global indices, comma-separated, ranges a-b, e.g. "0-3,6"); "" = every block
+    offload_blocks: str = ""
+
+    def offloaded(self, layers: int) -> tuple[int, ...]:
+        """The global indices of the blocks whose saved activations go to host memory (none without offload)."""
+        if self.offload == "none":
+            return ()
+        chosen = offload_block_set(self.offload_blocks, layers)
+        return tuple(range(layers)) if chosen is None else tuple(sorted(chosen))
+
+
+def offload_block_set(text: str, layers: int) -> frozenset[int] | None:
+    """`remat.offload_blocks` ("0-3,6"; "" = every block) as global block indices (None: every block);
+    ConfigError naming the key on a bad list."""
+    if not text.strip():
+        return None
+    chosen: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ConfigError("remat.offload_blocks", f"'{part}' is not a block index or a range a-b; give e.g. "
+                              "'0-3,6' (empty: every block)") from None
+        if not 0 <= first <= last < layers:
+            raise ConfigError("remat.offload_blocks", f"'{part}' is outside the model's blocks 0..{layers - 1} "
+                              "(or a range that decreases)")
+        chosen.update(range(first, last + 1))
+    return frozenset(chosen)
 
 
 @dataclass(frozen=True)

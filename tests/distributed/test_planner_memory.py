@@ -44,6 +44,12 @@ CASES = {  # world size -> {id: config overrides}
                                     "train.microbatches=2"],
         "moe-every-2-remat-every-k": ["model.preset=tiny-moe", "model.layers=4", "model.moe_every=2",
                                       "train.global_batch=4", "train.seq_len=32", "remat.policy=every-k"],
+        # activation offload: device bytes of the other blocks, host bytes of the offloaded ones
+        "offload-selective-m2": ["model.preset=tiny", "train.global_batch=4", "train.seq_len=16",
+                                 "train.microbatches=2", "remat.policy=selective", "remat.offload=cpu"],
+        "llama-offload-1-2-every-k": ["model.preset=tiny-llama", "model.layers=4", "train.global_batch=4",
+                                      "train.seq_len=16", "remat.policy=every-k", "remat.offload=cpu",
+                                      "remat.offload_blocks=1-2"],
     },
     2: {
         "dp2-m2": [*TINY, "train.microbatches=2"],
@@ -79,6 +85,8 @@ CASES = {  # world size -> {id: config overrides}
         "dp2-loss-chunk-rows": [*TINY, "model.loss_chunk=48"],
         "tp2-sp-loss-chunk": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "model.loss_chunk=32"],
         "pp2-1f1b-loss-chunk": [*PP, "model.loss_chunk=16"],
+        "pp2-zb-h1-offload": [*PP, "pipeline.schedule=zb-h1", "remat.offload=cpu", "remat.offload_blocks=0,3"],
+        "tp2-sp-offload": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "remat.offload=cpu"],
     },
     4: {
         "dp4": TINY,

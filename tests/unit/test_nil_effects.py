@@ -16,7 +16,7 @@ from threefold.train.inputs import warnings_for
 # a value other than the default for each conditional key, valid in range on its own
 SAMPLES = {
     "parallel.sequence_parallel": "true", "pipeline.schedule": "gpipe", "pipeline.virtual_stages": "2",
-    "pipeline.split": "1", "pipeline.balance": "time", "remat.every": "3", "remat.targets": "mlp",
+    "pipeline.split": "1", "pipeline.balance": "time", "remat.every": "3", "remat.targets": "mlp", "remat.offload_blocks": "1",
     "precision.initial_scale": "1024", "precision.growth_interval": "10", "precision.growth_factor": "4",
     "precision.backoff_factor": "0.25", "train.beta1": "0.8", "train.beta2": "0.99", "train.eps": "1e-6",
     "train.momentum": "0.5", "train.nesterov": "true", "train.outer_lr": "0.5", "train.outer_momentum": "0.5",

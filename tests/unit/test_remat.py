@@ -8,7 +8,7 @@ from threefold.config import RematConfig
 from threefold.errors import ConfigError
 from threefold.models.decoder import build_model
 from threefold.observe.memory import SavedTensorMeter
-from threefold.parallel.remat import apply_remat
+from threefold.parallel.remat import ActivationOffload, apply_remat, blocks_of
 
 B, S = 2, 32
 CFG = make_config(["model.preset=tiny", "model.layers=4"], "unused").model
@@ -130,3 +130,76 @@ def test_selective_uses_the_families_own_names(family, tmp_path):
     with pytest.raises(ConfigError) as e:
         apply_remat(build_whole(spec), RematConfig("selective", targets="attn.core"), spec.selective)
     assert spec.selective[0] in str(e.value) and "mlp" in str(e.value)
+
+
+# ------------------------------------------------------------------ activation offload (remat.offload=cpu)
+
+
+class _Recording(ActivationOffload):
+    """The offload, with the order of block backward starts and copies back recorded."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.log: list[tuple[str, int]] = []
+
+    def _start(self, window):
+        self.log.append(("start", window.block))
+        super()._start(window)
+
+    def _fetch(self, window):
+        self.log.append(("back", window.block))
+        super()._fetch(window)
+
+
+def offloaded_run(policy: RematConfig):
+    model = build_model(CFG, seed=0)
+    apply_remat(model, policy)
+    offload = _Recording()
+    for index, _, block in blocks_of(model):
+        block.forward = offload.wrap(index, block, block.forward)
+    tokens = torch.randint(0, CFG.vocab, (B, S), generator=torch.Generator().manual_seed(1))
+    meter = SavedTensorMeter(exclude=list(model.parameters()))
+    with meter.measure():
+        loss = model(tokens, tokens)
+    held = offload.host_bytes
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, meter.current, held, offload
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_offload_moves_the_block_saves_and_brings_them_back_ahead(policy):
+    plain = run(RematConfig(policy=policy))
+    loss, grads, device, held, offload = offloaded_run(RematConfig(policy=policy, offload="cpu"))
+    assert torch.equal(loss, plain[0]) and all(torch.equal(grads[n], plain[1][n]) for n in plain[1])
+    assert held > 0 and device == plain[2] - held  # the hooks moved exactly what the meter no longer sees
+    assert offload.host_bytes == 0 and offload.times.bytes_to_device == offload.times.bytes_to_host == held
+    # each block's backward starts with its copies already back: prefetched when the block after it started
+    assert offload.log == [("start", 3), ("back", 3), ("back", 2), ("start", 2), ("back", 1), ("start", 1),
+                           ("back", 0), ("start", 0)]
+
+
+def test_offload_keeps_parameters_and_moves_shared_storages_once():
+    lin = torch.nn.Linear(8, 8)
+    offload = ActivationOffload(torch.device("cpu"))
+    fn = offload.wrap(0, lin, lambda x: lin(x).view(2, 2, 8).transpose(0, 1).sin().sum())
+    x = torch.randn(4, 8, requires_grad=True)
+    y = fn(x)  # linear saves x (and its weight: a parameter, not moved); sin saves a transposed view
+    assert offload.host_bytes == x.untyped_storage().nbytes() + 4 * 8 * 4
+    y.backward()
+    grad = x.grad.clone()
+    x.grad = None
+    lin(x).view(2, 2, 8).transpose(0, 1).sin().sum().backward()
+    assert torch.equal(x.grad, grad)
+
+
+@pytest.mark.parametrize("overrides, key", [(["train.compile=true"], "remat.offload"),
+                                            (["parallel.pp=2", "pipeline.schedule=pipedream-2bw"], "remat.offload"),
+                                            (["remat.offload_blocks=2"], "remat.offload_blocks"),
+                                            (["remat.offload_blocks=1-0"], "remat.offload_blocks"),
+                                            (["remat.offload_blocks=a"], "remat.offload_blocks")])
+def test_offload_refusals_name_the_key(overrides, key):
+    world = 2 if "parallel.pp=2" in overrides else 1
+    with pytest.raises(ConfigError) as e:
+        make_config(["model.layers=2", "remat.offload=cpu", *overrides], "unused").validate(world)
+    assert str(e.value).startswith(f"{key}:") and "\n" not in str(e.value)

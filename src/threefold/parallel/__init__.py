@@ -55,7 +55,7 @@ from .master import Piece
 from .materialise import materialise
 from .model import GradSync, ParallelModel, accumulate
 from .precision import apply_precision
-from .remat import apply_remat
+from .remat import apply_offload, apply_remat
 from .tensor_plan import shard_tensor
 from .zero import ZeroReducer
 from .zero3 import Zero3
@@ -94,6 +94,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
         spec.local_hooks(model)
     # 3. activation checkpointing
     regions = apply_remat(model, cfg.remat, spec.selective)
+    activation_offload = apply_offload(model, cfg.remat, mesh.device)  # around the regions: after them
     # 4. mixed precision
     precision = apply_precision(model, cfg.precision, mesh.device.type)
     # 5. gradient sync over dp
@@ -106,7 +107,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     p = cfg.parallel
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
-                             routers=routers)
+                             routers=routers, activation_offload=activation_offload)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
+from .remat import ActivationOffload
 from ..sharding import Placement
 from .master import Piece, ShardedOptimizer
 from .precision import MixedPrecision
@@ -141,6 +142,7 @@ class ParallelModel:
     settle_weights: Callable[[], None] | None = None  # ZeRO-1/2: wait for that all-gather (it overlaps the forward)
     # run once the gradient sync has finished (a lossy dp wire under pp: the tied weights' gradient sum)
     after_sync: Callable[[], None] | None = None
+    activation_offload: ActivationOffload | None = None  # remat.offload=cpu: the host copies of saved activations
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:

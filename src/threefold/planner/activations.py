@@ -41,6 +41,12 @@ Checkpointing: `full` keeps each block's input (c*bsh, /t under SP); `selective`
 attention core's internals (the log-sum-exp here - and the core's output where RoPE's copy feeds
 the o projection - the s^2 scores in the paper); `every-k`
 applies `full` to the blocks whose global index is a multiple of k.
+
+Activation offload (`remat.offload=cpu`, parallel/remat.py): an offloaded block's saves (under its
+policy: all of them, its input under full / every-k's checkpointed blocks, what selective keeps)
+move to host memory, each storage once per block - so the rotary tables, shared by every block,
+are copied by each offloaded block that saves them, and stay on the device only if a block that
+is neither offloaded nor checkpointed saves them too (`offload_split`).
 """
 
 from __future__ import annotations
@@ -201,3 +207,25 @@ def loss_in_pieces(m: ModelConfig, x: Shape) -> bool:
 def loss_piece_tokens(m: ModelConfig, x: Shape) -> int:
     """Tokens whose logits exist at once in the loss head: a piece (models/loss.py), or the micro-batch."""
     return piece_tokens(x.b, x.s, m.loss_chunk, x.sp)
+
+
+def offloaded_block_bytes(m: ModelConfig, x: Shape, layer: int, policy: str, every: int = 2, hf: bool = False,
+                          ep: int = 1) -> float:
+    """Host bytes one offloaded block (global index `layer`) holds per micro-batch: what it saves under
+    `policy`, with the rotary tables it saves itself (each offloaded block copies them)."""
+    if is_checkpointed(layer, policy, every):
+        return block_bytes(m, x, "full", hf)
+    own = "selective" if policy == "selective" else "none"
+    return block_bytes(m, x, own, hf, m.is_moe_block(layer), ep) + rope_tables(m, x, hf)
+
+
+def offload_split(m: ModelConfig, x: Shape, layers: range, policy: str, every: int = 2, hf: bool = False,
+                  ep: int = 1, offloaded: tuple[int, ...] = ()) -> tuple[float, float]:
+    """(device, host) saved bytes of a run of blocks when the saves of the `offloaded` ones (global
+    indices) are held in host memory: the device keeps exactly the other blocks' bytes."""
+    moved = [i for i in layers if i in offloaded]
+    if not moved:
+        return blocks_bytes(m, x, layers, policy, every, hf, ep), 0.0
+    kept = tuple(i for i in layers if i not in offloaded)
+    device = blocks_bytes(m, x, kept, policy, every, hf, ep) if kept else 0.0
+    return device, sum(offloaded_block_bytes(m, x, i, policy, every, hf, ep) for i in moved)

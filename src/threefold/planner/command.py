@@ -17,6 +17,7 @@ from dataclasses import replace
 from ..config import load_config
 from ..errors import ConfigError, UserError
 from ..pipeline import schedules as pipeline_schedules
+from .activation_offload import offload_advice
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import NETWORKS, GiB, PRESETS, load_gpu, network, network_label, network_of, with_network
 from .search import PlanResult, search, shortfall, slower
@@ -163,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         extra["slow_links"] = slow_link_advice(result)
         extra["checkpoint"] = checkpoint_advice(result.best, args.gpus, args.mtbf_hours, args.save_seconds,
                                                 args.restart_seconds, args.write_gbps)
+    else:
+        extra["activation_offload"] = offload_advice(result)  # the only way to fit, if it is one
     if explain is not None:
         extra["explain"] = _explain(w, args, gpu, {**fixed, **explain}, result)
     scaling = scaling_points(w, gpu, args.precision, args.scaling_max) if args.scaling else None
@@ -230,6 +233,8 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
         out["checkpoint"] = extra["checkpoint"][0].as_dict()
     if extra.get("slow_links") is not None:
         out["slow_links"] = extra["slow_links"].as_dict()
+    if extra.get("activation_offload") is not None:
+        out["activation_offload"] = extra["activation_offload"].as_dict()
     if "explain" in extra:
         out["explain"] = {k: v for k, v in extra["explain"].items() if k != "lines"}
     if scaling is not None:
@@ -282,6 +287,8 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
                          f"{rest[-1].why}")
     else:
         lines.append("no layout fits; the closest:")
+        if extra.get("activation_offload") is not None:
+            lines.append("  " + extra["activation_offload"].describe())
         for i, c in enumerate(r.candidates[:top], 1):
             lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
     if "explain" in extra:

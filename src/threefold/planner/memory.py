@@ -16,6 +16,11 @@ own list of actions in the schedule (pipeline.schedules.compute_orders: the list
 executes) is replayed: a forward adds its chunk's bytes, a full backward (B) or the weight half
 (W, which zb-h1 defers) frees them, the input half (I) frees nothing; the peak of that sum is
 what the rank holds (interleaved chunks, GPipe's m, zb-h1's deferred weight gradients included).
+With activation offload (`remat.offload=cpu`) the offloaded blocks' saves leave that sum and are
+`activations_host` instead (activations.py `offload_split`), held from their forward until their
+backward starts (B or I: the input half already brings them back), replayed the same way; on a GPU
+the backward holds two offloaded blocks on the device again (the one running and the one prefetched),
+a transient.
 
 On a GPU the peak also holds what the meter never sees: the working set of the block being
 recomputed, the logits' gradient and the loss's fp32 chunk, communication buffers (gradient
@@ -32,7 +37,7 @@ from functools import lru_cache
 from ..config import Config
 from ..models.loss_pieces import chunk_rows
 from .activations import (Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_in_pieces,
-                          loss_piece_tokens)
+                          loss_piece_tokens, offload_split, offloaded_block_bytes)
 from .hardware import CPU, GiB, Gpu
 from .workload import Chunk, ParamCount, Strategy, Workload, from_config, rank_chunks, rank_parameters
 
@@ -50,6 +55,7 @@ class MemoryBreakdown:
     buffers: float = 0.0  # communication buffers (GPU only)
     margin: float = 0.0  # allocator margin + reserved (GPU only)
     stage: int = 0  # the pipeline stage whose rank needs the most
+    activations_host: float = 0.0  # remat.offload=cpu: saved activations held in host memory (not in total)
 
     @property
     def model_states(self) -> float:
@@ -61,6 +67,8 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict:
         out = {k: int(round(v)) for k, v in asdict(self).items() if k != "stage"}
+        if not self.activations_host:
+            del out["activations_host"]
         out["total"] = int(round(self.total))
         out["peak"] = out["total"]
         return out
@@ -114,7 +122,10 @@ def chunk_bytes(w: Workload, st: Strategy, chunk: Chunk, rows_seen: bool = False
     """Bytes one micro-batch's forward through `chunk` saves (one meter window)."""
     m, x, hf = w.model, micro_shape(w, st), w.implementation == "hf-llama"
     rows = w.global_batch // st.dp
-    total = blocks_bytes(m, x, chunk.layers, st.remat, st.remat_every, hf, st.ep)
+    if st.act_offload:
+        total = offload_split(m, x, chunk.layers, st.remat, st.remat_every, hf, st.ep, st.act_offload)[0]
+    else:
+        total = blocks_bytes(m, x, chunk.layers, st.remat, st.remat_every, hf, st.ep)
     if chunk.first:
         total += embedding_bytes(m, x, rows, hf)
     if chunk.last:
@@ -189,6 +200,42 @@ def peak_activations(w: Workload, st: Strategy, rank: int) -> float:
     return max(sum(n * b for n, b in zip(counts, per)) for counts in states)
 
 
+def chunk_host_bytes(w: Workload, st: Strategy, chunk: Chunk) -> float:
+    """Bytes one micro-batch's forward through `chunk` leaves in host memory (activation offload)."""
+    x, hf = micro_shape(w, st), w.implementation == "hf-llama"
+    return offload_split(w.model, x, chunk.layers, st.remat, st.remat_every, hf, st.ep, st.act_offload)[1]
+
+
+@lru_cache(maxsize=4096)
+def host_held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Micro-batches whose offloaded saves are in host memory, per chunk, after each forward of `rank`:
+    as `held_states`, except that the input half of a split backward (I) already brings them back."""
+    from ..pipeline import schedules
+
+    order = schedules.compute_orders(schedule, p, m, v)[rank]
+    counts, states = [0] * schedules.chunks_per_rank(schedule, v), set()
+    for a in order:
+        chunk = a.stage // p
+        if a.kind == "F":
+            counts[chunk] += 1
+            states.add(tuple(counts))
+        elif a.kind in ("B", "I"):
+            counts[chunk] -= 1
+    return tuple(sorted(states, reverse=True))
+
+
+def peak_host_activations(w: Workload, st: Strategy, rank: int) -> float:
+    """Offloaded activation bytes pipeline rank `rank` holds in host memory at its peak (0 without offload)."""
+    if not st.act_offload:
+        return 0.0
+    chunks = rank_chunks(w.model, st.pp, rank, st.chunks, st.placement)
+    per = [chunk_host_bytes(w, st, c) for c in chunks]
+    if st.pp == 1:
+        return per[0]
+    states = host_held_states(st.schedule, st.pp, st.microbatches, st.chunks, rank)
+    return max(sum(n * b for n, b in zip(counts, per)) for counts in states)
+
+
 def in_flight(st: Strategy, stage: int) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at its peak (all chunks together)."""
     if st.pp == 1:
@@ -206,8 +253,9 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.dp, st.ep)
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
     acts = peak_activations(w, st, stage)
+    host = peak_host_activations(w, st, stage)
     if gpu is CPU:
-        return MemoryBreakdown(params, grads, optim, acts, stage=stage)
+        return MemoryBreakdown(params, grads, optim, acts, stage=stage, activations_host=host)
     x = micro_shape(w, st)
     chunks = rank_chunks(w.model, st.pp, stage, v, st.placement)
     layers = sum(len(c.layers) for c in chunks)
@@ -218,6 +266,10 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
         transient += block_bytes(w.model, x, "none", hf, sparse, st.ep)  # the block being recomputed
     elif st.remat == "selective" and layers:
         transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, "selective", hf)
+    moved = [i for c in chunks for i in c.layers if i in st.act_offload]
+    if moved:  # brought back for the backward: the block running and the one prefetched behind it
+        biggest = max(offloaded_block_bytes(w.model, x, i, st.remat, st.remat_every, hf, st.ep) for i in moved)
+        transient += min(2, len(moved)) * biggest
     if any(c.last for c in chunks):
         # the logits' gradient (and, in pieces, the piece's recomputed logits) in the compute dtype, and
         # the cross-entropy's fp32 chunk and its exp (models/cross_entropy.py)
@@ -238,7 +290,7 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
         buffers += 2 * x.c * x.bs * w.model.hidden / (st.tp if x.sp else 1)  # send and receive
     used = params + grads + optim + acts + transient + buffers
     return MemoryBreakdown(params, grads, optim, acts, transient, buffers, ALLOCATOR_MARGIN * used + RESERVED_BYTES,
-                           stage=stage)
+                           stage=stage, activations_host=host)
 
 
 def dp_per_node(st: Strategy, gpu: Gpu) -> int:

@@ -67,6 +67,7 @@ class Strategy:
     weight_comm: str = "none"  # ZeRO-3 weight all-gathers: none (compute dtype) | int8 | fp8
     grad_comm: str = "none"  # ZeRO-3 gradient reduce-scatter: none | int8
     hpz: bool = False  # ZeRO-3: a secondary weight partition inside the node for the backward all-gather
+    act_offload: tuple[int, ...] = ()  # remat.offload=cpu: global indices of the blocks whose saves go to the host
 
     @property
     def world_size(self) -> int:
@@ -134,7 +135,8 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
                         virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=p.sequence_parallel,
                         precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb, ep=p.ep,
                         sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
-                        weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz)
+                        weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz,
+                        act_offload=cfg.remat.offloaded(cfg.model.layers))
     return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len), strategy
 
 

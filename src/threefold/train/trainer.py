@@ -232,6 +232,8 @@ class Trainer:
         mem = {"params": params, "grads": grads, "optimizer": optim, "activations": activations, "peak": peak}
         if self.optimizer.offload:
             mem["offloaded"] = offloaded
+        if self.parallel.activation_offload is not None:  # remat.offload=cpu: saved activations held on the host
+            mem["activations_host"] = self.parallel.activation_offload.host_peak
         return mem
 
     def train_one_step(self) -> dict:
