@@ -225,3 +225,39 @@ def zero3_lanes(runs: list[list[str]], out: str) -> list[dict]:
                         "loss": records[-1]["loss"]})
         del trainer
     return reports
+
+
+def nvme_parity(base: list[str], out: str) -> dict:
+    """ZeRO-1 and ZeRO-3, 10 steps saving at 5 and 10: without offload, with parallel.offload=nvme,
+    the nvme run resumed from its step 5, and that checkpoint resumed without offload."""
+    from pathlib import Path
+
+    from threefold.checkpoint.format import step_dir_name
+    from threefold.train.trainer import Trainer
+
+    scratch = Path(out) / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    nvme = ["parallel.offload=nvme", f"parallel.offload_dir={scratch}", "parallel.offload_block_mb=0.05",
+            "parallel.offload_prefetch=1"]
+    report: dict = {}
+    for stage in (1, 3):
+        common = base + [f"parallel.zero={stage}", "train.steps=10", "checkpoint.save_every=5"]
+        first = Path(out) / f"z{stage}-nvme" / "checkpoints" / step_dir_name(5)
+        for run, extra in (("none", []), ("nvme", nvme), ("resumed", nvme + [f"checkpoint.resume={first}"]),
+                           ("resumed-none", [f"checkpoint.resume={first}"])):
+            trainer = Trainer(make_config(common + extra, str(Path(out) / f"z{stage}-{run}")))
+            records = trainer.run()
+            entry = {"losses": [r["loss"] for r in records],
+                     "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}}
+            if run == "nvme":
+                opt = trainer.optimizer
+                entry["units"] = len(opt.units)
+                entry["file"] = opt.path.exists() and opt.path.stat().st_size == opt.nbytes
+                path = opt.path
+            report[f"z{stage}-{run}"] = entry
+            del trainer, records
+        import gc
+
+        gc.collect()
+        report[f"z{stage}-removed"] = not path.exists()
+    return report

@@ -70,6 +70,12 @@ def _validate(c: S, world_size: int) -> S:
     if p.offload != "none" and p.zero == 0:
         raise ConfigError("parallel.offload", f"offload={p.offload} needs ZeRO stage 1, 2 or 3 (each rank offloads "
                           "its shard of the optimizer states); set --zero 1 or higher, or parallel.offload=none")
+    if p.offload == "nvme" and not p.offload_dir:
+        raise ConfigError("parallel.offload_dir", "offload=nvme keeps the optimizer states in files there; "
+                          "name a directory on a local SSD, e.g. parallel.offload_dir=/scratch/threefold")
+    if p.offload_prefetch < 0 or p.offload_block_mb <= 0:
+        raise ConfigError("parallel.offload_prefetch", "needs offload_prefetch >= 0 and offload_block_mb > 0, got "
+                          f"{p.offload_prefetch} and {p.offload_block_mb}")
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb", f"must be positive, got {p.bucket_mb}")
     pr = c.precision
@@ -460,6 +466,8 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
     NilEffect(("parallel.sequence_parallel",), lambda c, dp: c.parallel.tp > 1, "parallel.tp > 1", refuse=False),
     NilEffect(("pipeline.schedule", "pipeline.virtual_stages", "pipeline.split", "pipeline.balance"),
               lambda c, dp: c.parallel.pp > 1, "parallel.pp > 1"),
+    NilEffect(("parallel.offload_dir", "parallel.offload_prefetch", "parallel.offload_block_mb"),
+              lambda c, dp: c.parallel.offload == "nvme", "parallel.offload=nvme"),
     NilEffect(("remat.every",), lambda c, dp: c.remat.policy == "every-k", "remat.policy=every-k"),
     NilEffect(("remat.targets",), lambda c, dp: c.remat.policy == "selective", "remat.policy=selective"),
     NilEffect(("remat.offload_blocks",), lambda c, dp: c.remat.offload == "cpu", "remat.offload=cpu"),

@@ -89,7 +89,11 @@ class ParallelConfig:
     zero_weight_comm: Literal["none", "int8", "fp8"] = "none"  # the weight all-gathers (fp8: e4m3)
     zero_grad_comm: Literal["none", "int8"] = "none"  # the gradient reduce-scatter, as all-to-all + local sum
     zero_hpz: bool = False  # ZeRO-3's backward re-gathers from a copy sharded inside the node (parallel/hpz.py)
-    offload: Literal["none", "optimizer"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
+    offload: Literal["none", "optimizer", "nvme"] = "none"  # optimizer: masters + Adam states in host memory (ZeRO >= 1)
+    # nvme: masters + optimizer moments in one scratch file per rank under offload_dir, streamed (parallel/nvme.py)
+    offload_dir: str = ""
+    offload_prefetch: int = 2  # nvme: units read ahead of the one being updated
+    offload_block_mb: float = 64.0  # nvme: states per unit (one aligned read and write each)
     # the world size dp and train.microbatches are written for; 0 = the actual world. In a smaller
     # world dp shrinks and accumulation grows to keep the global batch (set by --nnodes MIN:MAX)
     elastic_world: int = 0

@@ -30,6 +30,7 @@ SAMPLES = {
     "fault.layout": "1,1,1", "fault.hold_file": "x", "fault.signal": "SIGINT", "compress.method": "bf16", "compress.hierarchical": "true",
     "parallel.bucket_mb": "5", "debug.replica_check_every": "2", "train.sync_every": "2",
     "train.outer_optimizer": "nesterov", "train.easgd_alpha": "0.1",
+    "parallel.offload_dir": "/tmp", "parallel.offload_prefetch": "4", "parallel.offload_block_mb": "8",
 }
 # what else a key needs to be valid at all (the layout still leaves it without effect)
 CONTEXT = {"train.beta1": ["train.optimizer=sgd"], "train.beta2": ["train.optimizer=sgd"],

@@ -35,6 +35,8 @@ with `parallel.offload`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -53,6 +55,7 @@ from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
 from .materialise import materialise
+from .nvme import ScratchSettings
 from .model import GradSync, ParallelModel, accumulate
 from .precision import apply_precision
 from .remat import apply_offload, apply_remat
@@ -105,9 +108,12 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # runtime below compiles it)
     apply_compile(model, cfg.train.compile, cfg.debug.compile_backend, pipelined=split is not None)
     p = cfg.parallel
-    parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload == "optimizer",
+    scratch = (ScratchSettings(Path(p.offload_dir), p.offload_prefetch, p.offload_block_mb, mesh.global_rank)
+               if p.offload == "nvme" else None)
+    parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload != "none",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
-                             routers=routers, activation_offload=activation_offload)
+                             routers=routers, activation_offload=activation_offload,
+                             scratch=scratch)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above

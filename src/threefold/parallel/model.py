@@ -22,6 +22,7 @@ from ..observe.memory import SavedTensorMeter
 from .remat import ActivationOffload
 from ..sharding import Placement
 from .master import Piece, ShardedOptimizer
+from .nvme import NvmeOptimizer, ScratchSettings
 from .precision import MixedPrecision
 
 
@@ -143,6 +144,7 @@ class ParallelModel:
     # run once the gradient sync has finished (a lossy dp wire under pp: the tied weights' gradient sum)
     after_sync: Callable[[], None] | None = None
     activation_offload: ActivationOffload | None = None  # remat.offload=cpu: the host copies of saved activations
+    scratch: ScratchSettings | None = None  # parallel.offload=nvme: where the states stream from (parallel/nvme.py)
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:
@@ -179,7 +181,7 @@ class ParallelModel:
             return self.pipeline.forward_backward(micro_batches, global_tokens / loss_scale)
         return accumulate(self.module, micro_batches, self.grad_sync, global_tokens, self.meter, loss_scale)
 
-    def make_optimizer(self, cfg: TrainConfig, compression: bool = True) -> ShardedOptimizer:
+    def make_optimizer(self, cfg: TrainConfig, compression: bool = True) -> ShardedOptimizer | NvmeOptimizer:
         """`cfg.optimizer` with fp32 masters over this rank's pieces (consumes the fp32 initial values);
         1-bit Adam in its place when the gradient compression asks for it (`compression`).
 
@@ -189,6 +191,10 @@ class ParallelModel:
         if cfg.optimizer == "sgd" and self.grad_sync.applies_momentum:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
+        if self.scratch is not None:  # masters and moments in a scratch file (config_checks refuses the rest)
+            optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step)
+            fp32_init.clear()
+            return optimizer
         if self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
             optimizer = self.periodic.make_optimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         else:

@@ -21,6 +21,7 @@ from .activation_offload import offload_advice
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import NETWORKS, GiB, PRESETS, load_gpu, network, network_label, network_of, with_network
 from .search import PlanResult, search, shortfall, slower
+from .offload import HOST_GIB_PER_NODE, NVME_GBPS_PER_NODE, advise
 from .slow_links import advise as slow_link_advice
 from .workload import Workload, active_parameters, total_parameters
 
@@ -77,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint write rate per GPU in GB/s, to estimate the save (default 1)")
     p.add_argument("--restart-seconds", type=float, default=300.0, metavar="S",
                    help="time to restart after a failure (default 300)")
+    p.add_argument("--host-gib", type=float, default=HOST_GIB_PER_NODE, metavar="GIB",
+                   help=f"host memory per node for parallel.offload=optimizer (default {HOST_GIB_PER_NODE:g})")
+    p.add_argument("--nvme-gbps", type=float, default=NVME_GBPS_PER_NODE, metavar="GB/S",
+                   help=f"NVMe bandwidth per node for parallel.offload=nvme (default {NVME_GBPS_PER_NODE:g})")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--scaling", nargs="?", const="plan-scaling.png", metavar="PNG",
@@ -152,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     w, assumed = _workload(args)
     fixed = _fixed(args)
     explain = parse_layout(args.explain) if args.explain else None
-    for value, flag in ((args.mtbf_hours, "--mtbf-hours"), (args.write_gbps, "--write-gbps")):
+    for value, flag in ((args.mtbf_hours, "--mtbf-hours"), (args.write_gbps, "--write-gbps"),
+                        (args.host_gib, "--host-gib"), (args.nvme_gbps, "--nvme-gbps")):
         if value <= 0:
             raise ConfigError(flag, f"must be positive, got {value}")
     result = search(w, args.gpus, gpu, fixed, args.precision)
@@ -166,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
                                                 args.restart_seconds, args.write_gbps)
     else:
         extra["activation_offload"] = offload_advice(result)  # the only way to fit, if it is one
+    offloaded, extra["offload"] = advise(result, args.host_gib, args.nvme_gbps)
+    extra["offload_option"] = offloaded
     if explain is not None:
         extra["explain"] = _explain(w, args, gpu, {**fixed, **explain}, result)
     scaling = scaling_points(w, gpu, args.precision, args.scaling_max) if args.scaling else None
@@ -180,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
         path = plot_scaling(scaling, args.scaling, f"{w.model.preset} on {gpu.name}, global batch {w.global_batch}")
         print(f"scaling plot: {path}", file=sys.stderr if args.json else sys.stdout)
-    if not result.feasible:
+    if not result.feasible and offloaded is None:
         raise UserError(result.message)
     return 0
 
@@ -235,6 +243,8 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
         out["slow_links"] = extra["slow_links"].as_dict()
     if extra.get("activation_offload") is not None:
         out["activation_offload"] = extra["activation_offload"].as_dict()
+    if extra.get("offload_option") is not None:
+        out["offload"] = extra["offload_option"].as_dict()
     if "explain" in extra:
         out["explain"] = {k: v for k, v in extra["explain"].items() if k != "lines"}
     if scaling is not None:
@@ -291,6 +301,7 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
             lines.append("  " + extra["activation_offload"].describe())
         for i, c in enumerate(r.candidates[:top], 1):
             lines.append(f"  #{i} {c.strategy.label()}: {c.why}")
+    lines += extra.get("offload", [])
     if "explain" in extra:
         lines += ["", *extra["explain"]["lines"]]
     return "\n".join(lines)

@@ -1,0 +1,439 @@
+"""`parallel.offload=nvme`: fp32 masters and optimizer moments in a scratch file per rank, streamed.
+
+The optimizer over this rank's pieces (parallel/master.py) with its states outside memory: the
+fp32 master of every piece and its moments (AdamW's exp_avg and exp_avg_sq, or SGD's momentum)
+live in one file per rank under `parallel.offload_dir`. The concatenation of the pieces is cut
+into *units* of at most `parallel.offload_block_mb` of states; a unit's states lie together in
+the file, each kind padded to 4096 bytes, so every read and write is one large aligned block
+(O_DIRECT where the filesystem takes it, buffered otherwise).
+
+A step streams the units through a bounded pool of `offload_prefetch + 1` host buffers (pinned
+next to CUDA): a reader thread reads unit u + prefetch while the host updates unit u with torch's
+own multi-tensor kernels (`torch.optim.adam.adam` / `torch.optim.sgd.sgd`, foreach: the kernels
+`parallel.offload=optimizer` runs on its host pool, multi-threaded where torch's CPU kernels are),
+copies the updated masters into the model, and queues the unit's write behind the reads. Those
+are elementwise kernels with the step counts and bias corrections of each piece, so cutting
+pieces into units gives the bits of the in-memory optimizer (tests/distributed/test_zero.py).
+
+Gradients are what `parallel.offload=optimizer` gives its host pool (fp32, unscaled, one flat
+host buffer; the model's own fp32 gradient when there is nothing to convert); the norm and the
+clipping act on them through `masters`, one zero-storage holder per piece whose `.grad` is that
+gradient. The parameters themselves (ZeRO-3's shards included) stay in memory.
+
+The file is scratch, not a checkpoint: it is rewritten at every start from the initial values
+(or, on a resume, from the checkpoint, which still holds the usual safetensors at any layout),
+and removed when the optimizer goes. `named_state()` reads the states into host tensors for a
+checkpoint (kept until the next step, so a load can fill them in place and `after_load` writes
+them back).
+
+Before the first step the directory is checked: writable, with room for the file's bytes
+(`scratch_bytes`); else a ConfigError naming `parallel.offload_dir` and the bytes needed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from ..sharding import Placement
+from .master import STATE_KINDS, Piece, ShardedOptimizer
+
+ALIGN = 4096  # bytes: every block's offset and length (O_DIRECT's granularity on common filesystems)
+FLOATS = ALIGN // 4
+
+
+@dataclass(frozen=True)
+class ScratchSettings:
+    directory: Path
+    prefetch: int = 2  # units read ahead of the one being updated
+    block_mb: float = 64.0  # bytes of states per unit (all kinds together)
+    rank: int = 0  # the global rank: names the file
+
+
+@dataclass
+class IoStats:
+    """Seconds and bytes of the scratch traffic since the last `reset()`."""
+    read_s: float = 0.0  # time the reader spent in reads
+    write_s: float = 0.0
+    wait_s: float = 0.0  # time the step waited for a read to complete
+    step_s: float = 0.0  # time in the streamed update
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+    def reset(self) -> None:
+        self.read_s = self.write_s = self.wait_s = self.step_s = 0.0
+        self.read_bytes = self.write_bytes = 0
+
+
+@dataclass(frozen=True)
+class Segment:
+    piece: int  # index into the pieces
+    lo: int  # element range of the piece
+    hi: int
+    at: int  # first element inside the unit
+
+
+@dataclass
+class Unit:
+    offset: int  # bytes into the file
+    numel: int  # elements of states per kind (the sum of the segments)
+    padded: int  # numel rounded up to a whole aligned block
+    segments: list[Segment] = field(default_factory=list)
+
+
+def _pad(n: int) -> int:
+    return -(-n // FLOATS) * FLOATS
+
+
+def layout_units(numels: list[int], kinds: int, block_bytes: int) -> list[Unit]:
+    """Cut the concatenation of pieces of `numels` elements into units of at most `block_bytes`
+    of states (1 + `kinds` fp32 tensors per element), each kind a whole number of aligned blocks."""
+    per_unit = max(FLOATS, block_bytes // (4 * (1 + kinds)) // FLOATS * FLOATS)
+    units: list[Unit] = []
+    current = Unit(0, 0, 0)
+    for index, numel in enumerate(numels):
+        lo = 0
+        while lo < numel:
+            take = min(numel - lo, per_unit - current.numel)
+            current.segments.append(Segment(index, lo, lo + take, current.numel))
+            current.numel += take
+            lo += take
+            if current.numel == per_unit:
+                units.append(current)
+                current = Unit(0, 0, 0)
+    if current.numel:
+        units.append(current)
+    offset = 0
+    for unit in units:
+        unit.padded = _pad(unit.numel)
+        unit.offset = offset
+        offset += unit.padded * 4 * (1 + kinds)
+    return units
+
+
+def scratch_bytes(numels: list[int], kinds: int, block_mb: float) -> int:
+    """Bytes of the scratch file for pieces of `numels` elements with `kinds` moments each."""
+    return sum(u.padded * 4 * (1 + kinds) for u in layout_units(numels, kinds, int(block_mb * 2**20)))
+
+
+def check_scratch(directory: Path, needed: int) -> None:
+    """The directory exists, takes a file, and has `needed` bytes free (ConfigError otherwise)."""
+    key = "parallel.offload_dir"
+    if not directory.is_dir():
+        raise ConfigError(key, f"{directory} is not a directory; create it or name another one")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise ConfigError(key, f"{directory} is not writable ({err.strerror}); name a directory this user can "
+                          "write") from None
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise ConfigError(key, f"{directory} has {free} bytes free, the optimizer states need {needed} bytes "
+                          f"({needed / 2**30:.2f} GiB); free space there or name another filesystem")
+
+
+def _aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start: start + nbytes]
+
+
+def _open(path: Path) -> tuple[int, bool]:
+    """The file opened for reads and writes, with O_DIRECT where the filesystem accepts it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            fd = os.open(path, flags | direct, 0o600)
+        except OSError:
+            pass
+        else:
+            probe = _aligned_buffer(ALIGN, False)
+            try:
+                os.pwrite(fd, memoryview(probe.numpy()), 0)
+                return fd, True
+            except OSError:
+                os.close(fd)
+    return os.open(path, flags, 0o600), False
+
+
+def _close(fd: int, path: Path, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    os.close(fd)
+    path.unlink(missing_ok=True)
+
+
+class NvmeOptimizer:
+    """ShardedOptimizer's face (prepare_grads, step, named_state, ...) over states in a scratch file."""
+
+    offload = True  # the states are not in the compute device's pool
+
+    def __init__(self, pieces: list[Piece], cfg: TrainConfig, settings: ScratchSettings,
+                 fp32_init: dict[str, torch.Tensor] | None = None, after_step: Callable[[], None] | None = None):
+        if cfg.optimizer not in STATE_KINDS:
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+        self.pieces = pieces
+        self.cfg = cfg
+        self.after_step = after_step
+        self._pre_hooks: list[Callable[[], None]] = []
+        self.kinds = STATE_KINDS[cfg.optimizer] if (cfg.optimizer == "adamw" or cfg.momentum) else ()
+        self.placements = [p.placement for p in pieces]
+        device = pieces[0].model.device if pieces else torch.device("cpu")
+        self.device = device
+        self.pin = device.type == "cuda"
+        numels = [p.model.numel() for p in pieces]
+        self.units = layout_units(numels, len(self.kinds), int(settings.block_mb * 2**20))
+        self.nbytes = sum(u.padded * 4 * (1 + len(self.kinds)) for u in self.units)
+        directory = Path(settings.directory)
+        check_scratch(directory, self.nbytes)
+        self.path = directory / f"threefold-rank{settings.rank}-{os.getpid()}.scratch"
+        try:
+            self.fd, self.direct = _open(self.path)
+        except OSError as err:
+            raise ConfigError("parallel.offload_dir", f"cannot create {self.path}: {err.strerror}; "
+                              "name a writable directory") from None
+        self.prefetch = max(0, settings.prefetch)
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="threefold-scratch")
+        self._finalizer = weakref.finalize(self, _close, self.fd, self.path, self.io)
+        largest = max((u.padded for u in self.units), default=FLOATS) * 4 * (1 + len(self.kinds))
+        self.buffers = [_aligned_buffer(largest, self.pin) for _ in range(min(len(self.units), self.prefetch + 1) or 1)]
+        self.stats = IoStats()
+        self._lock = threading.Lock()
+        # zero-storage holders: the norm and the clipping read and scale their `.grad`
+        self.masters = [nn.Parameter(torch.zeros(1).expand(n), requires_grad=False) for n in numels]
+        self.aliased = [False] * len(pieces)  # the ShardedOptimizer face: no master shares the model's storage
+        self.param_groups = [{"lr": cfg.lr, "weight_decay": cfg.weight_decay, "decay": True},
+                             {"lr": cfg.lr, "weight_decay": 0.0, "decay": False}]
+        self.steps = 0
+        self._loaded: list[dict[str, torch.Tensor]] | None = None  # states read for a checkpoint
+        fp32_init = fp32_init or {}
+        self._write_all([{"master": ShardedOptimizer._initial_values(p, fp32_init.get(p.name)).cpu(),
+                          **{k: None for k in self.kinds}} for p in pieces])
+
+    # ------------------------------------------------------------ the torch optimizer face
+
+    @property
+    def state(self) -> dict:
+        return {}  # nothing per parameter in memory
+
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        self._pre_hooks.append(hook)
+
+    # ------------------------------------------------------------ scratch I/O (the reader thread)
+
+    def _views(self, buf: torch.Tensor, unit: Unit) -> list[torch.Tensor]:
+        """[master, *moments] of `unit` inside `buf` (fp32, padded length)."""
+        flat = buf[: unit.padded * 4 * (1 + len(self.kinds))].view(torch.float32)
+        return list(flat.view(1 + len(self.kinds), unit.padded).unbind(0))
+
+    def _read(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        n = unit.padded * 4 * (1 + len(self.kinds))
+        view = memoryview(buf.numpy())[:n]
+        done = 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], unit.offset + done)
+            if got <= 0:
+                raise OSError(f"short read of {self.path} at {unit.offset + done}")
+            done += got
+        with self._lock:
+            self.stats.read_s += time.perf_counter() - start
+            self.stats.read_bytes += n
+        return buf
+
+    def _write(self, unit: Unit, buf: torch.Tensor) -> None:
+        start = time.perf_counter()
+        n = unit.padded * 4 * (1 + len(self.kinds))
+        view = memoryview(buf.numpy())[:n]
+        done = 0
+        while done < n:
+            done += os.pwritev(self.fd, [view[done:]], unit.offset + done)
+        with self._lock:
+            self.stats.write_s += time.perf_counter() - start
+            self.stats.write_bytes += n
+
+    def _stream(self, update: Callable[[Unit, list[torch.Tensor]], bool]) -> None:
+        """Every unit through the pool: read ahead by `prefetch`, `update(unit, views)` here, write
+        back where it returns True; returns once every write is on the file."""
+        nbuf = len(self.buffers)
+        depth = min(self.prefetch, nbuf - 1)
+        reads: deque[Future] = deque()
+        writes: list[Future] = []
+        issued = 0
+        for u, unit in enumerate(self.units):
+            while issued <= min(u + depth, len(self.units) - 1):  # FIFO: after the write that freed its buffer
+                reads.append(self.io.submit(self._read, self.units[issued], self.buffers[issued % nbuf]))
+                issued += 1
+            start = time.perf_counter()
+            buf = reads.popleft().result()
+            self.stats.wait_s += time.perf_counter() - start
+            if update(unit, self._views(buf, unit)):
+                writes.append(self.io.submit(self._write, unit, buf))
+        for w in writes:
+            w.result()
+
+    def _write_all(self, states: list[dict[str, torch.Tensor | None]]) -> None:
+        """Write whole-piece states (None: zeros) to the file, unit by unit."""
+        buf = self.buffers[0]
+        for unit in self.units:
+            views = self._views(buf, unit)
+            for view in views:
+                view[unit.numel:].zero_()
+            for seg in unit.segments:
+                for view, kind in zip(views, ("master", *self.kinds)):
+                    src = states[seg.piece][kind]
+                    dst = view[seg.at: seg.at + seg.hi - seg.lo]
+                    if src is None:
+                        dst.zero_()
+                    else:
+                        dst.copy_(src.reshape(-1)[seg.lo: seg.hi])
+            self._write(unit, buf)
+
+    def _read_all(self) -> list[dict[str, torch.Tensor]]:
+        out = [{kind: torch.empty(p.model.numel(), dtype=torch.float32) for kind in ("master", *self.kinds)}
+               for p in self.pieces]
+
+        def gather(unit: Unit, views: list[torch.Tensor]) -> bool:
+            for seg in unit.segments:
+                for view, kind in zip(views, ("master", *self.kinds)):
+                    out[seg.piece][kind][seg.lo: seg.hi].copy_(view[seg.at: seg.at + seg.hi - seg.lo])
+            return False
+
+        self._stream(gather)
+        return out
+
+    # ------------------------------------------------------------ one step
+
+    def prepare_grads(self, inv_scale: float | torch.Tensor = 1.0) -> tuple[list[nn.Parameter], list[Placement]]:
+        """fp32 unscaled gradients on the holders (ShardedOptimizer.prepare_grads with its host pool)."""
+        scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
+        if isinstance(inv_scale, torch.Tensor):
+            inv_scale = inv_scale.cpu()
+        grads = [piece.grad().detach() for piece in self.pieces]
+        own = [not scaled and g.dtype == torch.float32 and g.device.type == "cpu" for g in grads]
+        copied = [i for i, o in enumerate(own) if not o]
+        for i, o in enumerate(own):
+            if o:
+                self.masters[i].grad = grads[i]  # the model's own fp32 host gradient, no copy
+        if copied:
+            sizes = [grads[i].numel() for i in copied]
+            flat = torch.empty(sum(sizes), dtype=torch.float32)
+            views = flat.split(sizes)
+            torch._foreach_copy_(views, [grads[i] for i in copied])
+            if scaled:
+                flat.mul_(inv_scale)
+            for i, view in zip(copied, views):
+                self.masters[i].grad = view
+        return self.masters, self.placements
+
+    @torch.no_grad()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """Stream every unit: update masters and moments, copy the masters into the model, write back."""
+        for hook in self._pre_hooks:
+            hook()
+        self._loaded = None  # a checkpoint's copy is stale from here on
+        if found_inf is not None and bool(found_inf):  # a host read, as on the host pool
+            for holder in self.masters:
+                holder.grad = None
+            return
+        start = time.perf_counter()
+        self._stream(self._update)
+        self.stats.step_s += time.perf_counter() - start
+        self.steps += 1
+        for holder in self.masters:
+            holder.grad = None
+        if self.after_step is not None:
+            self.after_step()
+
+    def _update(self, unit: Unit, views: list[torch.Tensor]) -> bool:
+        master, *moments = views
+        for group in self.param_groups:
+            segs = [s for s in unit.segments if self.pieces[s.piece].decay == group["decay"]]
+            if not segs:
+                continue
+            params = [master[s.at: s.at + s.hi - s.lo] for s in segs]
+            grads = [self.masters[s.piece].grad[s.lo: s.hi] for s in segs]
+            states = [[m[s.at: s.at + s.hi - s.lo] for s in segs] for m in moments]
+            c = self.cfg
+            if c.optimizer == "adamw":
+                steps = [torch.tensor(float(self.steps)) for _ in segs]  # each piece's count (incremented here)
+                adam(params, grads, states[0], states[1], [], steps, foreach=True, decoupled_weight_decay=True,
+                     amsgrad=False, beta1=c.beta1, beta2=c.beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                     eps=c.eps, maximize=False)
+            else:
+                sgd(params, grads, states[0] if states else [None] * len(segs), foreach=True,
+                    weight_decay=group["weight_decay"], momentum=c.momentum, lr=group["lr"], dampening=0.0,
+                    nesterov=c.nesterov, maximize=False)
+            models = [self.pieces[s.piece].model[s.lo: s.hi] for s in segs]
+            torch._foreach_copy_(models, params)  # blocking: the buffer is reused by a later read
+        return True
+
+    # ------------------------------------------------------------ memory and checkpoints
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What is in memory: the states read for a checkpoint, if any (the file holds the rest)."""
+        return [t for entry in self._loaded or [] for t in entry.values()]
+
+    def named_state(self) -> list[tuple[Placement, torch.Tensor]]:
+        """The states read from the file into host tensors (kept until the next step or `after_load`)."""
+        if self._loaded is None:
+            self._loaded = self._read_all()
+        out = []
+        for piece, entry in zip(self.pieces, self._loaded):
+            name = piece.placement.name
+            for kind in ("master", *self.kinds):
+                out.append((replace(piece.placement, name=f"optimizer.{kind}.{name}"), entry[kind]))
+        return out
+
+    def step_count(self) -> int:
+        return self.steps
+
+    @torch.no_grad()
+    def after_load(self, step: int, masters_loaded: bool) -> None:
+        """A checkpoint filled the tensors `named_state` gave: model and masters agree, then the file."""
+        self.steps = step
+        if self._loaded is None:
+            return
+        for piece, entry in zip(self.pieces, self._loaded):
+            if masters_loaded:
+                piece.model.copy_(entry["master"])
+            else:
+                entry["master"].copy_(piece.model)
+        self._write_all(self._loaded)
+        self._loaded = None
+
+    @torch.no_grad()
+    def load_named_state(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Fill the file from {placement name: local tensor} (as `named_state` names them)."""
+        states = []
+        for piece in self.pieces:
+            name = piece.placement.name
+            master = tensors.get(f"optimizer.master.{name}")
+            if master is None:
+                master = piece.model.detach().float()
+            else:
+                piece.model.copy_(master)
+            states.append({"master": master.cpu(), **{k: tensors[f"optimizer.{k}.{name}"].cpu() for k in self.kinds}})
+        self._write_all(states)
+        self._loaded = None
+        self.steps = step
+
+    def close(self) -> None:
+        self._finalizer()

@@ -1,0 +1,37 @@
+"""parallel.offload=nvme trains under a memory cap the in-memory offload cannot: a child process
+(tests/nvme_memory.py) caps its private writable memory with RLIMIT_DATA at the interpreter's
+baseline (torch and threefold imported) plus BUDGET_MB.
+
+RLIMIT_DATA rather than RLIMIT_AS: torch and its thread pools reserve address space they never
+touch (RLIMIT_AS would refuse the import), while RLIMIT_DATA counts the writable private
+mappings a run actually commits, which is what resident model states are; no cgroup is needed
+(none may be delegated to the test). The peak resident set is read from VmHWM, reset after the
+baseline."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ["model.preset=tiny", "model.layers=2", "model.hidden=512", "model.heads=8", "model.kv_heads=8",
+         "model.ffn_hidden=2048", "model.vocab=256", "train.steps=2", "train.global_batch=1", "train.seq_len=16",
+         "parallel.zero=1"]
+BUDGET_MB = 260  # above the nvme run's peak (about 205 MB), below offload=optimizer's (about 320 MB)
+
+
+def child(tmp_path: Path, extra: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tests.nvme_memory", str(tmp_path / "out"), str(BUDGET_MB),
+                          *MODEL, *extra], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_nvme_offload_trains_under_a_cap_that_in_memory_offload_exceeds(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    nvme = child(tmp_path, ["parallel.offload=nvme", f"parallel.offload_dir={scratch}", "parallel.offload_block_mb=4"])
+    assert nvme["done"], nvme
+    assert nvme["peak_above_base"] < BUDGET_MB * 2**20, nvme
+    assert nvme["states"] > 0.25 * BUDGET_MB * 2**20  # masters + moments: 74 MiB, out of memory
+    host = child(tmp_path, ["parallel.offload=optimizer"])
+    assert not host["done"], host  # the same run with its states in host memory hits the cap
