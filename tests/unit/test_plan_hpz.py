@@ -77,15 +77,19 @@ def test_explain_hpz_where_it_cannot_run_says_why(capsys):
 
 
 def test_sequence_parallelism_only_where_it_pays():
-    """SP re-gathers each region's saved shard in the backward (time); where memory is plentiful it saves
-    nothing needed, so the search leaves it off; where the layout fits only with it, it stays on."""
+    """SP re-gathers each region's saved shard in the backward (time) and runs the norms on 1/tp of the
+    tokens (saved time): the search keeps whichever is faster where both fit. On NVLink SP pays; over a
+    link 20x slower (PCIe class) the extra gather costs more than it saves and the search leaves it
+    off; where the layout fits only with it, it stays on."""
     w = llama7b(64, 2048)
-    best = search(w, 8, H100, {"tp": 2, "pp": 1, "zero": 1}).best
-    assert not best.strategy.sequence_parallel
-    on = evaluate(w, replace(best.strategy, sequence_parallel=True), H100)
-    assert on.fits and on.tokens_per_s < best.tokens_per_s  # SP would fit, and costs time
+    for gpu, sp in ((H100, True), (replace(H100, intra_bytes_per_s=H100.intra_bytes_per_s / 20), False)):
+        best = search(w, 8, gpu, {"tp": 2, "pp": 1, "zero": 1}).best
+        assert best.strategy.sequence_parallel is sp, gpu.intra_bytes_per_s
+        flipped = evaluate(w, replace(best.strategy, sequence_parallel=not sp), gpu)
+        assert flipped.fits and flipped.tokens_per_s < best.tokens_per_s  # the other choice fits, and is slower
     w70 = Workload(load_config(None, ["model.preset=llama-70b"]).model, 1024, 4096)
     fixed = dict(dp=4, tp=4, pp=4, zero=1, remat="none", schedule="zb-v", microbatches=256)
-    tight = search(w70, 64, H100, fixed).best
-    off = evaluate(w70, replace(tight.strategy, sequence_parallel=False), H100)
+    slow = replace(H100, intra_bytes_per_s=H100.intra_bytes_per_s / 20)  # where SP costs time
+    tight = search(w70, 64, slow, fixed).best
+    off = evaluate(w70, replace(tight.strategy, sequence_parallel=False), slow)
     assert tight.strategy.sequence_parallel and not off.fits and off.tokens_per_s > tight.tokens_per_s

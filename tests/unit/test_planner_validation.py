@@ -150,6 +150,7 @@ def predict(run, gpu_override=None):
     gpu = gpu_override or gpu
     w = workload(name, m, batch, seq)
     knobs = dict(knobs, **({"sequence_parallel": False} if name.startswith(NO_SEQUENCE_PARALLEL) else {}))
+    knobs.setdefault("hpz", False)  # none of these runs kept a secondary ZeRO-3 copy
     micro_batch = knobs.pop("micro_batch", None)
     if micro_batch is not None:
         knobs["microbatches"] = batch // (gpus // (knobs["tp"] * knobs["pp"]) * micro_batch)
