@@ -17,7 +17,7 @@ STAGES = ["preflight", "sync", "run-bf16", "run-fp16", "run-zero3", "run-offload
           "runs-figures", "gpt2-train", "gpt2-train-figures", "gpt2-compare", "llama-compare"]
 
 
-def run_smoke(out: Path, *args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess, float]:
+def run_smoke(out: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -38,8 +38,8 @@ def test_gpu_sh_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     out = tmp_path / "gpu"
     run, seconds = run_smoke(out)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    # about 145 s on an idle 2-core machine; the bound leaves room for a loaded one
-    assert seconds < 300, f"--smoke took {seconds:.0f} s"
+    # about 145 s on an idle 2-core machine; the bound leaves room for one shared with two other jobs
+    assert seconds < 600, f"--smoke took {seconds:.0f} s"
     codes = status(out)
     assert list(codes) == STAGES and all(rc == "0" for rc in codes.values()), codes
     log = (out / "gpu.log").read_text()
