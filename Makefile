@@ -19,9 +19,9 @@ demo: setup
 		--steps 300 --lr 2e-3 --set train.warmup_steps=20 --out runs/demo --overwrite
 	@echo "metrics: runs/demo/metrics.jsonl   loss curve: runs/demo/loss.png"
 
-# Two workers (pytest-xdist): tests/distributed on one, the other files spread over both (tests/conftest.py).
+# Two workers (pytest-xdist), each taking whole files (tests/conftest.py orders them).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(PY) bench/dp_vs_ddp.py

@@ -33,29 +33,23 @@ def worlds():
 
 
 # Files that take longest on their own, started first so that neither worker of `make test`
-# (pytest-xdist, `-n 2 --dist loadgroup`) is left with a long file at the end.
+# (pytest-xdist, `-n 2 --dist loadfile`: whole files to each worker) is left with a long file at the end.
 SLOW_FIRST = ["tests/e2e/test_gpu_smoke.py", "tests/e2e/test_multinode.py", "tests/e2e/test_preempt.py",
               "tests/e2e/test_recovery.py", "tests/e2e/test_plan_cli.py", "tests/e2e/test_hf_cli.py",
               "tests/e2e/test_train_cli.py", "tests/unit/test_schedules.py", "tests/e2e/test_run_lock.py"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test of tests/distributed shares the session's worlds, so they form one group that runs on
-    one worker (a world is started once, not once per worker, and never closed in between); every
-    other file is a group of its own. The worlds' group first, then the slow files, then the rest."""
+    """tests/distributed first (their worlds start once per worker and stay up while they run), then the
+    slow files, then the rest; each file keeps its own order."""
     root = config.rootpath
-
-    def file_of(item) -> str:
-        return item.path.relative_to(root).as_posix()
-
-    def group_of(item) -> str:
-        return "worlds" if item.path.parent.name == "distributed" else file_of(item)
-
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(group_of(item)))
     slow = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: -1 if group_of(item) == "worlds" else slow.get(file_of(item), len(slow)))
+
+    def rank(item) -> int:
+        return -1 if item.path.parent.name == "distributed" else slow.get(item.path.relative_to(root).as_posix(),
+                                                                           len(slow))
+
+    items.sort(key=rank)
 
 
 def pytest_runtest_setup(item):
@@ -81,3 +75,4 @@ def alone():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
