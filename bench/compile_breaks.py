@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--backend", default="aot_eager")
     args = parser.parse_args()
-    from threefold.world import World
+    from threefold.launch.world import World
 
     rows = {}
     with World(2, timeout_s=900) as world:

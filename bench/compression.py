@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--tag", default="compression", help="name of the output files in bench/out")
     args = parser.parse_args()
 
-    from threefold.world import World
+    from threefold.launch.world import World
 
     base = base_overrides(args)
     per_optimizer = {"adamw": ["train.optimizer=adamw", f"train.lr={args.lr}"],

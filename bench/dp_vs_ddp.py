@@ -30,7 +30,7 @@ from threefold.models.registry import model_spec
 from threefold.parallel import parallelize
 from threefold.train.optim import param_groups
 from threefold.train.step import TrainStep
-from threefold.world import World
+from threefold.launch.world import World
 
 
 def bench_rank(args: dict) -> dict:

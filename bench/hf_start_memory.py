@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
-    from threefold.world import World
+    from threefold.launch.world import World
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "llama"

@@ -105,7 +105,7 @@ def main() -> None:
     base = base_overrides(args, f"train.lr={args.lr}")
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        from threefold.world import World
+        from threefold.launch.world import World
 
         with World(args.nproc, timeout_s=3600) as world:
             for name, (label, overrides) in runs(args).items():

@@ -31,7 +31,7 @@ import time
 import torch
 
 from threefold.config import load_config
-from threefold.world import World
+from threefold.launch.world import World
 
 VARIANTS = {
     "off": ["debug.history=0", "debug.watchdog=false"],

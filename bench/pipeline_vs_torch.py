@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=51, help="alternating rounds (one step of each side each)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     args = parser.parse_args()
-    from threefold.world import World
+    from threefold.launch.world import World
 
     overrides = ["model.preset=small", "model.tie_embeddings=false", "model.layers=4", "train.seq_len=64",
                  "train.global_batch=16", f"train.microbatches={args.microbatches}", f"parallel.pp={args.pp}"]

@@ -28,10 +28,10 @@ from threefold.config import load_config
 from threefold.data import Sampler, load_tokens
 from threefold.mesh import Layout, Mesh
 from threefold.models.decoder import build_model
-from threefold.models.plan import decoder_plan
+from threefold.models.decoder_plan import decoder_plan
 from threefold.parallel.tensor_plan import parallelize_tensor
 from threefold.train.optim import param_groups
-from threefold.world import World
+from threefold.launch.world import World
 
 
 def dtensor_plan(cfg) -> dict:

@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from threefold.world import World
+from threefold.launch.world import World
 
 
 def timed_run(overrides: list[str]) -> dict:

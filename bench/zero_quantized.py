@@ -44,7 +44,7 @@ def main() -> None:
     add_run_args(parser, steps=300, global_batch=32, window=20)
     args = parser.parse_args()
 
-    from threefold.world import World
+    from threefold.launch.world import World
 
     base = base_overrides(args, f"train.lr={args.lr}", "parallel.zero=3")
     OUT.mkdir(parents=True, exist_ok=True)

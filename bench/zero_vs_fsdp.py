@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from threefold.world import World
+from threefold.launch.world import World
 
 
 def threefold_run(overrides: list[str]) -> dict:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from threefold.world import World
+from threefold.launch.world import World
 
 
 class Worlds:

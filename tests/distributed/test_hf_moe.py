@@ -98,7 +98,7 @@ def test_hf_moe_config_fields_and_refusals(moe_dirs, tmp_path):
     import json
 
     from threefold.errors import ConfigError
-    from threefold.hf_config import model_fields
+    from threefold.config.hf import model_fields
     from tests.helpers import make_config
 
     mixtral, qwen2 = model_fields(moe_dirs["mixtral"]), model_fields(moe_dirs["qwen2_moe"])

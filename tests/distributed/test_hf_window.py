@@ -60,7 +60,7 @@ def test_sliding_window_matches_the_transformers_training_loop(worlds, windowed,
                                           ("layer_types", ["full_attention", "chunked_attention"])])
 def test_attention_a_family_does_not_compute_is_refused(tmp_path, field, value):
     from threefold.errors import UserError
-    from threefold.hf_config import read_config_json
+    from threefold.config.hf import read_config_json
 
     directory = save_tiny("llama", tmp_path / "llama")
     raw = json.loads((directory / "config.json").read_text())

@@ -110,7 +110,7 @@ def overlap_figure(steps: int = 6) -> list[dict]:
     steps (docs/pipeline.md: `python -m tests.distributed.test_pipeline_v`)."""
     import tempfile
 
-    from threefold.world import World
+    from threefold.launch.world import World
 
     name = "dualpipev p2 ep2"
     size, overrides, _ = CASES[name]

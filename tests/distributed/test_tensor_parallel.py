@@ -113,7 +113,7 @@ def check_one_pass(cases) -> dict:
     from threefold.config import load_config
     from threefold.mesh import Layout, Mesh
     from threefold.models.decoder import build_model
-    from threefold.models.plan import decoder_plan
+    from threefold.models.decoder_plan import decoder_plan
     from threefold.observe.memory import SavedTensorMeter
     from threefold.parallel.tensor import gather_full, gather_vocab, padded_size
     from threefold.parallel.tensor_plan import parallelize_tensor

@@ -18,7 +18,7 @@ def one_pass(presets: list[str]) -> dict:
     from threefold.config import load_config
     from threefold.mesh import Layout, Mesh
     from threefold.models.decoder import build_model
-    from threefold.models.plan import decoder_plan
+    from threefold.models.decoder_plan import decoder_plan
     from threefold.parallel.tensor import gather_full, gather_vocab
     from threefold.parallel.tensor_plan import parallelize_tensor
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e.cli import SRC, threefold
-from threefold.launch import free_port
+from threefold.launch.local import free_port
 
 STEPS = 8
 RUN = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--seq-len", "16", "--data", "stdlib",

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from tests.hf_tasks import save_tiny  # noqa: E402
 from threefold.errors import UserError  # noqa: E402
-from threefold.hf_config import read_config_json  # noqa: E402
+from threefold.config.hf import read_config_json  # noqa: E402
 
 
 def _edit(directory, **changes):

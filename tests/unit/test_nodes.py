@@ -7,8 +7,8 @@ import pytest
 
 from tests.e2e.cli import threefold
 from threefold.errors import UserError
-from threefold.launch import free_port
-from threefold.nodes import (adopt_slurm_tasks, first_slurm_host, nodes_from_options, parse_nnodes,
+from threefold.launch.local import free_port
+from threefold.launch.nodes import (adopt_slurm_tasks, first_slurm_host, nodes_from_options, parse_nnodes,
                              slurm_node_options, tasks_per_node, tp_across_nodes)
 
 

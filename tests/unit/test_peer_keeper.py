@@ -179,8 +179,8 @@ def test_a_one_node_rendezvous_listens_on_loopback_only(monkeypatch):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from threefold import rendezvous
-    from threefold.launch import free_port
+    from threefold.launch import rendezvous
+    from threefold.launch.local import free_port
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # restored after the test
     port = free_port()
@@ -202,8 +202,8 @@ def test_a_one_node_rendezvous_listens_on_loopback_only(monkeypatch):
 def test_a_one_node_launch_hands_the_agent_and_its_workers_loopback_only(monkeypatch):
     import torch.distributed.launcher.api as launcher
 
-    from threefold.launch import launch_local
-    from threefold.nodes import Nodes
+    from threefold.launch.local import launch_local
+    from threefold.launch.nodes import Nodes
 
     seen = []
 

@@ -147,7 +147,7 @@ def test_every_model_field_changes_the_function_but_the_documented_ones():
     """A field added to ModelConfig is compared by a resume unless it is listed, with its reason."""
     from dataclasses import fields
 
-    from threefold.config_sections import ModelConfig
+    from threefold.config.sections import ModelConfig
 
     names = {f.name for f in fields(ModelConfig)}
     assert set(rundir.NOT_FUNCTION) <= names and all(rundir.NOT_FUNCTION.values())

@@ -8,7 +8,7 @@ from threefold.errors import ConfigError
 from threefold.models.decoder import Decoder, build_model, init_parameters
 from threefold.pipeline import plan_stages
 from threefold.pipeline.adapter import DecoderAdapter
-from threefold.config_checks import parse_split
+from threefold.config.checks import parse_split
 from threefold.pipeline.stage import (RankModule, balance, global_names, materialise, measured_costs,
                                       stages_from_bounds)
 

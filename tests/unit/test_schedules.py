@@ -184,7 +184,7 @@ V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 def test_every_schedule_is_one_registration():
-    from threefold.config_sections import SCHEDULE_NAMES
+    from threefold.config.sections import SCHEDULE_NAMES
 
     assert SCHEDULE_NAMES == tuple(SCHEDULES) and {"zb-v", "dualpipev"} <= set(SCHEDULES)
     for name, kind in SCHEDULES.items():

@@ -12,7 +12,7 @@ from threefold.comm import Comm
 from threefold.config import load_config
 from threefold.errors import ConfigError
 from threefold.models.decoder import build_model
-from threefold.models.plan import decoder_plan
+from threefold.models.decoder_plan import decoder_plan
 from threefold.parallel.tensor import padded_size, vocab_parallel_cross_entropy
 from threefold.parallel.tensor_plan import TensorPlanError, parallelize_tensor
 

@@ -1,7 +1,7 @@
 """The reference decoder: one transformer with a GPT and a Llama variant.
 
 Plain single-device PyTorch; nothing here knows about processes. Parallel strategies act on
-it from outside through its plan (`models/plan.py`): module names are part of that contract.
+it from outside through its plan (`models/decoder_plan.py`): module names are part of that contract.
 
     embed.tok, embed.pos          token and (learned) position embeddings
     blocks.<i>.attn_norm, .attn   pre-norm attention: q, k, v, o projections

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf_config import DROPOUT, read_config_json
-from ..plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
+from ..config.hf import DROPOUT, read_config_json
+from .plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
@@ -55,7 +55,7 @@ def load_hf_config(directory: Path):
     config = transformers.AutoConfig.from_pretrained(str(directory))
     config.architectures = raw["architectures"]  # checked against model_type, or taken from it
     config._attn_implementation = "sdpa"  # causal without a mask; eager would need one
-    for key in DROPOUT:  # trained without dropout (hf_config.DROPOUT); the export says so
+    for key in DROPOUT:  # trained without dropout (config/hf.py DROPOUT); the export says so
         if key in config.to_dict():
             setattr(config, key, 0.0)
     return config

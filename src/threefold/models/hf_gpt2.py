@@ -10,7 +10,7 @@ Linear's). Its tensor plan splits that fused tensor as three blocks - each rank 
 same heads of q, of k and of v (`ColumnParallel(fused=3)`, a strided Placement) - so the
 library's `split(split_size)` still finds q, k, v, with `split_size` set to the local width.
 MLP `c_fc` is column-parallel, both `c_proj` row-parallel (Conv1D: `transposed`). Dropout is
-turned off (config.*_pdrop = 0, as for every family: hf_config.DROPOUT), and the export's
+turned off (config.*_pdrop = 0, as for every family: config/hf.py DROPOUT), and the export's
 config.json says 0: masks drawn per rank would break tensor parallelism and parity.
 The key part of c_attn's bias is frozen (its gradient is identically zero, as the reference
 decoder's key bias).
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..plans import ColumnParallel, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
+from .plans import ColumnParallel, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_causal import trained_config
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..hf_config import MoEShape, moe_shape
+from ..config.hf import MoEShape, moe_shape
 from .decoder import causal_forward
 from .hf_causal import HF_RENAMES, HFCausalLM, hf_init, hf_plan, trained_config
 from .moe import MoE

@@ -21,7 +21,7 @@ separate column blocks of one parameter, which a single Placement box cannot des
 
 from __future__ import annotations
 
-from ..plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead
+from .plans import ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead
 
 
 def llama_layers(config, tp: int, layer: str, where: str = "") -> tuple[dict, dict]:

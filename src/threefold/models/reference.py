@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .decoder import Decoder, initial_value
-from .plan import decoder_plan
+from .decoder_plan import decoder_plan
 from .reference_hf import reference_hf
 from .spec import CausalAdapter, ModelSpec
 

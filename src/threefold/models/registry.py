@@ -22,7 +22,7 @@ def model_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
 def hf_spec(directory: Path, seed: int) -> ModelSpec:
     """A Hugging Face directory's spec, from the module of its architecture (GPT-2, a mixture of
     experts, or a dense Llama-style family)."""
-    from ..hf_config import MOE
+    from ..config.hf import MOE
     from .hf_causal import load_hf_config
 
     config = load_hf_config(directory)

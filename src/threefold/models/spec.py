@@ -4,7 +4,7 @@ A family (models/<family>.py) describes itself completely here; strategies read 
 
     build()        the whole single-device module, created on the current default device
                    (`parallelize` calls it under `torch.device("meta")`: no storage yet)
-    plan(tp)       its tensor plan (plans.py vocabulary)
+    plan(tp)       its tensor plan (models/plans.py vocabulary)
     adapter        how the pipeline cuts it: embedding / layer list / norm + head + loss
     init(name, shape)  the seeded initial value of one whole tensor, by global name (a shard or a
                    stage initialised alone equals the same part of the whole model)
@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from ..plans import TensorPlan
+from .plans import TensorPlan
 from .loss import head_loss
 
 

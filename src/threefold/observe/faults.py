@@ -34,10 +34,10 @@ from typing import Protocol
 from torch import nn
 
 from ..config import FaultConfig
-from ..config_checks import fault_applies
+from ..config.checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
-from ..nodes import AGENT_PID, NODE_RANK
+from ..launch.nodes import AGENT_PID, NODE_RANK
 
 
 class SignalCount(Protocol):

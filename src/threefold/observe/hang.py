@@ -14,7 +14,7 @@ One daemon thread per rank polls `Comm.records` (the flight record) every `poll_
    and hang-report.txt (observe/hang_report.py: who never joined, what the others wait in).
 4. Each rank waits for the report (at most 2 x `grace_s`), prints one line, records the error for
    torch's elastic agent and ends its own process with exit code 1. The launcher prints the
-   report (launch.py); no process is left behind waiting in a collective.
+   report (launch/local.py); no process is left behind waiting in a collective.
 
 DIR/flight is the meeting point, so on several nodes DIR must be on a shared filesystem (as
 checkpoints already require). Rank 0 empties it before the watchdogs start (`clear_flight_dir`;

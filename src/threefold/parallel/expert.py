@@ -97,7 +97,7 @@ class ExpertParallelSync(HooklessSync):
     reduces after the backward only (every rank issues its collectives alike, whichever experts
     its tokens reached). `parallelize()` builds both."""
 
-    kind = "expert parallelism"  # no compression under ep (config_checks refuses it)
+    kind = "expert parallelism"  # no compression under ep (config/checks.py refuses it)
 
     def __init__(self, dense, experts, expert_params: list[nn.Parameter]):
         self.dense, self.experts = dense, experts

@@ -191,7 +191,7 @@ class ParallelModel:
         if cfg.optimizer == "sgd" and self.grad_sync.applies_momentum:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
-        if self.scratch is not None:  # masters and moments in a scratch file (config_checks refuses the rest)
+        if self.scratch is not None:  # masters and moments in a scratch file (config/checks.py refuses the rest)
             optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step)
             fp32_init.clear()
             return optimizer

@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import RematConfig
-from ..config_sections import offload_block_set
+from ..config.sections import offload_block_set
 from ..errors import ConfigError
 from ..models.forwards import recomputing
 
@@ -362,7 +362,7 @@ def apply_offload(model: nn.Module, cfg: RematConfig, device: torch.device) -> A
     if not blocks:
         raise ConfigError("remat.offload", "needs transformer blocks named blocks.<i>; this model has none "
                           "(use remat.offload=none)")
-    chosen = offload_block_set(cfg.offload_blocks, 1 << 62)  # checked against model.layers by config_checks
+    chosen = offload_block_set(cfg.offload_blocks, 1 << 62)  # checked against model.layers by config/checks.py
     offload = ActivationOffload(device)
     for index, _, block in blocks:
         if (chosen is None or index in chosen) and block.forward not in _OFFLOADED:

@@ -1,4 +1,4 @@
-"""Applying a tensor plan (the vocabulary is in plans.py): `parallelize_tensor` shards a model over tp.
+"""Applying a tensor plan (the vocabulary is in models/plans.py): `parallelize_tensor` shards a model over tp.
 
 Splitting in two phases lets `parallelize()` shard a model built on the meta device, keep its
 pipeline stages and only then give the local shards storage: `shard_tensor` replaces the
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..mesh import Mesh
-from ..plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, TensorPlanError, VocabEmbedding,  # noqa: F401
+from ..models.plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, TensorPlanError, VocabEmbedding,  # noqa: F401
                      VocabHead, VocabLoss)
 from ..sharding import Placement
 from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, SequenceRegion, VocabParallelCrossEntropy,

@@ -19,7 +19,7 @@ from ..observe.memory import SavedTensorMeter
 from .adapter import DecoderAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
 from .schedules import Schedule, build_schedule, kind, paired_schedule
-from ..config_checks import parse_split
+from ..config.checks import parse_split
 from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
                     stages_from_bounds)
 

@@ -107,7 +107,7 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import adopt_slurm_environment, in_launched_world, launched_world_size
+    from ..launch.local import adopt_slurm_environment, in_launched_world, launched_world_size
     from . import rundir
     from .inputs import check_data, check_nproc, print_warnings
 
@@ -119,11 +119,11 @@ def run(args: argparse.Namespace) -> int:
     launching = bool(args.nproc or args.nnodes or args.rdzv_endpoint or args.node_rank is not None)
     if in_launched_world(launching):
         if args.worker or args.node_worker:  # started by our launcher: end with it
-            from ..launch import die_with_agent
+            from ..launch.local import die_with_agent
 
             die_with_agent()
         if args.log_dir:  # started by our launcher: log to the run directory
-            from ..launch import redirect_worker_output
+            from ..launch.local import redirect_worker_output
 
             redirect_worker_output(Path(args.log_dir))
         lock = None
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
             return stopped_exit_code(stopped)
         return 0
-    from .multinode import launch_nodes, node_options
+    from ..launch.multinode import launch_nodes, node_options
 
     nodes = node_options(args)
     if nodes is not None:
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch(cfg, args: argparse.Namespace) -> int:
-    from ..launch import launch_local
+    from ..launch.local import launch_local
 
     out = Path(cfg.run.out)
     (out / "config.toml").write_text(cfg.to_toml())
@@ -179,7 +179,7 @@ def _claim_in_launched_world(cfg, overwrite: bool):
                           "pass --out")
     if os.environ.get("RANK", "0") == "0" and first_attempt():
         from .inputs import print_warnings
-        from .multinode import print_node_warnings
+        from ..launch.multinode import print_node_warnings
 
         print_warnings(cfg)
         print_node_warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))

@@ -41,7 +41,7 @@ def check_data(cfg: Config) -> None:
 
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably not as meant; printed once, by the process that starts the job."""
-    from ..config_checks import nil_effect_warnings
+    from ..config.checks import nil_effect_warnings
 
     found = nil_effect_warnings(cfg) + _dropout_warnings(cfg) + _context_warnings(cfg)
     c = cfg.compress
@@ -55,7 +55,7 @@ def warnings_for(cfg: Config) -> list[str]:
 def _dropout_warnings(cfg: Config) -> list[str]:
     if not cfg.model.preset.startswith("hf:"):
         return []
-    from ..hf_config import dropout_asked, read_config_json
+    from ..config.hf import dropout_asked, read_config_json
 
     asked = dropout_asked(read_config_json(Path(cfg.model.preset[3:])))
     if not asked:
@@ -68,7 +68,7 @@ def _dropout_warnings(cfg: Config) -> list[str]:
 def _context_warnings(cfg: Config) -> list[str]:
     if not cfg.model.preset.startswith("hf:"):
         return []
-    from ..hf_config import model_fields, read_config_json
+    from ..config.hf import model_fields, read_config_json
 
     directory = Path(cfg.model.preset[3:])
     trained = model_fields(directory)["max_seq"]

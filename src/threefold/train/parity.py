@@ -2,7 +2,7 @@
 
     threefold parity --layouts "1,1,1 2,1,1 1,2,1 1,1,2 2,2,2" --steps N [train options]
 
-Each layout "dp,tp,pp" runs as its own local world of dp*tp*pp processes (launch.py; a world of
+Each layout "dp,tp,pp" runs as its own local world of dp*tp*pp processes (launch/local.py; a world of
 one runs in the harness's own process), from the
 same seed - so the same initial weights and the same global batches (the contract of
 docs/architecture.md) - into DIR/layout-D-T-P/, writing its metrics and, at the end, the
@@ -31,9 +31,9 @@ import math
 from pathlib import Path
 
 from ..config import load_config
-from ..config_checks import parse_layout
+from ..config.checks import parse_layout
 from ..errors import UserError
-from ..launch import launch_local
+from ..launch.local import launch_local
 from ..observe.params import load_global
 from ..observe.plots import read_metrics
 

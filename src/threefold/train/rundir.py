@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import Config
-from ..config_sections import ModelConfig
+from ..config.sections import ModelConfig
 from ..errors import ConfigError, UserError
 
 RUN_FILE = "run.json"

@@ -7,8 +7,8 @@ ZeRO 1-3; local SGD and gradient compression are refused with ep > 1 (docs/moe.m
 
 from __future__ import annotations
 
-from .config_sections import Sections
-from .errors import ConfigError
+from .sections import Sections
+from ..errors import ConfigError
 
 
 def validate_experts(c: Sections, dp: int) -> None:

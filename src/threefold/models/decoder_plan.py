@@ -12,7 +12,7 @@ sequence chunks and the learned position table is cut along the sequence.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead,
+from .plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, VocabEmbedding, VocabHead,
                      VocabLoss)
 
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 from .nodes import AGENT_PID, NODE_RANK, Nodes, wait_for_endpoint
 
 
@@ -102,7 +102,7 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .train.preempt import NOTE_ENV, PREEMPTED_EXIT, Forwarder, StopNote
+    from ..train.preempt import NOTE_ENV, PREEMPTED_EXIT, Forwarder, StopNote
 
     if nodes is not None:
         port = nodes.port
@@ -183,7 +183,7 @@ def _start_keeper(nodes: Nodes | None, nproc: int):
     """The peer keeper: on loopback for a job of one node, holding the files of this node's
     processes and (several nodes) its ring peer's; its address and secret go to the workers in
     the environment."""
-    from .checkpoint.peer import start_keeper
+    from ..checkpoint.peer import start_keeper
 
     one_node = nodes is None or nodes.max == 1
     keeper = start_keeper(one_node or nodes.on_loopback, nproc if one_node else 2 * nproc)
@@ -310,7 +310,7 @@ class _AgentWatcher(logging.Handler):
     def _restart_point(self) -> str:
         if self.resume != "auto" or self.out is None:
             return "the start" if self.resume == "none" else self.resume
-        from .checkpoint.writer import complete_checkpoints
+        from ..checkpoint.writer import complete_checkpoints
 
         found = complete_checkpoints(self.out / "checkpoints")
         return found[-1].name if found else "the start (no checkpoint yet)"

@@ -2,8 +2,8 @@
 whole of them.
 
 Plain data with its defaults and the few values derived from one section alone. `Config`
-(config.py) is `Sections` with its behaviour (reading TOML and overrides, `validate`); the
-checks (config_checks.py, moe_checks.py, elastic.py) read the sections from here, so they sit
+(load.py) is `Sections` with its behaviour (reading TOML and overrides, `validate`); the
+checks (checks.py, moe_checks.py, elastic.py) read the sections from here, so they sit
 between the two and nothing circles back.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from .errors import ConfigError
-from .pipeline.schedules import SCHEDULES
+from ..errors import ConfigError
+from ..pipeline.schedules import SCHEDULES
 
 SCHEDULE_NAMES = tuple(SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
 
@@ -312,7 +312,7 @@ class FaultConfig:
 
 @dataclass(frozen=True)
 class Sections:
-    """Every section of a configuration (config.py's `Config` adds its behaviour)."""
+    """Every section of a configuration (load.py's `Config` adds its behaviour)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -2,7 +2,7 @@
 
 Each check raises `ConfigError` naming the key and the fix; `validate` returns the config
 with its derived values (dp) filled in. Called through `Config.validate(world_size)`; the
-checks read only the sections (config_sections.py), so config.py imports them and not the
+checks read only the sections (sections.py), so load.py imports them and not the
 other way round.
 """
 
@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .config_sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
+from .sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
                               offload_block_set)
-from .errors import ConfigError, UserError
-from .pipeline.schedules import SCHEDULES, check as check_schedule
+from ..errors import ConfigError, UserError
+from ..pipeline.schedules import SCHEDULES, check as check_schedule
 from .moe_checks import validate_experts
 
 if TYPE_CHECKING:
-    from .data.tokenizer import TokenizerIdentity
+    from ..data.tokenizer import TokenizerIdentity
 
 S = TypeVar("S", bound=Sections)  # a Config comes back a Config
 
@@ -156,7 +156,7 @@ def _validate(c: S, world_size: int) -> S:
 def _validate_data(c: Sections) -> ModelConfig:
     """Check [data] and the evaluation keys; returns the model config with the vocabulary of the
     prepared data's tokenizer (the reference decoder's vocabulary is the data's)."""
-    from .data.prepared import data_tokenizer, is_prepared
+    from ..data.prepared import data_tokenizer, is_prepared
 
     d, t = c.data, c.train
     source = d.source
@@ -184,7 +184,7 @@ def _validate_data(c: Sections) -> ModelConfig:
 
 def _check_model_tokenizer(data: TokenizerIdentity, model_dir: Path, data_dir: str) -> None:
     """Prepared data must come from the tokenizer of the `hf:DIR` model, when DIR ships one."""
-    from .data.tokenizer import TOKENIZER_FILE, HFTokenizer, check_tokenizer_match
+    from ..data.tokenizer import TOKENIZER_FILE, HFTokenizer, check_tokenizer_match
 
     if (model_dir / TOKENIZER_FILE).is_file():
         check_tokenizer_match(data, HFTokenizer(model_dir).identity, data_dir)

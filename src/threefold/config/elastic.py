@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, TypeVar
 
-from .config_sections import Sections
-from .errors import ConfigError
+from .sections import Sections
+from ..errors import ConfigError
 
-C = TypeVar("C", bound=Sections)  # the config that `check` (config.py's Config.validate) takes and returns
+C = TypeVar("C", bound=Sections)  # the config that `check` (load.py's Config.validate) takes and returns
 
 
 class NoLayout(ConfigError):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class TensorPlanError(UserError):

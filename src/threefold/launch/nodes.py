@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 DEFAULT_PORT = 29500
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..elastic import check_node_counts
+from ..config.elastic import check_node_counts
 from ..errors import ConfigError
-from ..nodes import Nodes, nodes_from_options, tp_across_nodes
+from .nodes import Nodes, nodes_from_options, tp_across_nodes
 
 
 def node_options(args: argparse.Namespace) -> Nodes | None:
@@ -39,8 +39,8 @@ def print_node_warnings(cfg, per_node: int) -> None:
 
 
 def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[str]) -> int:
-    from ..launch import launch_local
-    from .inputs import check_data
+    from .local import launch_local
+    from ..train.inputs import check_data
 
     nproc = args.nproc or 1
     argv = worker_argv(args, overrides)

@@ -20,7 +20,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from .launch import free_port
+from .local import free_port
 
 
 class RankError(RuntimeError):

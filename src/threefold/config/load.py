@@ -1,4 +1,4 @@
-"""Typed, frozen configuration: one dataclass per concern (config_sections.py), read from TOML plus
+"""Typed, frozen configuration: one dataclass per concern (config/sections.py), read from TOML plus
 overrides.
 
 A config is built in three layers, later ones winning: dataclass defaults, a TOML file, then
@@ -19,12 +19,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
-from .config_checks import validate
-from .config_sections import (CheckpointConfig, CompressConfig, DataConfig, DebugConfig, FaultConfig, ModelConfig,
+from .checks import validate
+from .sections import (CheckpointConfig, CompressConfig, DataConfig, DebugConfig, FaultConfig, ModelConfig,
                               ParallelConfig, PipelineConfig, PrecisionConfig, RematConfig, RunConfig, Sections,
                               TrainConfig)
-from .errors import ConfigError
-from .models.presets import PRESETS
+from ..errors import ConfigError
+from ..models.presets import PRESETS
 
 __all__ = ["CheckpointConfig", "CompressConfig", "Config", "DataConfig", "DebugConfig", "FaultConfig", "ModelConfig",
            "ParallelConfig", "PipelineConfig", "PrecisionConfig", "RematConfig", "RunConfig", "TrainConfig",
@@ -119,8 +119,8 @@ def build_config(raw: dict[str, dict]) -> Config:
 
 def _hf_model_fields(preset: str, given: dict) -> dict:
     """The model fields of `hf:DIR` from DIR/config.json; fields given as well must agree with it."""
-    from .errors import UserError
-    from .hf_config import model_fields
+    from ..errors import UserError
+    from .hf import model_fields
 
     try:
         fields_ = model_fields(Path(preset[3:]))
