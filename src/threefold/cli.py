@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from .errors import UserError
@@ -41,8 +42,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Libraries that other libraries import on their own (transformers imports torchao when it is
+# installed) and that log at import: torchao the optional CUDA kernels it cannot load on this
+# machine, torch's pytree a deprecation torchao's registrations trigger. Their lines would break
+# the one-line error rule and fill every rank's log; errors still show.
+QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    for name in QUIET_AT_IMPORT:
+        logging.getLogger(name).setLevel(logging.ERROR)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only=chosen if chosen in COMMANDS else "").parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
