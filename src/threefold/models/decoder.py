@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from ..config import ModelConfig
 from .loss import TokenCrossEntropy, head_loss
 from .moe import MoE
 
-__all__ = ["Decoder", "TokenCrossEntropy", "build_model", "causal_forward", "count_parameters", "init_parameters",
+__all__ = ["AttentionCore", "CausalCore", "Decoder", "TokenCrossEntropy", "build_model", "causal_forward", "count_parameters", "init_parameters",
            "initial_value", "make_norm"]
 
 
@@ -61,6 +62,19 @@ def rotary_tables(seq: int, head_dim: int, theta: float, device=None) -> tuple[t
     return tables
 
 
+def rotary_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (fp32) at explicit `positions`, (s,) -> (s, head_dim/2) or (b, s) -> (b, 1, s, head_dim/2):
+    the rows of `rotary_tables` at those positions (the same float64 arithmetic, so bitwise equal)."""
+    with torch.no_grad():
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+                                    / head_dim))
+        angles = positions.to(torch.float64)[..., None] * inv_freq
+        cos, sin = angles.cos().float(), angles.sin().float()
+    if positions.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]
+    return cos, sin
+
+
 def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of each head by the position's angles."""
     x = x_bnsd.float().unflatten(-1, (-1, 2))
@@ -69,9 +83,34 @@ def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return out.flatten(-2).to(x_bnsd.dtype)
 
 
+class AttentionCore(Protocol):
+    """What a block's attention computes once q, k, v are projected: the seam through which context
+    parallelism (parallel/context.py `ContextCore`) replaces the attention and the positions."""
+
+    def rotary_positions(self, seq: int, device) -> torch.Tensor | None:
+        """The rotary positions of the `seq` local tokens, (s,) or (b, s); None: 0 .. seq-1."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output (b, heads, s, d) of q (b, heads, s, d), k and v (b, kv_heads, s, d)."""
+
+
+class CausalCore:
+    """The default core: causal softmax attention over the whole local sequence, positions 0 .. s-1.
+
+    Grouped-query attention (fewer kv heads, each serving a group of q heads) goes to SDPA's
+    grouped heads (`enable_gqa`): k and v are never expanded to every head."""
+
+    def rotary_positions(self, seq: int, device) -> torch.Tensor | None:
+        return None
+
+    def __call__(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.attention_core: AttentionCore = CausalCore()
         self.head_dim = cfg.head_dim
         self.rope = cfg.position == "rope"
         self.rope_theta = cfg.rope_theta
@@ -92,17 +131,17 @@ class Attention(nn.Module):
         k = self.k(x_bsh).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # b, kv_heads, s, d
         v = self.v(x_bsh).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope:
-            cos, sin = rotary_tables(s, self.head_dim, self.rope_theta, x_bsh.device)
+            positions = self.attention_core.rotary_positions(s, x_bsh.device)
+            cos, sin = (rotary_tables(s, self.head_dim, self.rope_theta, x_bsh.device) if positions is None
+                        else rotary_at(positions, self.head_dim, self.rope_theta))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).flatten(2))
 
     def core(self, q, k, v):
-        """Causal softmax attention; a separate method so selective checkpointing can target it.
-
-        Grouped-query attention (fewer kv heads, each serving a group of q heads) goes to SDPA's
-        grouped heads (`enable_gqa`): k and v are never expanded to every head."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        """The attention itself (`attention_core`, by default causal SDPA: `CausalCore`); a separate
+        method so selective checkpointing can target it."""
+        return self.attention_core(q, k, v)
 
 
 class MLP(nn.Module):
