@@ -49,3 +49,34 @@ def test_whole_documents_in_order_with_restarting_positions(seed):
 def test_bad_length():
     with pytest.raises(ValueError):
         pack_documents([[1]], 0)
+
+
+def test_packed_rows_attend_by_document_in_one_process(alone):
+    """Without cp (an axis of one rank) every method's document mask is the whole-row reference's:
+    SDPA under causal & same-document, padding a document of its own."""
+    import torch.nn.functional as F
+
+    from threefold.comm.collectives import Comm
+    from threefold.mesh import Layout, Mesh, init_distributed
+    from threefold.parallel.context import METHODS, context_attention
+
+    init_distributed(torch.device("cpu"))
+    comm = Comm(Mesh(Layout(), torch.device("cpu")))
+    p = pack_documents([[1] * n for n in (5, 2, 7, 9, 3, 4)], 12)
+    b, s = p.tokens.shape
+    gen = torch.Generator().manual_seed(0)
+    q, do = torch.randn(b, 4, s, 8, generator=gen), torch.randn(b, 4, s, 8, generator=gen)
+    k, v = torch.randn(b, 2, s, 8, generator=gen), torch.randn(b, 2, s, 8, generator=gen)
+    mask = torch.ones(s, s, dtype=torch.bool).tril() & (p.documents[:, :, None] == p.documents[:, None, :])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(leaves[0], *(x.repeat_interleave(2, 1) for x in leaves[1:]),
+                                          attn_mask=mask[:, None])
+    want.backward(do)
+    for method in METHODS:
+        got_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        got = context_attention(method, *got_leaves, comm, "dp", torch.arange(s), p.documents)
+        got.backward(do)
+        assert (got - want).norm() <= 1e-5 * want.norm(), method
+        for a, e in zip(got_leaves, leaves):
+            assert (a.grad - e.grad).norm() <= 1e-5 * e.grad.norm(), method
+    assert comm.traffic.total_bytes() == 0

@@ -161,7 +161,7 @@ def _block_backward(q, k, v, do, lse, delta, allowed, scale):
     """Gradients of one block: (dq, dk, dv) for q (b, hk, g, sq, d) and k, v (b, hk, sk, d)."""
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    p = torch.exp(scores - lse[..., None])
+    p = torch.exp(scores - _safe(lse)[..., None])
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
     dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v)
     ds = p * (dp - delta[..., None])
@@ -191,6 +191,7 @@ class _RingAttention(torch.autograd.Function):
         out = qf.new_zeros(qf.shape)
         lse = qf.new_full(qf.shape[:-1], float("-inf"))
         kv = torch.stack((k, v)).contiguous()
+        plan = []  # per step, the sub-blocks computed (backward takes the same ones)
         for t in range(cp):
             src = (rank - t) % cp
             pending = []
@@ -198,7 +199,8 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv([(kv, axis, nxt_rank)], [(incoming, axis, prev_rank)])
             kf, vf = kv[0].float(), kv[1].float()
-            for rows, cols, sub in _sub_blocks(where.local_mask(rank, src)):
+            plan.append(list(_sub_blocks(where.local_mask(rank, src))))
+            for rows, cols, sub in plan[-1]:
                 o_b, l_b = _block_forward(qf[..., rows, :], kf[:, :, cols], vf[:, :, cols], sub, scale)
                 out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o_b, l_b)
                 stats.append((t, rows.start, cols.start))
@@ -206,14 +208,14 @@ class _RingAttention(torch.autograd.Function):
                 handle.wait()
             if pending:
                 kv = incoming
-        ctx.comm, ctx.axis, ctx.where, ctx.scale = comm, axis, where, scale
+        ctx.comm, ctx.axis, ctx.plan, ctx.scale = comm, axis, plan, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out.flatten(1, 2).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, axis, where, scale = ctx.comm, ctx.axis, ctx.where, ctx.scale
+        comm, axis, plan, scale = ctx.comm, ctx.axis, ctx.plan, ctx.scale
         cp, rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         nxt_rank, prev_rank = (rank + 1) % cp, (rank - 1) % cp
         hk = k.shape[1]
@@ -225,14 +227,13 @@ class _RingAttention(torch.autograd.Function):
         own = None  # dK, dV of this rank's own block from its own queries
         arriving, acc_pending, sending = None, [], None
         for t in range(cp):
-            src = (rank - t) % cp
             pending = []
             if t < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv([(kv, axis, nxt_rank)], [(incoming, axis, prev_rank)])
             kf, vf = kv[0].float(), kv[1].float()
             dkv = torch.zeros((2,) + kf.shape, dtype=torch.float32, device=kf.device)
-            for rows, cols, sub in _sub_blocks(where.local_mask(rank, src)):
+            for rows, cols, sub in plan[t]:
                 dq_b, dk_b, dv_b = _block_backward(qf[..., rows, :], kf[:, :, cols], vf[:, :, cols],
                                                    do[..., rows, :], lse[..., rows], delta[..., rows], sub, scale)
                 dq[..., rows, :] += dq_b
