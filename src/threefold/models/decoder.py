@@ -27,8 +27,8 @@ from ..config import ModelConfig
 from .loss import TokenCrossEntropy, head_loss
 from .moe import MoE
 
-__all__ = ["AttentionCore", "CausalCore", "Decoder", "TokenCrossEntropy", "build_model", "causal_forward", "count_parameters", "init_parameters",
-           "initial_value", "make_norm"]
+__all__ = ["AttentionCore", "CausalCore", "Decoder", "TokenCrossEntropy", "build_model", "causal_forward",
+           "count_parameters", "init_parameters", "initial_value", "make_norm", "rotary_at"]
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
