@@ -49,6 +49,10 @@ def _check_finite(c: Sections) -> None:
 def _validate(c: S, world_size: int) -> S:
     _check_finite(c)
     p, m, t = c.parallel, c.model, c.train
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)):
+        if m.preset.startswith("py:") and value > 1:  # a user's nn.Module (models/py_module.py) has no plan
+            raise ConfigError(key, f"{value} needs a plan, which {m.preset} does not have; use {key}=1 "
+                              "(or describe the model as a ModelSpec)")
     if t.steps < 0:
         raise ConfigError("train.steps", f"must be at least 0 (0: save the initial model and exit), got {t.steps}")
     for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp),

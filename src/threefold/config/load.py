@@ -105,9 +105,11 @@ def build_config(raw: dict[str, dict]) -> Config:
     model_values = dict(raw.get("model", {}))
     preset = model_values.get("preset", ModelConfig.preset)
     defaults = _hf_model_fields(preset, model_values) if preset.startswith("hf:") else PRESETS.get(preset)
+    if preset.startswith("py:"):  # a user's module (models/py_module.py): tiny's fields, model.vocab = its vocab_size
+        defaults = PRESETS["tiny"]
     if defaults is None:
         raise ConfigError("model.preset", f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}, "
-                          "or hf:DIR for a Hugging Face model directory")
+                          "hf:DIR for a Hugging Face model directory or py:MODULE:FACTORY for your own nn.Module")
     sections = {}
     for section, cls in _SECTION_TYPES.items():
         values = dict(raw.get(section, {}))

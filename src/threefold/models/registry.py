@@ -14,6 +14,10 @@ def model_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
     """The spec of the model `cfg` describes, initialised from `seed` (weights: see checkpoint/hf.py)."""
     if cfg.preset.startswith(HF_PREFIX):
         return hf_spec(Path(cfg.preset[len(HF_PREFIX):]), seed)
+    if cfg.preset.startswith("py:"):  # a user's own nn.Module (models/py_module.py)
+        from .py_module import py_spec
+
+        return py_spec(cfg, seed)
     from .reference import decoder_spec
 
     return decoder_spec(cfg, seed)

@@ -137,6 +137,10 @@ class ModelSpec:
     # the parts of every block that `remat.policy=selective` recomputes unless remat.targets names others:
     # the family's own module names (submodules or methods, relative to blocks.<i>)
     selective: tuple[str, ...] = ("attn.core",)
+    # a user's own module (`py:MODULE:FACTORY`, models/py_module.py): (module, micro-batch) -> its summed
+    # token loss. `parallelize` then takes the module path (parallel/module.py: no plan, no pipeline) and
+    # `build` is called on the real device, `init` unused (the factory's values, broadcast from rank 0)
+    module_loss: Callable[[nn.Module, object], torch.Tensor] | None = None
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:

@@ -57,16 +57,20 @@ from .master import Piece
 from .materialise import materialise
 from .nvme import ScratchSettings
 from .model import GradSync, ParallelModel, accumulate
+from .module import parallelize_module
 from .precision import apply_precision
 from .remat import apply_offload, apply_remat
 from .tensor_plan import shard_tensor
 from .zero import ZeroReducer
 from .zero3 import Zero3
 
-__all__ = ["GradSync", "ParallelModel", "accumulate", "parallelize"]
+__all__ = ["GradSync", "ParallelModel", "accumulate", "parallelize", "parallelize_module"]
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
+    if spec.module_loss is not None:  # a user's own module (py:MODULE:FACTORY): no plan (parallel/module.py)
+        torch.manual_seed(cfg.train.seed)  # the factory's init, the same on every rank (and broadcast from dp 0)
+        return parallelize_module(spec.build(), mesh, comm, cfg, spec.module_loss)
     # 0. the whole model, without storage
     with torch.device("meta"):
         model = spec.build()

@@ -206,6 +206,11 @@ class ParallelModel:
 
     # ------------------------------------------------------------ checkpoint state
 
+    def checkpoint_tensors(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Placement]]:
+        """The named tensors a checkpoint holds and their placements: the parameters (a user's module
+        adds its persistent buffers, parallel/module.py)."""
+        return list(self.module.named_parameters()), self.placements
+
     @property
     def stateful(self) -> dict[str, object]:
         """State outside parameters and optimizer that checkpoints carry (objects with state_dict())."""

@@ -372,15 +372,24 @@ class ZeroReducer(HooklessSync):
         self.launch_param_gather()
         self.settle()
 
-    def overlap_gather(self, module: nn.Module) -> None:
+    def overlap_gather(self, module: nn.Module, units: list[nn.Module] | None = None) -> None:
         """Let `module`'s forward wait for each parameter's segments just before the first module
         holding it runs (instead of `gather_params` waiting for all after the step); the root's
-        forward ends by settling the rest (a parameter read without being registered anywhere)."""
+        forward ends by settling the rest (a parameter read without being registered anywhere).
+
+        `units` (a user's module, parallel/module.py): wait per unit for every parameter inside it, and
+        in the root's forward for the rest, since such a forward may read a child's parameters without
+        calling the child (nn.MultiheadAttention reads out_proj.weight)."""
         where = {id(p): (b.index, off, off + p.numel()) for b in self.buckets.buckets
                  for p, off in zip(b.params, b.offsets)}
-        for sub in module.modules():
+        if units is not None:
+            inside = {id(p) for unit in units for p in unit.parameters()}
+            rest = [p for p in module.parameters() if id(p) not in inside]
+        for sub in (module.modules() if units is None else [*units, module]):
             keys = []
-            for p in sub.parameters(recurse=False):
+            params = (sub.parameters(recurse=False) if units is None
+                      else rest if sub is module else sub.parameters())
+            for p in params:
                 if id(p) not in where:
                     continue
                 index, start, end = where[id(p)]

@@ -121,7 +121,8 @@ class Zero3(HooklessSync):
 
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
-                 hpz: NoPartition = NO_HPZ, only: set[int] | None = None):
+                 hpz: NoPartition = NO_HPZ, only: set[int] | None = None,
+                 units: list[tuple[str, nn.Module]] | None = None):
         self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
@@ -141,7 +142,8 @@ class Zero3(HooklessSync):
         assigned: dict[int, Unit] = {}
         self.units: list[Unit] = []
         self.hooked: list[Hooked] = []
-        modules = unit_modules(model)
+        # the units: the model's natural pieces, or those a user's module names (parallel/module.py)
+        modules = unit_modules(model) if units is None else list(units)
         if only is not None:  # ids of the parameters to shard (ep: dense over dp, experts over edp, docs/moe.md)
             modules = [(name, m) for name, m in modules if any(id(p) in only for p in m.parameters())]
         for name, module in modules + [("<root>", model)]:

@@ -133,7 +133,7 @@ class Trainer:
 
     def training_state(self) -> TrainingState:
         self.parallel.settle()  # ZeRO-1/2: the parameter all-gathers of the last step are complete
-        return TrainingState(list(self.parallel.module.named_parameters()), self.parallel.placements,
+        return TrainingState(*self.parallel.checkpoint_tensors(),
                              self.optimizer, self.stateful, rank_state=self.parallel.rank_state,
                              rank=self.mesh.global_rank, layout=self._checkpoint_meta()["layout"])
 

@@ -1,0 +1,180 @@
+"""`threefold.prepare`: any `nn.Module` trained under threefold's strategies, from your own loop.
+
+    engine = threefold.prepare(model, loss_fn, config, units=[nn.TransformerEncoderLayer])
+    for batch in my_batches:                 # this rank's share: (inputs, targets)
+        record = engine.train_step(batch)    # forward, loss, backward, sync, clip, optimizer step
+    engine.save("ckpt")                      # a universal threefold checkpoint (ckpt/step-N)
+
+The contract (docs/engine.md):
+
+    prepare(model, loss_fn, config=None, *, units=None, remat=None, buffers="synced") -> Engine
+        model      any nn.Module, with its values (rank 0's are broadcast to every dp rank)
+        loss_fn    loss_fn(outputs, targets) -> the mean loss of the batch (nn.CrossEntropyLoss() etc.)
+        config     a threefold Config, a list of "KEY=VALUE" strings, or None (defaults); its
+                   parallel / precision / remat / compress / train sections apply as on the CLI
+                   (train.steps sets the cosine schedule's length, train.microbatches the accumulation)
+        units      ZeRO-3 units and remat regions: module classes or submodule names
+        remat      the checkpointed regions when remat.policy=full, if not the units
+        buffers    "synced" (floating buffers averaged over dp every step) or "local"
+    Engine.train_step((inputs, targets)) -> dict   step, loss (mean over dp), grad_norm, lr, loss_scale,
+                                                   skipped, step_time_s, comm ({axis: {op: bytes}})
+    Engine.eval_step((inputs, targets)) -> float   the mean loss over dp, in eval mode, no gradients
+    Engine.save(dir) / Engine.load(dir)            checkpoints under dir/step-N (load: the newest, or a step dir)
+    Engine.module                                  the model (ZeRO-3: parameters are this rank's flat shards)
+
+`inputs` is a tensor or a tuple of tensors (the module's positional arguments); every tensor of a
+batch is split along dimension 0 into train.microbatches micro-batches. The gradient is that of
+the mean of the dp ranks' mean losses (DDP's convention: exact for equal batches).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpointer, TrainingState
+from .checkpoint.verify import find_checkpoint_dir
+from .comm import Comm
+from .checkpoint.format import step_dir_name
+from .config import Config, load_config, with_overrides
+from .errors import ConfigError
+from .mesh import Layout, Mesh, init_distributed, pick_device
+from .parallel.module import ModuleParallel, Units, parallelize_module, refuse_unplanned
+from .train.step import TrainStep
+
+__all__ = ["Engine", "prepare"]
+
+
+def _split(x, parts: int) -> list:
+    """`x` (a tensor or nested tuple/list/dict of them) cut into `parts` along dimension 0."""
+    if isinstance(x, torch.Tensor):
+        if x.shape[0] % parts:
+            raise ConfigError("train.microbatches", f"{parts} does not divide the batch of {x.shape[0]}")
+        return list(x.chunk(parts))
+    if isinstance(x, (tuple, list)):
+        cols = [_split(item, parts) for item in x]
+        return [type(x)(col[i] for col in cols) for i in range(parts)]
+    if isinstance(x, dict):
+        cols = {k: _split(v, parts) for k, v in x.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
+    return [x] * parts
+
+
+def _to(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(item, device) for item in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _call(module: nn.Module, inputs):
+    return module(*inputs) if isinstance(inputs, (tuple, list)) else module(inputs)
+
+
+class Engine:
+    """A prepared module: `train_step`, `eval_step`, `save`, `load` (see the module docstring)."""
+
+    def __init__(self, parallel: ModuleParallel, loss_fn: Callable, cfg: Config, mesh: Mesh, comm: Comm):
+        self.parallel, self.loss_fn, self.cfg, self.mesh, self.comm = parallel, loss_fn, cfg, mesh, comm
+        self.module = parallel.module
+        self.optimizer = parallel.make_optimizer(cfg.train)
+        self.step_fn = TrainStep(parallel, self.optimizer, comm, cfg.train)
+        self.step = 0
+        comm.traffic.take_window()  # the start's broadcast belongs to no step
+
+    def _micro_batches(self, batch) -> list:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError("a batch is a pair (inputs, targets)")
+        return _split(_to(tuple(batch), self.mesh.device), self.cfg.train.microbatches)
+
+    def train_step(self, batch) -> dict:
+        """One optimizer step on this rank's `batch`; the step's figures, read back (one host sync)."""
+        start = time.perf_counter()
+        self.module.train()
+        micro = self._micro_batches(batch)
+        self.step += 1
+        result = self.step_fn(self.step, micro, self.mesh.size("dp") * len(micro))
+        loss = result.loss_sum.reshape(1).clone()
+        self.comm.all_reduce(loss, "dp", tag="metrics")
+        grad_norm, skipped, scale, loss_total = result.read(loss[0])
+        return {"step": self.step, "loss": loss_total / (self.mesh.size("dp") * len(micro)), "grad_norm": grad_norm,
+                "lr": result.lr, "loss_scale": scale, "skipped": bool(skipped),
+                "step_time_s": time.perf_counter() - start, "comm": self.comm.traffic.take_window()}
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        """The mean loss of `batch` over dp, in eval mode (batch norm uses its running statistics)."""
+        self.parallel.settle()
+        was = self.module.training
+        self.module.eval()
+        try:
+            total = torch.zeros(1, device=self.mesh.device)
+            micro = self._micro_batches(batch)
+            for mb in micro:
+                total += self.parallel.loss_of(self.module, mb).float()
+            self.comm.all_reduce(total, "dp", tag="metrics")
+        finally:
+            self.module.train(was)
+        return total.item() / (self.mesh.size("dp") * len(micro))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _state(self) -> TrainingState:
+        self.parallel.settle()  # ZeRO-1/2: the last step's parameter all-gathers are complete
+        named, placements = self.parallel.checkpoint_tensors()
+        return TrainingState(named, placements, self.optimizer, dict(self.parallel.stateful),
+                             rank_state=self.parallel.rank_state, rank=self.mesh.global_rank,
+                             layout=self._layout())
+
+    def _layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"dp": p.dp, "tp": 1, "pp": 1, "zero": p.zero, "world_size": self.mesh.world_size}
+
+    def save(self, directory: str | Path) -> Path:
+        """Save parameters, buffers, optimizer, RNG and the step as `directory/step-N`; returns it."""
+        ckpt = Checkpointer(Path(directory), self.mesh, self.comm, keep=0)
+        meta = {"layout": self._layout(), "data": {"step": self.step}, "config": self.cfg.to_dict()}
+        ckpt.save(self.step, self._state(), meta)
+        ckpt.close()
+        return Path(directory) / step_dir_name(self.step)
+
+    def load(self, directory: str | Path) -> int:
+        """Restore from `directory` (its newest checkpoint, or a step directory), any dp / ZeRO layout;
+        returns the step it was written at (the next train_step is that step + 1)."""
+        ckpt = Checkpointer(Path(directory).parent, self.mesh, self.comm, keep=0)
+        manifest = ckpt.load(find_checkpoint_dir(Path(directory)), self._state())
+        self.step = manifest.step
+        self.optimizer.after_load(manifest.step, any(n.endswith("/master") for n in manifest.tensors))
+        return self.step
+
+
+def prepare(model: nn.Module, loss_fn: Callable, config: Config | Sequence[str] | None = None, *,
+            units: Units = None, remat: Units = None, buffers: str = "synced") -> Engine:
+    """`model` under `config`'s data parallelism / ZeRO stage, precision, remat, compile and optimizer."""
+    cfg = config if isinstance(config, Config) else load_config(None, list(config or ()))
+    device = pick_device(cfg.run.device)
+    init_distributed(device, cfg.run.collective_timeout_s)
+    world = torch.distributed.get_world_size()
+    cfg = cfg.for_device(device.type)
+    refuse_unplanned(cfg)  # tp, pp, ep need a plan: one line, before any process group is made
+    if cfg.parallel.dp not in (0, world):
+        raise ConfigError("parallel.dp", f"{cfg.parallel.dp} does not match the {world} processes; use 0 (auto)")
+    # the batch is the caller's: global_batch only has to be consistent for the checks
+    cfg = with_overrides(cfg, parallel={"dp": world},
+                         train={"global_batch": world * cfg.train.microbatches}).validate(world)
+    mesh = Mesh(Layout(dp=cfg.parallel.dp), device)
+    comm = Comm(mesh, history=cfg.debug.history)
+
+    def loss_of(module: nn.Module, mb) -> torch.Tensor:
+        inputs, targets = mb
+        return loss_fn(_call(module, inputs), targets)
+
+    parallel = parallelize_module(model, mesh, comm, cfg, loss_of, units, remat, buffers)
+    return Engine(parallel, loss_fn, cfg, mesh, comm)

@@ -1,0 +1,218 @@
+"""A user's own `nn.Module` under the strategies that need no plan: dp, ZeRO 1-3, precision, remat, compile.
+
+`parallelize` (parallel/__init__.py) takes this path for a ModelSpec with `module_loss` (the CLI's
+`py:MODULE:FACTORY`), and `threefold.prepare` (engine.py) for any live module. The strategies are
+threefold's own (buckets, ZeRO's shards, the fp32-master optimizer), so Comm counts every byte; what
+the module path does differently from the reference families:
+
+    units      ZeRO-3's gather/release units and the activation-checkpointing regions are chosen by
+               module class (every outermost submodule of one of the classes, as FSDP2's per-block
+               wrapping) or by a list of submodule names; by default the items of top-level
+               ModuleLists / Sequentials and the other top-level children (parallel/units.py).
+               Parameters outside every unit form the root unit (whole from the forward to the end of
+               the backward).
+    start      the module's own values, broadcast from dp rank 0 (the factory's seeded init, or whatever
+               the user loaded); nothing is built on the meta device.
+    loss       `loss_of(module, micro_batch)`: the value to divide by `global_tokens` before backward
+               (the CLI: summed token cross-entropy over the global token count; the engine: the user's
+               mean loss over dp x micro-batches, DDP's convention).
+    buffers    floating-point buffers (batch-norm running statistics) are averaged over dp after every
+               step's forwards (`buffers="synced"`, one all-reduce tagged `buffers`) or left to each rank
+               (`"local"`; checkpoints then hold dp rank 0's). Integer buffers (counters) agree anyway.
+
+Frozen parameters are skipped by every sync (buckets, ZeRO shards without gradient storage); a
+parameter used twice accumulates once per backward; a parameter unused in a step keeps a zero
+gradient - buckets launch in order at `finish()`, ZeRO-3 reduces unreached units at the end of the
+pass - so nothing waits for a gradient that never comes (DDP's find_unused_parameters, without the
+extra graph walk).
+
+Refused in one line (ConfigError): tp, pp, ep (no plan), periodic sync, NVMe offload, hpZ,
+activation offload, remat policies other than none/full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..config import Config
+from ..errors import ConfigError
+from ..mesh import Mesh
+from ..sharding import Placement
+from .comm_hook import make_comm_hook
+from .data import parallelize_data
+from .master import Piece
+from .model import ParallelModel
+from .precision import apply_precision
+from .remat import checkpointed
+from .units import unit_modules
+from .zero import ZeroReducer
+from .zero3 import Zero3
+
+LossOf = Callable[[nn.Module, object], torch.Tensor]  # (module, micro-batch) -> loss, divided by global_tokens
+Units = Sequence[type] | Sequence[str] | None  # module classes, submodule names, or None: the default cut
+
+
+def choose_units(model: nn.Module, units: Units, key: str = "units") -> list[tuple[str, nn.Module]]:
+    """(name, module) of every unit: the outermost submodules of the given classes, the named
+    submodules, or (None) the items of top-level containers and the other top-level children."""
+    if units is None:
+        return unit_modules(model)
+    units = list(units)
+    if all(isinstance(u, str) for u in units):
+        out = []
+        for name in units:
+            try:
+                out.append((name, model.get_submodule(name)))
+            except AttributeError:
+                raise ConfigError(key, f"'{name}' is not a submodule of {type(model).__name__}") from None
+        return out
+    if not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
+        raise ConfigError(key, "give nn.Module classes (e.g. [nn.TransformerEncoderLayer]) or submodule names")
+    classes = tuple(units)
+    out, taken = [], []
+    for name, module in model.named_modules():
+        if module is model or any(name.startswith(t + ".") for t in taken):
+            continue
+        if isinstance(module, classes) and next(module.parameters(), None) is not None:
+            out.append((name, module))
+            taken.append(name)
+    if not out:
+        raise ConfigError(key, f"{type(model).__name__} has no submodule of class "
+                          f"{', '.join(c.__name__ for c in classes)}")
+    return out
+
+
+@dataclass
+class ModuleParallel(ParallelModel):
+    """`ParallelModel` of a user's module: its forward and backward run through `loss_of`."""
+
+    loss_of: LossOf | None = None
+    comm: Comm | None = None
+    synced_buffers: bool = True  # floating buffers averaged over dp after each step's forwards
+    buffer_names: list[str] = field(default_factory=list)  # persistent buffers, saved in checkpoints
+
+    def forward_backward(self, micro_batches: list, global_tokens: float,
+                         loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        scaled = isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0
+        total = None
+        for i, mb in enumerate(micro_batches):
+            with self.grad_sync.micro_batch(last=i == len(micro_batches) - 1):
+                self.meter.reset()
+                with self.meter.measure():
+                    loss = self.loss_of(self.module, mb)
+                scaled_loss = loss / global_tokens
+                (scaled_loss * loss_scale if scaled else scaled_loss).backward()
+            loss = loss.detach().float()
+            total = loss if total is None else total + loss
+        if self.module.training:
+            self.sync_buffers()
+        return total
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Average the floating-point buffers over dp (one all-reduce per dtype), when synced."""
+        n = self.comm.mesh.size("dp")
+        if not self.synced_buffers or n == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in self.module.buffers():
+            if b.is_floating_point():
+                by_dtype.setdefault(b.dtype, []).append(b)
+        for bufs in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            self.comm.all_reduce(flat, "dp", tag="buffers")
+            flat /= n
+            for b, value in zip(bufs, flat.split([b.numel() for b in bufs])):
+                b.copy_(value.view_as(b))
+
+    def checkpoint_tensors(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Placement]]:
+        """Parameters and persistent buffers with their placements: what a checkpoint holds."""
+        buffers = dict(self.module.named_buffers())
+        named = list(self.module.named_parameters()) + [(n, buffers[n]) for n in self.buffer_names]
+        places = {**self.placements, **{n: Placement.whole(n, tuple(buffers[n].shape)).replicated("dp")
+                                        for n in self.buffer_names}}
+        return named, places
+
+
+def refuse_unplanned(cfg: Config) -> None:
+    """One ConfigError for what a plain module cannot take (no plan) or what its path does not support yet."""
+    p, r = cfg.parallel, cfg.remat
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)):
+        if value > 1:
+            raise ConfigError(key, f"{value} needs a plan, which a plain nn.Module does not have; give a ModelSpec "
+                              f"(models/spec.py) or use {key}=1")
+    refused = (("train.sync_every", cfg.train.periodic, "periodic sync"),
+               ("parallel.offload", p.offload == "nvme", "offload=nvme"),
+               ("parallel.zero_hpz", p.zero_hpz, "hpZ"),
+               ("remat.offload", r.offload != "none", "activation offload"),
+               ("remat.policy", r.policy not in ("none", "full"), f"remat.policy={r.policy}"))
+    for key, bad, what in refused:
+        if bad:
+            raise ConfigError(key, f"{what} is not supported for a plain nn.Module yet (remat: none or full, "
+                              "regions chosen by class); drop it")
+
+
+def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, loss_of: LossOf,
+                       units: Units = None, remat: Units = None, buffers: str = "synced") -> ModuleParallel:
+    """The module on this rank's device under cfg's dp / ZeRO stage, precision, remat and compile."""
+    refuse_unplanned(cfg)
+    if buffers not in ("synced", "local"):
+        raise ConfigError("buffers", f"'{buffers}': choose synced (averaged over dp) or local")
+    model.to(mesh.device)
+    with torch.no_grad():  # every replica starts from dp rank 0's values (parameters and buffers)
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, "dp", src=0)
+    chosen = choose_units(model, units)
+    # activation checkpointing: each region's forward recomputed in backward (hooks stay outside it)
+    regions = []
+    if cfg.remat.policy == "full":
+        regions = chosen if remat is None else choose_units(model, remat, "remat")
+        for _, module in regions:
+            module.forward = checkpointed(module.forward)
+    precision = apply_precision(model, cfg.precision, mesh.device.type)
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    placements = {n: Placement.whole(n, tuple(q.shape)) for n, q in model.named_parameters()}
+    stage, p = cfg.parallel.zero, cfg.parallel
+    wire = precision.reduce_dtype
+    if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
+        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
+    after_step = settle = None
+    if stage == 0:
+        hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
+        grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
+        placements = {n: place.replicated("dp") for n, place in placements.items()}
+        pieces = [Piece(n, placements[n], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
+                  for n, q in named]
+    elif stage in (1, 2):
+        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire)
+        pieces = grad_sync.pieces(placements)
+        placements = {n: place.replicated("dp") for n, place in placements.items()}
+        grad_sync.overlap_gather(model, [m for _, m in chosen])  # each unit waits for its parameters' gathers
+        after_step, settle = grad_sync.defer_param_gather, grad_sync.settle
+    else:
+        grad_sync = Zero3(model, comm, wire, weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm,
+                          units=chosen)
+        pieces = grad_sync.pieces(placements)
+        placements = grad_sync.placements(placements)
+    if cfg.train.compile:  # each unit's forward compiled; the strategies' module hooks stay eager around it
+        from ..comm.tracing import keep_collectives_eager
+
+        keep_collectives_eager()
+        for _, module in chosen:
+            module.forward = torch.compile(module.forward, backend=cfg.debug.compile_backend, dynamic=False)
+    persistent = [n for n, _ in model.named_buffers() if _persistent(model, n)]
+    parallel = ModuleParallel(model, grad_sync, placements, pieces, precision, stage, p.offload != "none",
+                              after_step, [n for n, _ in regions], loss_of=loss_of, comm=comm,
+                              synced_buffers=buffers == "synced", buffer_names=persistent)
+    parallel.settle_weights = settle
+    return parallel
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr not in model.get_submodule(owner)._non_persistent_buffers_set
