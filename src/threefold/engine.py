@@ -22,8 +22,9 @@ The contract (docs/engine.md):
     Engine.save(dir) / Engine.load(dir)            checkpoints under dir/step-N (load: the newest, or a step dir)
     Engine.module                                  the model (ZeRO-3: parameters are this rank's flat shards)
 
-`inputs` is a tensor or a tuple of tensors (the module's positional arguments); every tensor of a
-batch is split along dimension 0 into train.microbatches micro-batches. The gradient is that of
+`inputs` is a tensor or a tuple of tensors (the module's positional arguments; floating-point ones are
+cast to precision.compute); every tensor of a batch is split along dimension 0 into train.microbatches
+micro-batches. The gradient is that of
 the mean of the dp ranks' mean losses (DDP's convention: exact for equal batches).
 """
 
@@ -64,13 +65,14 @@ def _split(x, parts: int) -> list:
     return [x] * parts
 
 
-def _to(x, device: torch.device):
+def _to(x, device: torch.device, dtype: torch.dtype | None = None):
+    """`x` on `device`; its floating-point tensors in `dtype` when given (the inputs, in the compute dtype)."""
     if isinstance(x, torch.Tensor):
-        return x.to(device)
+        return x.to(device, dtype) if dtype is not None and x.is_floating_point() else x.to(device)
     if isinstance(x, (tuple, list)):
-        return type(x)(_to(item, device) for item in x)
+        return type(x)(_to(item, device, dtype) for item in x)
     if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
+        return {k: _to(v, device, dtype) for k, v in x.items()}
     return x
 
 
@@ -92,7 +94,9 @@ class Engine:
     def _micro_batches(self, batch) -> list:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError("a batch is a pair (inputs, targets)")
-        return _split(_to(tuple(batch), self.mesh.device), self.cfg.train.microbatches)
+        inputs, targets = batch
+        inputs = _to(inputs, self.mesh.device, self.parallel.precision.compute_dtype)
+        return _split((inputs, _to(targets, self.mesh.device)), self.cfg.train.microbatches)
 
     def train_step(self, batch) -> dict:
         """One optimizer step on this rank's `batch`; the step's figures, read back (one host sync)."""
