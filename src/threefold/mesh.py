@@ -1,9 +1,22 @@
-"""The device mesh: named axes pp x dp x tp over torch's DeviceMesh.
+"""The device mesh: named axes pp x dp x cp x tp over torch's DeviceMesh.
 
 The Mesh is the only owner of process groups. It is built once per job and passed to every
 strategy, which asks it for `group("tp")`, `rank("pp")`, `size("dp")`. The axis order puts tp
 innermost, so tensor-parallel ranks are consecutive global ranks (the same node under the
-usual launchers, where its frequent collectives belong), then dp, then pp outermost.
+usual launchers, where its frequent collectives belong), then cp (context parallelism: its
+ranks hold parts of every sequence and exchange keys and values, so they stay close), then dp,
+then pp outermost.
+
+Axes are data. `MESH_AXES` is the ordered tuple of axis descriptions, each a name and its roles:
+which axes replicate parameters (`REPLICA`: gradients are summed over them), shard the batch
+(`BATCH`) or the sequence (`SEQUENCE`: with BATCH, where the loss and token counts are summed),
+split tensors (`TENSOR`), stages (`PIPELINE`). Code names the role, not the axis:
+`mesh.axes_where(REPLICA)` is ("dp", "cp"), in axis order. A reduction over several axes is one
+collective over one group: `mesh.axis_over(axes)` names it - the one axis of size > 1 when there
+is one (so byte counts keep their per-axis names: "dp" at cp = 1), else the joined axis
+"dp+cp", whose group (the axes' ranks flattened, later axes inner) the Mesh builds once, cached
+like the others, for each role's axes (`JOINED_ROLES`); `size`, `rank`, `ranks`, `group` and
+lanes take a joined name as they take an axis.
 
 Expert parallelism (`Layout.ep`) splits dp in two more axes: `ep`, runs of ep consecutive dp
 coordinates that share one copy of the experts and exchange tokens by all-to-all, and `edp`,
@@ -21,6 +34,7 @@ each of the two threads of a pair keeps to its own group, so every group sees on
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -29,7 +43,37 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-AXES = ("pp", "dp", "tp")
+REPLICA = "replica"  # parameters replicated: gradients are summed over it
+BATCH = "batch"  # shards the batch: losses and token counts are summed over it
+SEQUENCE = "sequence"  # shards every sequence: losses and token counts are summed over it
+TENSOR = "tensor"  # splits weights and activations (Megatron)
+PIPELINE = "pipeline"  # holds stages
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis: its name and its roles."""
+    name: str
+    roles: frozenset[str]
+
+
+# the axes, outermost first (the global rank is their mixed-radix coordinate, tp fastest)
+MESH_AXES = (Axis("pp", frozenset({PIPELINE})),
+             Axis("dp", frozenset({REPLICA, BATCH})),
+             Axis("cp", frozenset({REPLICA, SEQUENCE})),  # parameters replicated, the batch not split
+             Axis("tp", frozenset({TENSOR})))
+AXES = tuple(axis.name for axis in MESH_AXES)
+# the axis sets that get one flattened group when more than one of them has size > 1:
+# the replica axes (gradient sums) and the batch and sequence axes (loss and token sums)
+JOINED_ROLES = ((REPLICA,), (BATCH, SEQUENCE))
+JOIN = "+"  # "dp+cp": the name of a joined axis
+
+
+def axes_where(*roles: str) -> tuple[str, ...]:
+    """The names of the axes having any of `roles`, in axis order (outermost first)."""
+    return tuple(axis.name for axis in MESH_AXES if axis.roles & set(roles))
+
+
 NODE_AXES = ("dp_intra", "dp_inter")  # dp split by node, built only when a Mesh is given node_size
 # dp split for expert parallelism: `ep` (consecutive dp coordinates sharing the experts, the
 # all-to-all group) x `edp` (the dp ranks holding the same experts, which sum their gradients)
@@ -37,7 +81,7 @@ EXPERT_AXES = ("ep", "edp")
 GATHER = "gather"  # the lane of parameter gathers (ZeRO-3)
 PAIR = "pair"  # the lane of the backward's all-to-alls in a dualpipev pair (pipeline/runtime.py)
 LANES = (GATHER, PAIR)  # second groups over an axis's ranks (Mesh.add_lane)
-LANE_AXES = ("dp", "edp", "ep")  # the axes that have lanes
+LANE_AXES = ("dp", "edp", "ep")  # the axes that have lanes (and joined axes, such as dp+cp)
 
 
 def cuda_index(env=os.environ) -> int:
@@ -93,13 +137,20 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallelism: a factor of dp
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The sizes of MESH_AXES, in their order."""
+        return tuple(getattr(self, axis) for axis in AXES)
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                + (f" ep={self.ep}" if self.ep > 1 else ""))
 
 
 _GROUPS: dict[tuple, tuple] = {}  # (device type, shape, node_size) -> (DeviceMesh, groups, node ranks)
@@ -121,7 +172,7 @@ def _cached(key: tuple, build):
 
 
 class Mesh:
-    """Process groups and coordinates for the axes pp, dp, tp of the current world.
+    """Process groups and coordinates for the axes pp, dp, cp, tp of the current world.
 
     With `node_size` (processes per node, launcher order: node i holds global ranks
     i*node_size ..), dp is also split by node into `dp_intra` (this rank's dp peers on its
@@ -135,9 +186,14 @@ class Mesh:
             raise ValueError(f"layout {layout} needs {layout.world_size} processes, the world has {world}")
         self.layout = layout
         self.device = device
-        shape = (layout.pp, layout.dp, layout.tp)
+        shape = layout.shape
         self.device_mesh, groups = _cached((device.type, shape), lambda: self._build_axes(device, shape))
         self._groups = dict(groups)
+        for roles in JOINED_ROLES:  # one flattened group per set of axes reduced together
+            joined = self.axis_over(axes_where(*roles))
+            if JOIN in joined and joined not in self._groups:
+                self._groups[joined] = _cached((device.type, shape, joined),
+                                               lambda: self._build_joined(joined.split(JOIN)))
         self._node_ranks: dict[str, list[int]] = {}
         self._expert_ranks: dict[str, list[int]] = {}
         self._lanes: dict[tuple[str, str], dist.ProcessGroup] = {}  # (axis, lane) -> the lane's group
@@ -160,7 +216,7 @@ class Mesh:
         before any point-to-point batch uses it (a first batched p2p must include every member).
         Bookkeeping of the groups, not model traffic: it does not go through Comm."""
         probe = torch.zeros(1, device=self.device)
-        for axis in AXES + tuple(self._expert_ranks) + tuple(a for a in NODE_AXES if a in self._node_ranks):
+        for axis in AXES + self._joined() + tuple(self._expert_ranks) + tuple(a for a in NODE_AXES if a in self._node_ranks):
             if self.size(axis) > 1:
                 dist.all_reduce(probe, group=self._groups[axis])
         torch.cuda.synchronize(self.device)
@@ -178,7 +234,7 @@ class Mesh:
         if (axis, lane) in self._lanes or self.size(axis) == 1:
             return
         lists = self._axis_rank_lists(axis)
-        key = (self.device.type, (self.layout.pp, self.layout.dp, self.layout.tp),
+        key = (self.device.type, self.layout.shape,
                self.layout.ep if axis in ("edp", "ep") else 1, axis, lane)
         group = _cached(key, lambda: dist.new_subgroups_by_enumeration(lists)[0])
         self._lanes[(axis, lane)] = group
@@ -187,14 +243,17 @@ class Mesh:
             torch.cuda.synchronize(self.device)
 
     def _lane_axis(self, axis: str, lane: str) -> str:
-        if lane not in LANES or axis not in LANE_AXES:
+        if lane not in LANES or (axis not in LANE_AXES and axis not in self._joined()):
             raise ValueError(f"no lane '{lane}' on axis '{axis}': lanes are {LANES}, on the axes {LANE_AXES}")
         return "dp" if axis == "edp" and self.layout.ep == 1 else axis  # without expert parallelism edp is dp
 
     def _axis_rank_lists(self, axis: str) -> list[list[int]]:
-        """The global ranks of every group of `axis` (dp, or ep / edp under expert parallelism), in one order."""
+        """The global ranks of every group of `axis` (dp, a joined axis, or ep / edp under expert
+        parallelism), in one order."""
         if axis == "dp":
             return self._dp_groups()
+        if JOIN in axis:
+            return self._joined_rank_lists(axis.split(JOIN))
         return self._cut_dp(self.layout.ep)[0 if axis == "ep" else 1]
 
     def _build_expert_axes(self, ep: int) -> tuple[dict, dict]:
@@ -205,9 +264,48 @@ class Mesh:
         return self._split_dp(ep, ("ep", "edp"), single_groups=False)
 
     @staticmethod
-    def _build_axes(device: torch.device, shape: tuple[int, int, int]) -> tuple[DeviceMesh, dict]:
+    def _build_axes(device: torch.device, shape: tuple[int, ...]) -> tuple[DeviceMesh, dict]:
         device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
         return device_mesh, {axis: device_mesh.get_group(axis) for axis in AXES}
+
+    def _joined_rank_lists(self, names: list[str]) -> list[list[int]]:
+        """The global ranks of every group of the joined axes `names`: the grid's other axes
+        outside, the joined ones flattened in axis order (the later inner), so a group's ranks ascend."""
+        dims = [AXES.index(name) for name in names]
+        others = [d for d in range(len(AXES)) if d not in dims]
+        grid = self.device_mesh.mesh.permute(*others, *dims)
+        return grid.reshape(-1, math.prod(self.layout.shape[d] for d in dims)).tolist()
+
+    def _build_joined(self, names: list[str]) -> dist.ProcessGroup:
+        """This rank's group of the joined axes `names` (every rank creates every group, in one order)."""
+        group, _ = dist.new_subgroups_by_enumeration(self._joined_rank_lists(names))
+        return group
+
+    def _joined(self) -> tuple[str, ...]:
+        return tuple(axis for axis in self._groups if JOIN in axis)
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """The axes with their roles, outermost first."""
+        return MESH_AXES
+
+    @staticmethod
+    def axes_where(*roles: str) -> tuple[str, ...]:
+        """The names of the axes having any of `roles`, in axis order: `mesh.axes_where(REPLICA)`."""
+        return axes_where(*roles)
+
+    def axis_over(self, axes: tuple[str, ...] | list[str]) -> str:
+        """The one axis a reduction over all of `axes` runs on: the only one of them of size > 1
+        (its own name and group), the joined axis "a+b" when several are, the first when none is
+        (a trivial axis: the collective costs nothing)."""
+        wide = [axis for axis in axes if self.size(axis) > 1]
+        if len(wide) <= 1:
+            return wide[0] if wide else axes[0]
+        return JOIN.join(wide)
+
+    def group_over(self, axes: tuple[str, ...] | list[str]) -> dist.ProcessGroup:
+        """The one group of `axes` together (built with the Mesh for each role's axes)."""
+        return self.group(self.axis_over(axes))
 
     def _build_node_axes(self, node_size: int) -> tuple[dict, dict]:
         """The dp_intra / dp_inter groups: dp cut at node boundaries (this node's dp peers) and one
@@ -225,8 +323,9 @@ class Mesh:
         return self._split_dp(intra, ("dp_intra", "dp_inter"), single_groups=True)
 
     def _dp_groups(self) -> list[list[int]]:
-        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, tp)
-        return [grid[p, :, t].tolist() for p in range(self.layout.pp) for t in range(self.layout.tp)]
+        grid = self.device_mesh.mesh  # global ranks, shape (pp, dp, cp, tp)
+        return [grid[p, :, c, t].tolist() for p in range(self.layout.pp) for c in range(self.layout.cp)
+                for t in range(self.layout.tp)]
 
     def _cut_dp(self, run: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every dp group cut into runs of `run` consecutive members, and the members at the same
@@ -257,6 +356,8 @@ class Mesh:
         return self.layout.world_size
 
     def size(self, axis: str) -> int:
+        if JOIN in axis:
+            return math.prod(self.size(a) for a in axis.split(JOIN))
         if axis in NODE_AXES:
             return len(self._node_axis(axis))
         if axis in EXPERT_AXES:
@@ -264,7 +365,13 @@ class Mesh:
         return getattr(self.layout, axis)
 
     def rank(self, axis: str) -> int:
-        """This process's coordinate along `axis` (0 .. size-1)."""
+        """This process's coordinate along `axis` (0 .. size-1); of a joined axis, the mixed-radix
+        coordinate of its parts (the later inner)."""
+        if JOIN in axis:
+            coord = 0
+            for a in axis.split(JOIN):
+                coord = coord * self.size(a) + self.rank(a)
+            return coord
         if axis in NODE_AXES:
             return self._node_axis(axis).index(dist.get_rank())
         if axis in EXPERT_AXES:
@@ -277,7 +384,7 @@ class Mesh:
         `node_size` processes in launcher order); their bytes cross the network."""
         if node_size < 1 or node_size >= self.world_size:
             return ()
-        axes = AXES + tuple(self._expert_ranks) + tuple(self._node_ranks)
+        axes = AXES + self._joined() + tuple(self._expert_ranks) + tuple(self._node_ranks)
         return tuple(a for a in axes if len({r // node_size for r in self.ranks(a)}) > 1)
 
     def has_node_axes(self) -> bool:
@@ -299,6 +406,9 @@ class Mesh:
                 return self.group(axis)
             raise ValueError(f"axis '{axis}' has no lane '{lane}' yet: every rank calls "
                              f"Mesh.add_lane('{axis}', '{lane}') first")
+        if JOIN in axis and axis not in self._groups:
+            raise ValueError(f"the Mesh has no group over '{axis}': it joins the axes of one role "
+                             f"({', '.join('+'.join(axes_where(*r)) for r in JOINED_ROLES)})")
         if axis in NODE_AXES:
             self._node_axis(axis)  # a clear error when the node axes were not built
         if axis in EXPERT_AXES and axis not in self._groups:
@@ -315,7 +425,7 @@ class Mesh:
             if axis in self._expert_ranks:
                 return list(self._expert_ranks[axis])
             return self.ranks("dp") if axis == "edp" else [dist.get_rank()]
-        return dist.get_process_group_ranks(self._groups[axis])
+        return dist.get_process_group_ranks(self.group(axis))
 
     def global_rank_of(self, axis: str, index: int) -> int:
         """Global rank of the member with coordinate `index` along `axis` in this process's group."""

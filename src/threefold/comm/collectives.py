@@ -46,6 +46,11 @@ all-to-alls keep to one group, so every group sees the same order on every rank.
 are the axis's; `axis_seq` counts them apart ("<axis>:<lane>"), the two threads interleaving
 differently on each rank. The bookkeeping is under a lock (two threads may issue at once).
 
+Several axes at once. `all_reduce_over`, `reduce_scatter_over` and `all_gather_over` take a
+tuple of axes (`mesh.axes_where(REPLICA)`: dp and cp) and run ONE collective on the group of
+all of them (`Mesh.axis_over`): filed under the one axis of size > 1 when there is one ("dp"
+at cp = 1, exactly as `all_reduce(t, "dp")`), else under the joined name ("dp+cp").
+
 Groups of size one need no communication: such calls return at once and are not recorded.
 """
 
@@ -321,6 +326,23 @@ class Comm:
         record = self._start("reduce_scatter", axis, input, nbytes)
         work = _reduce_scatter(output, input, op=op, group=self.mesh.group(axis), async_op=True)
         return self._finish(work, record, async_op)
+
+    # ------------------------------------------------------------ over several axes at once
+
+    def all_reduce_over(self, tensor: torch.Tensor, axes: tuple[str, ...], op=dist.ReduceOp.SUM,
+                        async_op: bool = False, tag: str = ""):
+        """`all_reduce` over every axis of `axes` together: one collective on their one group."""
+        return self.all_reduce(tensor, self.mesh.axis_over(axes), op=op, async_op=async_op, tag=tag)
+
+    def reduce_scatter_over(self, output: torch.Tensor, input: torch.Tensor, axes: tuple[str, ...],
+                            op=dist.ReduceOp.SUM, async_op: bool = False):
+        """`reduce_scatter` over `axes` together (chunk i to coordinate i of their joined axis)."""
+        return self.reduce_scatter(output, input, self.mesh.axis_over(axes), op=op, async_op=async_op)
+
+    def all_gather_over(self, output: torch.Tensor, input: torch.Tensor, axes: tuple[str, ...],
+                        async_op: bool = False, tag: str = "", lane: str = ""):
+        """`all_gather` over `axes` together, in the coordinate order of their joined axis."""
+        return self.all_gather(output, input, self.mesh.axis_over(axes), async_op=async_op, tag=tag, lane=lane)
 
     def _group(self, axis: str, lane: str):
         return self.mesh.group(axis, lane) if lane else self.mesh.group(axis)
