@@ -197,6 +197,8 @@ class Mesh:
         self._node_ranks: dict[str, list[int]] = {}
         self._expert_ranks: dict[str, list[int]] = {}
         self._lanes: dict[tuple[str, str], dist.ProcessGroup] = {}  # (axis, lane) -> the lane's group
+        if layout.cp > 1 and (layout.ep > 1 or node_size):  # they split dp alone, not all replica axes
+            raise ValueError(f"layout {layout}: expert parallelism and node axes do not compose with cp > 1 yet")
         if layout.ep > 1:
             expert_groups, expert_ranks = _cached((device.type, shape, "ep", layout.ep),
                                                   lambda: self._build_expert_axes(layout.ep))
@@ -289,6 +291,11 @@ class Mesh:
         """The axes with their roles, outermost first."""
         return MESH_AXES
 
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Every axis's name, outermost first (AXES): reductions over the world run them reversed."""
+        return AXES
+
     @staticmethod
     def axes_where(*roles: str) -> tuple[str, ...]:
         """The names of the axes having any of `roles`, in axis order: `mesh.axes_where(REPLICA)`."""
@@ -302,6 +309,11 @@ class Mesh:
         if len(wide) <= 1:
             return wide[0] if wide else axes[0]
         return JOIN.join(wide)
+
+    @property
+    def replica_axis(self) -> str:
+        """The axis gradient syncs run on: `axis_over(axes_where(REPLICA))` ("dp" at cp = 1, else "dp+cp")."""
+        return self.axis_over(axes_where(REPLICA))
 
     def group_over(self, axes: tuple[str, ...] | list[str]) -> dist.ProcessGroup:
         """The one group of `axes` together (built with the Mesh for each role's axes)."""

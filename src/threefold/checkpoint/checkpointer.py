@@ -78,8 +78,8 @@ class Checkpointer:
         self._memory: MemoryFiles | None = None
 
     def _reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """`t` reduced in place over the whole world (tp, dp and pp in turn; also a barrier)."""
-        for axis in ("tp", "dp", "pp"):
+        """`t` reduced in place over the whole world (every axis in turn, innermost first; also a barrier)."""
+        for axis in reversed(self.mesh.axis_names):
             self.comm.all_reduce(t, axis, op=op, tag="checkpoint")
         return t
 

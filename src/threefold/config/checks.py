@@ -55,7 +55,7 @@ def _validate(c: S, world_size: int) -> S:
                               "(or describe the model as a ModelSpec)")
     if t.steps < 0:
         raise ConfigError("train.steps", f"must be at least 0 (0: save the initial model and exit), got {t.steps}")
-    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp),
+    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
                        ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
                        ("train.seq_len", t.seq_len), ("pipeline.virtual_stages", c.pipeline.virtual_stages),
                        ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
@@ -63,12 +63,16 @@ def _validate(c: S, world_size: int) -> S:
         if value < 1:
             raise ConfigError(key, f"must be at least 1, got {value}")
     if p.dp < 0:
-        raise ConfigError("parallel.dp", f"must be at least 1 (or 0 for world/(tp*pp)), got {p.dp}")
-    dp = p.dp or world_size // (p.tp * p.pp)
-    if dp < 1 or dp * p.tp * p.pp != world_size:
+        raise ConfigError("parallel.dp", f"must be at least 1 (or 0 for world/(cp*tp*pp)), got {p.dp}")
+    dp = p.dp or world_size // (p.cp * p.tp * p.pp)
+    if dp < 1 or dp * p.cp * p.tp * p.pp != world_size:
+        cp = f" x cp={p.cp}" if p.cp > 1 else ""
         raise ConfigError(
-            "parallel", f"layout dp={p.dp or 'auto'} x tp={p.tp} x pp={p.pp} does not match the world size "
-            f"{world_size}; choose dp, tp and pp whose product is {world_size}")
+            "parallel", f"layout dp={p.dp or 'auto'}{cp} x tp={p.tp} x pp={p.pp} does not match the world size "
+            f"{world_size}; choose dp, {'cp, ' if cp else ''}tp and pp whose product is {world_size}")
+    if p.cp > 1:  # the mesh has the axis; the attention that splits sequences over it is not wired yet
+        raise ConfigError("", f"parallel.cp={p.cp}: context-parallel attention is not available in this build yet; "
+                          "use parallel.cp=1")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"unknown ZeRO stage {p.zero}; choose 0, 1, 2 or 3")
     if p.offload != "none" and p.zero == 0:
@@ -511,7 +515,7 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
 # above, e.g. parallel.offload needing ZeRO). Together with NIL_EFFECTS they cover every field of
 # these sections; the other sections (model, data, run) describe the job itself.
 ALWAYS_EFFECTIVE = frozenset({
-    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.zero", "parallel.ep", "parallel.zero_weight_comm",
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.zero", "parallel.ep", "parallel.zero_weight_comm",
     "parallel.zero_grad_comm", "parallel.zero_hpz", "parallel.offload", "parallel.elastic_world",
     "precision.compute", "precision.reduce_dtype", "precision.tf32", "remat.policy",
     "remat.offload",

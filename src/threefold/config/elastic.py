@@ -2,8 +2,8 @@
 
 With `--nnodes MIN:MAX` the config's `parallel.dp` and `train.microbatches` describe the world
 of MAX nodes (`parallel.elastic_world`). When the elastic agent restarts the job on fewer
-nodes, every process re-derives the layout for the world it finds: tp and pp stay, dp shrinks
-to world / (tp x pp), and the micro-batch size stays, so accumulation (micro-batches per dp
+nodes, every process re-derives the layout for the world it finds: tp, cp and pp stay, dp shrinks
+to world / (cp x tp x pp), and the micro-batch size stays, so accumulation (micro-batches per dp
 rank) grows by the factor dp shrank and the global batch is unchanged. The universal
 checkpoint then loads under the new layout. Plain Python (no torch).
 """
@@ -44,8 +44,8 @@ def rederive(c: C, world: int, check: Callable[[C, int], C]) -> C:
 
 
 def smallest_world(full: C, check: Callable[[C, int], C]) -> int | None:
-    """The smallest world (a multiple of tp x pp below the full one) the layout re-derives for."""
-    per_replica = full.parallel.tp * full.parallel.pp
+    """The smallest world (a multiple of cp x tp x pp below the full one) the layout re-derives for."""
+    per_replica = full.parallel.cp * full.parallel.tp * full.parallel.pp
     for world in range(per_replica, full.parallel.elastic_world or full.parallel.dp * per_replica, per_replica):
         try:
             _layout_for(full, world, check)
@@ -57,9 +57,10 @@ def smallest_world(full: C, check: Callable[[C, int], C]) -> int | None:
 
 def _layout_for(full: C, world: int, check: Callable[[C, int], C]) -> C:
     p, t = full.parallel, full.train
-    per_replica = p.tp * p.pp
+    per_replica = p.cp * p.tp * p.pp  # one replica's ranks: dp alone shrinks
     if world < per_replica or world % per_replica:
-        raise ConfigError("parallel", f"tp={p.tp} x pp={p.pp} = {per_replica} does not divide {world}")
+        cp = f"cp={p.cp} x " if p.cp > 1 else ""
+        raise ConfigError("parallel", f"{cp}tp={p.tp} x pp={p.pp} = {per_replica} does not divide {world}")
     dp = world // per_replica
     micro = t.global_batch // (p.dp * t.microbatches)  # sequences per micro-batch: kept
     if t.global_batch % (dp * micro):

@@ -78,9 +78,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = 0  # 0: world_size / (tp * pp)
+    dp: int = 0  # 0: world_size / (cp * tp * pp)
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (parameters replicated over cp)
     zero: int = 0
     ep: int = 1  # expert parallelism: carved out of dp, each ep rank holds experts / ep experts
     sequence_parallel: bool = False

@@ -53,7 +53,7 @@ class Fingerprint:
     def check(self, step: int) -> None:
         mesh = self.comm.mesh
         self.checks += 1
-        for axis in ("tp", "dp", "pp"):
+        for axis in reversed(mesh.axis_names):
             n = mesh.size(axis)
             if n == 1:
                 continue

@@ -84,8 +84,8 @@ def snapshot(comm: Comm, step: int, reason: str, tail: int = 32) -> dict:
     records = list(comm.records)
     return {
         "rank": mesh.global_rank, "world_size": mesh.world_size, "reason": reason, "step": step,
-        "coords": {axis: mesh.rank(axis) for axis in ("pp", "dp", "tp")},
-        "groups": {axis: list(mesh.ranks(axis)) for axis in ("pp", "dp", "tp")},
+        "coords": {axis: mesh.rank(axis) for axis in mesh.axis_names},
+        "groups": {axis: list(mesh.ranks(axis)) for axis in mesh.axis_names},
         "calls_per_axis": dict(comm._axis_seq),
         "in_flight": [dict(r.to_dict(), in_flight_s=now - r.start) for r in records if r.end is None],
         "last_completed": next((r.to_dict() for r in reversed(records) if r.end is not None), None),

@@ -42,8 +42,8 @@ def process_group_timeout_s(cfg: Config) -> float:
 
 
 def world_barrier(comm: Comm) -> None:
-    """Every rank has arrived: barriers over tp, then dp, then pp compose to one over the world."""
-    for axis in ("tp", "dp", "pp"):
+    """Every rank has arrived: barriers over every axis, innermost first, compose to one over the world."""
+    for axis in reversed(comm.mesh.axis_names):
         comm.barrier(axis)
 
 
@@ -56,7 +56,7 @@ class Observer:
         self.step = 0
         self.nonfinite = NonFiniteMonitor(parallel.module) if d.nan_check else None
         self.fingerprint = Fingerprint(comm) if d.fingerprint_every else None
-        label = " ".join(f"{a}={mesh.rank(a)}" for a in ("pp", "dp", "tp"))
+        label = " ".join(f"{a}={mesh.rank(a)}" for a in mesh.axis_names)
         self.trace = TraceRecorder(self.rank, label) if d.trace else None
         self.gathering = d.stats or d.nan_check
         self.run_stats = RunStats(d.straggler_ratio)
@@ -144,8 +144,9 @@ class Observer:
         if d.replica_check_every and step % d.replica_check_every == 0:
             self.parallel.settle()
             named = [(self.parallel.placements[n].name, p) for n, p in
-                     replicated_params(self.parallel.module.named_parameters(), self.parallel.placements)]
-            check_replicas(self.comm, named, step)
+                     replicated_params(self.parallel.module.named_parameters(), self.parallel.placements,
+                                       self.mesh.replica_axis)]
+            check_replicas(self.comm, named, step, self.mesh.replica_axis)
             self.replica_checks += 1
         if self.fingerprint is not None and step % d.fingerprint_every == 0:
             self.fingerprint.check(step)

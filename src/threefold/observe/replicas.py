@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
+from ..mesh import JOIN
 from ..sharding import Placement
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -29,7 +30,9 @@ def tensor_hash(t: torch.Tensor) -> torch.Tensor:
 
 
 def replicated_params(named_params, placements: dict[str, Placement], axis: str = "dp"):
-    return [(name, p) for name, p in named_params if axis in placements[name].replicated_over]
+    """The parameters replicated over `axis` (over each part of a joined axis such as dp+cp)."""
+    parts = axis.split(JOIN)
+    return [(name, p) for name, p in named_params if all(a in placements[name].replicated_over for a in parts)]
 
 
 def check_replicas(comm: Comm, named_params: list, step: int, axis: str = "dp") -> list[int]:

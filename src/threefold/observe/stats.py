@@ -26,18 +26,15 @@ import torch
 
 from ..comm import Comm
 
-AXES_INNER_FIRST = ("tp", "dp", "pp")
-
-
 def gather_world(comm: Comm, row: torch.Tensor, tag: str = "stats") -> torch.Tensor:
     """Every rank's `row` (1-D), as (world_size, len) in global-rank order, on every rank.
 
-    All-gathers over tp, then dp, then pp: the mesh's axis order (pp, dp, tp) makes the result
-    global-rank order. Trivial axes cost nothing.
+    All-gathers over every axis, innermost first: the mesh's axis order (pp, dp, cp, tp) makes the
+    result global-rank order. Trivial axes cost nothing.
     """
     mesh = comm.mesh
     table = row.reshape(1, -1)
-    for axis in AXES_INNER_FIRST:
+    for axis in reversed(mesh.axis_names):
         n = mesh.size(axis)
         if n > 1:
             out = torch.empty((n * table.shape[0], table.shape[1]), dtype=table.dtype, device=table.device)

@@ -44,7 +44,7 @@ from ..comm import Comm
 from ..comm.quantize import fp8_supported
 from ..config import Config
 from ..errors import ConfigError
-from ..mesh import Mesh
+from ..mesh import REPLICA, Mesh
 from ..models.moe import moe_modules
 from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
@@ -117,7 +117,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload != "none",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
                              routers=routers, activation_offload=activation_offload,
-                             scratch=scratch)
+                             scratch=scratch, replica_axis=mesh.replica_axis)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
@@ -140,7 +140,8 @@ def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, co
     stage, p = cfg.parallel.zero, cfg.parallel
     dense = [(n, q) for n, q in named if n not in expert_names]
     experts = [(n, q) for n, q in named if n in expert_names]
-    replicated = {name: place.replicated("edp" if name in expert_names else "dp")
+    replicas = comm.mesh.axes_where(REPLICA)  # experts: over edp (the Mesh refuses ep with cp > 1)
+    replicated = {name: place.replicated(*(("edp",) if name in expert_names else replicas))
                   for name, place in placements.items()}
     if stage == 3:  # dense parameters sharded over dp, experts over edp: two ZeRO-3s on the one model
         zero3 = {"wire_dtype": wire, "stage_passes": pipelined, "weight_comm": p.zero_weight_comm,
@@ -183,20 +184,20 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
     periodic = None
     if stage == 0:
         hook_wire = wire if wire != precision.compute_dtype else None
-        hook = make_comm_hook(cfg, mesh.size("dp"), hook_wire)
+        hook = make_comm_hook(cfg, mesh.size(mesh.replica_axis), hook_wire)
         if cfg.train.periodic:  # between syncs, gradients are summed inside a replica only
             hook = periodic_hook(hook, comm, hook_wire)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
         # local SGD / DiLoCo / EASGD: the replicas meet every train.sync_every steps, bucket by bucket
         periodic = (periodic_sync(comm, cfg.train, hook, grad_sync.buckets.buckets, [q for _, q in named])
                     if cfg.train.periodic else None)
-        placements = {name: place.replicated("dp") for name, place in placements.items()}
+        placements = {name: place.replicated(*mesh.axes_where(REPLICA)) for name, place in placements.items()}
         return grad_sync, placements, _whole_pieces(named, placements), None, periodic
     if stage in (1, 2):
         # with a pipeline, stage 2 reduce-scatters after the last micro-batch (see zero.py)
         grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire, defer=pipelined)
         pieces = grad_sync.pieces(placements)  # optimizer states: sharded over dp
-        placements = {name: place.replicated("dp") for name, place in placements.items()}
+        placements = {name: place.replicated(*mesh.axes_where(REPLICA)) for name, place in placements.items()}
         if pipelined:  # the schedule runs stage modules out of order: the gather is waited for after the step
             return grad_sync, placements, pieces, grad_sync.gather_params, None
         grad_sync.overlap_gather(model)  # the next forward waits for each segment it needs (zero.py)

@@ -26,9 +26,9 @@ class DataParallelReducer:
     """Sums the gradients of `params` over `axis` of the mesh."""
 
     def __init__(self, params: list[nn.Parameter], comm: Comm, bucket_mb: float = 25.0,
-                 hook: CommHook | None = None, axis: str = "dp"):
+                 hook: CommHook | None = None, axis: str = ""):
         self.comm = comm
-        self.axis = axis
+        self.axis = axis or comm.mesh.replica_axis  # by default the mesh's replica axes (dp, cp) together
         self.hook = hook or DenseHook()
         self._update_pre_hooks: list = []
         self.buckets = GradientBuckets(
@@ -121,5 +121,5 @@ class DataParallelReducer:
 
 def parallelize_data(model: nn.Module, comm: Comm, bucket_mb: float = 25.0,
                      hook: CommHook | None = None) -> DataParallelReducer:
-    """Attach a bucketed gradient reducer over dp to `model`'s trainable parameters."""
+    """Attach a bucketed gradient reducer over the replica axes to `model`'s trainable parameters."""
     return DataParallelReducer(list(model.parameters()), comm, bucket_mb, hook)

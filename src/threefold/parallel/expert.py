@@ -29,7 +29,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..comm.autograd import all_to_all_rows, reduce_from_group
-from ..mesh import Mesh
+from ..mesh import BATCH, SEQUENCE, Mesh
 from ..models.moe import Experts, moe_modules
 from ..sharding import Placement
 from .model import HooklessSync
@@ -184,7 +184,7 @@ def router_metrics(module: nn.Module, comm: Comm, pipelined: bool = False) -> di
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     if mods:
         table = torch.stack([moe.take_tally().row(moe.num_experts, device) for _, moe in mods])
-        comm.all_reduce(table, "dp", tag="moe")
+        comm.all_reduce_over(table, comm.mesh.axes_where(BATCH, SEQUENCE), tag="moe")  # the tokens' shards
         kept, (dropped, balance, z, sequences, tokens) = table[:, :-5], table[:, -5:].unbind(1)
         weights = torch.tensor([[moe.aux_weight, moe.z_weight] for _, moe in mods], dtype=torch.float64,
                                device=device)

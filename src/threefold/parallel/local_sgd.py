@@ -84,7 +84,7 @@ class PeriodicSync:
         self.cfg = cfg
         self.hook = hook
         self.hierarchical = mesh.has_node_axes()
-        self.axis = "dp_inter" if self.hierarchical else "dp"  # the averaged axis
+        self.axis = "dp_inter" if self.hierarchical else mesh.replica_axis  # the averaged axis
         self.inner = "dp_intra" if self.hierarchical else None
         self.replicas = mesh.size(self.axis)
         self.groups = groups  # piece indices per gradient bucket, in bucket order
@@ -111,7 +111,7 @@ class PeriodicSync:
     @property
     def norm_axis(self) -> str | None:
         """The axis standing for dp in this step's gradient norm: the replica's own gradient when local."""
-        return self.inner if self.hook.local else "dp"
+        return self.inner if self.hook.local else self.comm.mesh.replica_axis
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -263,7 +263,7 @@ def periodic_hook(hook: DenseHook, comm: Comm, wire_dtype: torch.dtype | None) -
     mesh = comm.mesh
     if mesh.has_node_axes():
         return LocalHook(hook, "dp_intra" if mesh.size("dp_intra") > 1 else None, mesh.size("dp_inter"), wire_dtype)
-    return LocalHook(hook, None, mesh.size("dp"), wire_dtype)
+    return LocalHook(hook, None, mesh.size(mesh.replica_axis), wire_dtype)
 
 
 def periodic_sync(comm: Comm, cfg: TrainConfig, hook: LocalHook, buckets: list[Bucket],

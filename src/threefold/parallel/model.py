@@ -145,6 +145,7 @@ class ParallelModel:
     after_sync: Callable[[], None] | None = None
     activation_offload: ActivationOffload | None = None  # remat.offload=cpu: the host copies of saved activations
     scratch: ScratchSettings | None = None  # parallel.offload=nvme: where the states stream from (parallel/nvme.py)
+    replica_axis: str = "dp"  # the axis gradients are summed over (Mesh.replica_axis: dp, or dp+cp)
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:
@@ -224,8 +225,9 @@ class ParallelModel:
 
     @property
     def norm_axis(self) -> str | None:
-        """The axis that stands for dp in the gradient norm: dp, or a replica's own axis between syncs."""
-        return self.periodic.norm_axis if self.periodic is not None else "dp"
+        """The axis that stands for the replica axes in the gradient norm: theirs (dp, dp+cp), or a
+        replica's own axis between syncs."""
+        return self.periodic.norm_axis if self.periodic is not None else self.replica_axis
 
     # ------------------------------------------------------------ memory accounting
 

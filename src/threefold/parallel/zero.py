@@ -104,10 +104,10 @@ class ZeroReducer(HooklessSync):
     """ZeRO stage 1 or 2 over `axis`: the grad-sync interface plus the pieces this rank updates."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Comm, stage: int,
-                 bucket_mb: float = 25.0, wire_dtype: torch.dtype | None = None, axis: str = "dp",
+                 bucket_mb: float = 25.0, wire_dtype: torch.dtype | None = None, axis: str = "",
                  defer: bool = False):
         assert stage in (1, 2)
-        self.comm, self.stage, self.axis = comm, stage, axis
+        self.comm, self.stage, self.axis = comm, stage, axis or comm.mesh.replica_axis  # default: dp (x cp)
         self.kind = f"ZeRO-{stage}"
         self.defer = defer  # stage 2: accumulate whole buckets, reduce-scatter in finish() only (pipeline)
         self.wire_dtype = wire_dtype

@@ -119,10 +119,11 @@ class Zero3(HooklessSync):
 
     kind = "ZeRO-3"
 
-    def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "dp",
+    def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
                  hpz: NoPartition = NO_HPZ, only: set[int] | None = None,
                  units: list[tuple[str, nn.Module]] | None = None):
+        axis = axis or comm.mesh.replica_axis  # default: the mesh's replica axes, dp (x cp)
         self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)

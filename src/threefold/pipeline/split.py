@@ -97,7 +97,7 @@ def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_sta
         layer_costs, first, last = measured_costs(model, adapter, cfg.model, (micro, t.seq_len), device)
         if comm is not None:  # ranks time differently: all adopt global rank 0's figures
             figures = torch.tensor(layer_costs + [first, last], dtype=torch.float64, device=device)
-            for axis in ("tp", "dp", "pp"):
+            for axis in reversed(comm.mesh.axis_names):
                 comm.broadcast(figures, axis, src=0)
             *layer_costs, first, last = figures.tolist()
         bounds = balance(layer_costs, num_stages, first, last)

@@ -17,7 +17,8 @@ from ..models.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
 OPTION_KEYS = {
-    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "ep": "parallel.ep", "zero": "parallel.zero",
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+    "zero": "parallel.zero",
     "model": "model.preset", "schedule": "pipeline.schedule", "microbatches": "train.microbatches",
     "virtual_stages": "pipeline.virtual_stages", "precision": "precision.compute",
     "activation_checkpointing": "remat.policy", "compress": "compress.method", "steps": "train.steps",

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..mesh import BATCH, PIPELINE, SEQUENCE
 from ..config import TrainConfig
 from ..data.sampler import Batch, Sampler
 from ..models.forwards import evaluating
@@ -41,8 +42,9 @@ class Evaluator:
         for k in range(cfg.eval_batches):
             mbs = self.sampler.microbatches(k, cfg.microbatches, mesh.rank("dp"), mesh.size("dp"), mesh.device)
             total += self._loss_sum(mbs, tokens)
-        for axis in ("pp", "dp"):  # tp ranks hold the same loss; only the last stage has one
-            self.comm.all_reduce(total, axis, tag="metrics")
+        # tp ranks hold the same loss; only the last stage has one; the token shards (dp, cp) in one collective
+        for over in (mesh.axes_where(PIPELINE), mesh.axes_where(BATCH, SEQUENCE)):
+            self.comm.all_reduce_over(total, over, tag="metrics")
         loss = float(total) / tokens
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 

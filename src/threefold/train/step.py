@@ -23,6 +23,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import TrainConfig
 from ..data import Batch
+from ..mesh import PIPELINE, REPLICA, TENSOR
 from ..parallel import GradSync, ParallelModel, accumulate  # noqa: F401  (accumulate, GradSync: re-exported)
 from ..parallel.master import ShardedOptimizer
 from ..sharding import Placement
@@ -143,32 +144,38 @@ class StepResult:
 
 
 def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
-                     dp_axis: str | None = "dp", replicated: bool = False) -> torch.Tensor:
+                     dp_axis: str | None = "", replicated: bool = False) -> torch.Tensor:
     """sqrt of the sum of squares of every distinct gradient element of the global model
-    (`grad_sum_of_squares` summed over tp, pp and dp)."""
-    return grad_sum_of_squares(params, placements, comm, dp_axis, replicated, ("tp", "pp")).sqrt()
+    (`grad_sum_of_squares` summed over tp, pp and the replica axes; `dp_axis` "": the mesh's)."""
+    inner_first = tuple(reversed(comm.mesh.axes_where(TENSOR, PIPELINE)))  # tp, then pp
+    return grad_sum_of_squares(params, placements, comm, dp_axis if dp_axis != "" else comm.mesh.replica_axis,
+                               replicated, inner_first).sqrt()
 
 
 def grad_sum_of_squares(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
                         dp_axis: str | None, replicated: bool, axes: tuple[str, ...]) -> torch.Tensor:
-    """The sum of squares of every distinct gradient element, summed over `axes` and dp.
+    """The sum of squares of every distinct gradient element, summed over `axes` and the replica axes.
 
     Each rank adds the gradients it owns - a copy replicated over an axis counts only at that
     axis's coordinate 0 - and the partial sums are added over every mesh axis, so shards,
-    stages and replicas of any layout give the single-device norm. `dp_axis` stands for dp:
-    between the syncs of local SGD a replica's own norm is over its inner axis (or none).
+    stages and replicas of any layout give the single-device norm. `dp_axis` stands for the
+    replica axes (the mesh's `replica_axis`: dp, or dp+cp in one collective): between the syncs
+    of local SGD a replica's own norm is over its inner axis (or none).
 
-    `replicated`: the gradient sync left bitwise the same whole gradients on every dp rank (a
-    dense sum). Then every rank adds them all itself and nothing is summed over dp - one
-    collective less per step, as DDP's replicas clip locally - with the value the sum over dp
-    gives (coordinate 0's partial sum plus zeros).
+    `replicated`: the gradient sync left bitwise the same whole gradients on every replica (a
+    dense sum). Then every rank adds them all itself and nothing is summed over the replica axes -
+    one collective less per step, as DDP's replicas clip locally - with the value the sum gives
+    (coordinate 0's partial sum plus zeros).
     """
     mesh = comm.mesh
-    local_dp = dp_axis == "dp" and replicated and all("dp" in place.replicated_over for place in placements)
+    replicas, joined = mesh.axes_where(REPLICA), mesh.replica_axis
+    wide = [axis for axis in replicas if mesh.size(axis) > 1]
+    local_dp = dp_axis == joined and replicated and all(a in place.replicated_over for place in placements
+                                                        for a in wide)
 
     def owns(axis: str) -> bool:
-        if axis == "dp":
-            return dp_axis is None or local_dp or mesh.rank(dp_axis) == 0
+        if axis in wide:  # the replica axes: `dp_axis` stands for them (one coordinate each when theirs)
+            return dp_axis is None or local_dp or mesh.rank(axis if dp_axis == joined else dp_axis) == 0
         return mesh.rank(axis) == 0
 
     owned = [p.grad for p, place in zip(params, placements)

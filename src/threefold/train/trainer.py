@@ -21,7 +21,7 @@ from ..config import Config
 from ..data.build import build_samplers
 from ..data.loader import Loader, bound_ids
 from ..errors import UserError
-from ..mesh import Layout, Mesh, init_distributed, local_world_size, pick_device
+from ..mesh import BATCH, PIPELINE, SEQUENCE, TENSOR, Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
 from ..observe.faults import FaultInjector, first_attempt
@@ -83,7 +83,7 @@ class Trainer:
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical or p.zero_hpz else 0  # dp_intra / dp_inter
-        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep), device, node_size)
+        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp), device, node_size)
         self.device: Device = TorchDevice(device)  # the figures' copy to the host, the memory peak
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
@@ -171,6 +171,8 @@ class Trainer:
         layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size}
         if p.ep > 1:
             layout["ep"] = p.ep
+        if p.cp > 1:  # recorded only: parameters are replicated over cp, the checkpoint does not depend on it
+            layout["cp"] = p.cp
         return {"layout": layout,
                 # the sampler is a pure function of the step: the step is the whole data position
                 "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
@@ -211,7 +213,7 @@ class Trainer:
     def _agree_max(self, values: list[float]) -> list[float]:
         """The element-wise maximum of `values` over every rank."""
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
-        for axis in ("pp", "dp", "tp"):
+        for axis in self.mesh.axis_names:
             self.comm.all_reduce(t, axis, op=dist.ReduceOp.MAX, tag="checkpoint")
         return t.tolist()
 
@@ -255,15 +257,16 @@ class Trainer:
         # the loss and the stop flag in one all-reduce: agreeing on a stop costs no extra sync
         stop = result.loss_sum.new_full((1,), float(self.stop.first is not None))
         reduced = torch.cat([result.loss_sum.reshape(1), stop])
-        axes = ("pp", "dp")  # only the last pipeline stage has a loss; other ranks add 0
+        # only the last pipeline stage has a loss (other ranks add 0); the token shards (dp, cp) in one collective
+        axes = [self.mesh.axes_where(PIPELINE), self.mesh.axes_where(BATCH, SEQUENCE)]
         if self.mesh.size("tp") > 1:  # the flag reaches every rank; the loss (equal on every tp rank) counts once
-            axes += ("tp",)
+            axes.append(self.mesh.axes_where(TENSOR))
             if self.mesh.rank("tp") > 0:
                 reduced[0] = 0
         if self.faults.skips_collective(step):
             self.faults.stall()
-        for axis in axes:
-            self.comm.all_reduce(reduced, axis, tag="metrics")
+        for over in axes:
+            self.comm.all_reduce_over(reduced, over, tag="metrics")
         self.faults.step_end(step)
         # before anything of the next step; with the step's largest token id (lowest if negative)
         figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids},
