@@ -91,7 +91,8 @@ def test_rank_module_keeps_global_names_and_single_device_values():
     (["parallel.pp=2", "pipeline.virtual_stages=2", "model.layers=3", "pipeline.schedule=interleaved",
       "train.microbatches=2"], 2, "parallel.pp", "use at most 3 stages"),
     (["parallel.pp=4", "model.layers=8", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
-      "train.microbatches=2"], 4, "train.microbatches", "2 < pp=4"),
+      "train.microbatches=2"], 4, "train.microbatches",
+     r"interleaved needs at least as many micro-batches as pipeline ranks \(2 < 4\)"),  # the registry's check
     (["parallel.pp=2", "model.layers=4", "pipeline.virtual_stages=2"], 2, "pipeline.virtual_stages", "interleaved"),
     (["parallel.pp=2", "model.layers=4", "pipeline.split=1,2"], 2, "pipeline.split", "2 boundaries for 2 stages"),
     # the V schedules: two chunks per rank (pp x 2 stages), dualpipev m >= 2 pp

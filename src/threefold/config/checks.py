@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from .sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
                               offload_block_set)
 from ..errors import ConfigError, UserError
-from ..pipeline.schedules import SCHEDULES, check as check_schedule
+from ..pipeline.schedules import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
 from .moe_checks import validate_experts
 
 if TYPE_CHECKING:
@@ -360,22 +360,19 @@ def _validate_pipeline(c: Sections) -> None:
     chunks = kind.chunks_for(pipe.virtual_stages)
     if pipe.virtual_stages > 1 and kind.chunks is not None:
         raise ConfigError("pipeline.virtual_stages", f"{pipe.virtual_stages} virtual stages need "
-                          f"pipeline.schedule=interleaved (got '{pipe.schedule}'"
+                          f"pipeline.schedule={VIRTUAL_SCHEDULE} (got '{pipe.schedule}'"
                           + (f", which places {kind.chunks} chunks per rank itself" if kind.chunks > 1 else "")
                           + "); or set virtual_stages=1")
     stages = pp * chunks
     if stages > layers:
         raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp x {chunks} chunks per rank) but the model "
                           f"has only {layers} layers; use at most {layers} stages")
-    if pp > 1 and pipe.schedule == "interleaved" and m < pp:
-        raise ConfigError("train.microbatches", f"the interleaved schedule needs at least as many micro-batches as "
-                          f"pipeline stages per chunk: {m} < pp={pp}; use train.microbatches >= {pp}")
     problem = check_schedule(pipe.schedule, pp, m, pipe.virtual_stages) if pp > 1 else None
     if problem:
         raise ConfigError("train.microbatches", problem)
     if pipe.split and pp > 1:
         parse_split(pipe.split, layers, stages)
-    if pp > 1 and pipe.schedule == "pipedream-2bw":
+    if pp > 1 and not kind.synchronous:  # pipedream-2bw: updates without a flush
         _validate_two_bw(c)
 
 
@@ -439,7 +436,7 @@ def _validate_activation_offload(c: Sections) -> None:
     if c.train.compile:
         raise ConfigError("remat.offload", "the offload's saved-tensor hooks run in Python, outside a compiled "
                           "graph; set train.compile=false or remat.offload=none")
-    if c.pipeline.schedule == "pipedream-2bw" and c.parallel.pp > 1:
+    if not SCHEDULES[c.pipeline.schedule].synchronous and c.parallel.pp > 1:  # pipedream-2bw
         raise ConfigError("remat.offload", "pipedream-2bw keeps stashed weight versions that the offload would "
                           "copy as activations; set remat.offload=none")
 

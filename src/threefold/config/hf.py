@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..models.families import FAMILIES  # plain data: the one table of families (no torch)
 
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# all three read from the family registry (models/families.py)
+MOE = tuple(arch for arch, family in FAMILIES.items() if family.experts)
 # config.json's model_type -> the architecture threefold builds for it
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-SUPPORTED = tuple(ARCHITECTURES.values())
+ARCHITECTURES = {family.model_type: arch for arch, family in FAMILIES.items()}
+SUPPORTED = tuple(FAMILIES)
 # dropout a config.json may ask for; every family trains without it (masks drawn per rank would break tensor
 # parallelism and parity), so the start warns and an export writes 0
 DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import ConfigError
-from ..pipeline.schedules import SCHEDULES
+from ..pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES
 
 SCHEDULE_NAMES = tuple(SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
 
@@ -102,7 +102,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: Literal[SCHEDULE_NAMES] = "1f1b"
+    schedule: Literal[SCHEDULE_NAMES] = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     split: str = ""  # comma-separated first layer index of each stage after the first; "" = balanced
     balance: Literal["params", "time"] = "params"

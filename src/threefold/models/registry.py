@@ -1,10 +1,18 @@
-"""Which family a `model` config names: a preset of the reference decoder, or `hf:DIR`."""
+"""Which family a `model` config names: a preset of the reference decoder, or PREFIX:REST.
+
+`PREFIXES` maps a `model.preset` prefix to the function that builds the spec from the rest of the
+name (`hf:DIR`: a Hugging Face directory, its architecture's module from models/families.py); a
+preset without one of them is the reference decoder's. Adding a prefix is one entry.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Callable
 
 from ..config import ModelConfig
+from .families import FAMILIES
 from .spec import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -12,32 +20,37 @@ HF_PREFIX = "hf:"
 
 def model_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
     """The spec of the model `cfg` describes, initialised from `seed` (weights: see checkpoint/hf.py)."""
-    if cfg.preset.startswith(HF_PREFIX):
-        return hf_spec(Path(cfg.preset[len(HF_PREFIX):]), seed)
-    if cfg.preset.startswith("py:"):  # a user's own nn.Module (models/py_module.py)
-        from .py_module import py_spec
-
-        return py_spec(cfg, seed)
+    for prefix, build in PREFIXES.items():
+        if cfg.preset.startswith(prefix):
+            return build(cfg.preset[len(prefix):], cfg, seed)
     from .reference import decoder_spec
 
     return decoder_spec(cfg, seed)
 
 
 def hf_spec(directory: Path, seed: int) -> ModelSpec:
-    """A Hugging Face directory's spec, from the module of its architecture (GPT-2, a mixture of
-    experts, or a dense Llama-style family)."""
-    from ..config.hf import MOE
+    """A Hugging Face directory's spec, from the module its architecture's family names."""
     from .hf_causal import load_hf_config
 
     config = load_hf_config(directory)
-    if config.architectures[0] == "GPT2LMHeadModel":
-        from .hf_gpt2 import gpt2_spec
+    build = load_object(FAMILIES[config.architectures[0]].spec, __package__)
+    return build(directory, config, seed)
 
-        return gpt2_spec(directory, config, seed)
-    if config.architectures[0] in MOE:
-        from .hf_moe import moe_spec
 
-        return moe_spec(directory, config, seed)
-    from .hf_causal import causal_spec
+def _py_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
+    from .py_module import py_spec
 
-    return causal_spec(directory, config, seed)
+    return py_spec(cfg, seed)
+
+
+def load_object(target: str, package: str | None = None) -> Callable:
+    """The object "MODULE:NAME" names (MODULE relative to `package` when given), importing MODULE."""
+    module, _, name = target.partition(":")
+    return vars(importlib.import_module(f".{module}" if package else module, package))[name]
+
+
+# model.preset prefix -> build(rest of the name, the model config, seed)
+PREFIXES: dict[str, Callable[[str, ModelConfig, int], ModelSpec]] = {
+    HF_PREFIX: lambda rest, cfg, seed: hf_spec(Path(rest), seed),
+    "py:": lambda rest, cfg, seed: _py_spec(cfg, seed),  # a user's own nn.Module (models/py_module.py)
+}

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..comm import Comm
+from ..mesh import AXES
 from .hang_report import build_report, format_report
 
 MARKER = "HANG"
@@ -84,8 +85,8 @@ def snapshot(comm: Comm, step: int, reason: str, tail: int = 32) -> dict:
     records = list(comm.records)
     return {
         "rank": mesh.global_rank, "world_size": mesh.world_size, "reason": reason, "step": step,
-        "coords": {axis: mesh.rank(axis) for axis in mesh.axis_names},
-        "groups": {axis: list(mesh.ranks(axis)) for axis in mesh.axis_names},
+        "coords": {axis: mesh.rank(axis) for axis in AXES},
+        "groups": {axis: list(mesh.ranks(axis)) for axis in AXES},
         "calls_per_axis": dict(comm._axis_seq),
         "in_flight": [dict(r.to_dict(), in_flight_s=now - r.start) for r in records if r.end is None],
         "last_completed": next((r.to_dict() for r in reversed(records) if r.end is not None), None),

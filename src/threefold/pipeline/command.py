@@ -10,14 +10,14 @@ from pathlib import Path
 
 from ..errors import UserError
 from .draw import chrome_trace, draw_timeline
-from .schedules import SCHEDULES, build_schedule, validate
+from .schedules import DEFAULT_SCHEDULE, SCHEDULES, build_schedule, validate
 from .simulate import Costs, simulate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+    p.add_argument("--schedule", choices=list(SCHEDULES), default=DEFAULT_SCHEDULE,
                    help="; ".join(f"{k.name}: {k.summary}" for k in SCHEDULES.values()))
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("--out", required=True, help="picture to write: FILE.png or FILE.svg")

@@ -299,6 +299,15 @@ class ScheduleKind:
     synchronous: bool = True  # False: weights updated without a flush (the planner never picks it)
     # planner: bubble share of the makespan with F = I = W = 1 per stage (all chunks together)
     bubble: Callable[[int, int, int], float] = lambda p, m, v: (p - 1) / (m + p - 1)
+    preference: int = 9  # planner: of equally good layouts the lower wins (ties go to the simpler schedule)
+    # planner: the bubble's time beyond m (F + B) for p stages, v chunks, per-stage costs F, B = I + W
+    # and W of a micro-batch; None: from `bubble` (the V schedules) or (p - 1) (F + B)
+    bubble_time: Callable[[int, int, int, float, float, float], float] | None = None
+
+    @property
+    def needs_virtual_stages(self) -> bool:
+        """Whether `pipeline.virtual_stages` sets its chunks per rank (interleaved)."""
+        return self.chunks is None
 
     def chunks_for(self, virtual_stages: int) -> int:
         """Model chunks per rank given `pipeline.virtual_stages`."""
@@ -306,14 +315,17 @@ class ScheduleKind:
 
 
 SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
-    ScheduleKind("gpipe", _one_chunk(gpipe_order), "all forwards, then all backwards"),
-    ScheduleKind("1f1b", _one_chunk(one_f_one_b_order), "one forward, one backward (PipeDream-flush)"),
+    ScheduleKind("gpipe", _one_chunk(gpipe_order), "all forwards, then all backwards", preference=3),
+    ScheduleKind("1f1b", _one_chunk(one_f_one_b_order), "one forward, one backward (PipeDream-flush)",
+                 preference=0),
     ScheduleKind("interleaved", lambda p, m, v: [interleaved_order(p, m, r, v) for r in range(p)],
                  "Megatron-LM's interleaved 1F1B over pipeline.virtual_stages chunks per rank",
                  chunks=None, check=_check_interleaved,
-                 bubble=lambda p, m, v: (p - 1) / (v * m + p - 1)),
+                 bubble=lambda p, m, v: (p - 1) / (v * m + p - 1), preference=1,
+                 bubble_time=lambda p, m, v, f, b, w: (p - 1) * (f + b) / v),
     ScheduleKind("zb-h1", _one_chunk(zb_h1_order), "1F1B with the backward split into I and W, W deferred",
-                 split_backward=True, bubble=lambda p, m, v: (p - 1) / (3 * m + p - 1)),
+                 split_backward=True, bubble=lambda p, m, v: (p - 1) / (3 * m + p - 1), preference=2,
+                 bubble_time=lambda p, m, v, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),
     ScheduleKind("zb-v", _one_chunk(zb_v_order), "zero-bubble V: two chunks per rank in a V, I and W split",
                  placement="v", chunks=2, split_backward=True, bubble=lambda p, m, v: _v_bubble(p, m)),
     ScheduleKind("dualpipev", _one_chunk(dualpipev_order),
@@ -324,6 +336,11 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
                  "PipeDream-2BW: 1F1B without flush, two weight versions (asynchronous: changes the optimisation)",
                  check=_check_2bw, shown_batches=2, synchronous=False, bubble=lambda p, m, v: 0.0),
 )}
+
+
+DEFAULT_SCHEDULE = "1f1b"  # pipeline.schedule's default
+# the schedule whose chunks per rank pipeline.virtual_stages sets
+VIRTUAL_SCHEDULE = next(name for name, k in SCHEDULES.items() if k.needs_virtual_stages)
 
 
 def kind(name: str) -> ScheduleKind:
@@ -345,7 +362,7 @@ def check(name: str, p: int, m: int, v: int = 1) -> str | None:
         return f"pp, microbatches and virtual stages must be at least 1 (got {p}, {m}, {v})"
     if k.chunks is not None and v not in (1, k.chunks):
         return (f"schedule '{name}' runs {k.chunks} chunk{'s' if k.chunks > 1 else ''} per rank; "
-                + ("virtual stages need 'interleaved'" if k.chunks == 1 else "leave virtual stages at 1"))
+                + (f"virtual stages need '{VIRTUAL_SCHEDULE}'" if k.chunks == 1 else "leave virtual stages at 1"))
     return k.check(p, m, k.chunks_for(v))
 
 

@@ -139,7 +139,7 @@ def _fixed(args) -> dict:
         raise ConfigError("--gpus", f"dp x tp x pp = {layout[0] * layout[1] * layout[2]} but --gpus is {args.gpus}; "
                           "make the product equal the GPU count")
     if "virtual_stages" in fixed and fixed["virtual_stages"] > 1 and "schedule" not in fixed:
-        fixed["schedule"] = "interleaved"
+        fixed["schedule"] = pipeline_schedules.VIRTUAL_SCHEDULE
     return fixed
 
 
@@ -273,7 +273,7 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
     lines += [header, "-" * len(header)]
     for i, c in enumerate(r.candidates[:top], 1):
         st = c.strategy
-        sched = (st.schedule + (f"x{st.virtual_stages}" if st.schedule == "interleaved" else "")) if st.pp > 1 else "-"
+        sched = st.schedule_label if st.pp > 1 else "-"
         step = f"{c.time.total_s:8.3g}" if c.time else f"{'-':>8}"
         lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3} {st.ep:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
                      f"{sched:>14} {c.memory.total / GiB:>8.1f} {'yes' if c.fits else 'no':>4} {step} "

@@ -22,6 +22,7 @@ KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "m": "mi
         "microbatches": "microbatches",
         "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule"}
 SCHEDULES = tuple(pipeline_schedules.SCHEDULES)  # the registry's names (pipeline/schedules.py)
+VIRTUAL = pipeline_schedules.VIRTUAL_SCHEDULE  # the one that takes virtual stages (interleaved)
 POLICIES = ("none", "selective", "full", "every-k")
 
 
@@ -37,9 +38,9 @@ def parse_layout(text: str) -> dict:
         if token == "hpz":
             fixed["hpz"] = True
             continue
-        match = re.fullmatch(r"interleavedx(\d+)", token)
+        match = re.fullmatch(re.escape(VIRTUAL) + r"x(\d+)", token)  # "interleavedx2"
         if token in SCHEDULES or match:
-            fixed["schedule"] = "interleaved" if match else token
+            fixed["schedule"] = VIRTUAL if match else token
             if match:
                 fixed["virtual_stages"] = int(match.group(1))
             continue
@@ -129,10 +130,10 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
     if micro and (dp or (tp and pp)) and (w.global_batch // (dp or gpus // (tp * pp))) % micro:
         out.append(f"microbatches={micro} does not divide the {w.global_batch // (dp or gpus // (tp * pp))} "
                    "sequences of a data-parallel rank")
-    if fixed.get("schedule") == "interleaved" and pp and micro and micro % pp:
-        out.append(f"interleaved needs microbatches ({micro}) to be a multiple of pp ({pp})")
-    if fixed.get("schedule") == "interleaved" and pp and m.layers % (pp * fixed.get("virtual_stages", 2)):
-        out.append(f"interleaved needs pp x virtual stages ({pp} x {fixed.get('virtual_stages', 2)}) to divide the "
+    if fixed.get("schedule") == VIRTUAL and pp and micro and micro % pp:
+        out.append(f"{VIRTUAL} needs microbatches ({micro}) to be a multiple of pp ({pp})")
+    if fixed.get("schedule") == VIRTUAL and pp and m.layers % (pp * fixed.get("virtual_stages", 2)):
+        out.append(f"{VIRTUAL} needs pp x virtual stages ({pp} x {fixed.get('virtual_stages', 2)}) to divide the "
                    f"{m.layers} layers")
     return out
 

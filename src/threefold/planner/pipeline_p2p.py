@@ -50,7 +50,7 @@ def p2p_seconds(w: Workload, st: Strategy, gpu: Gpu) -> tuple[float, float]:
         return 0.0, 0.0
     whole = boundary_bytes(w, st)
     link = comm.axis_link(gpu, "pp", st.tp, st.dp, st.pp)
-    v = st.virtual_stages if st.schedule == "interleaved" else 1
+    v = st.virtual
     if w.pipeline_p2p == "batched":
         one = comm.point_to_point(whole / (st.tp if st.sequence_parallel else 1), link)
         return v * one, v * one

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from ..pipeline.schedules import SCHEDULES as KINDS
+from ..pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES as KINDS
 from .compute import mfu
 from .hardware import GiB, Gpu
 from .memory import MemoryBreakdown, dp_per_node, rank_memory, slow_link_state_bytes
@@ -38,8 +38,7 @@ REMAT_POLICIES = ("none", "selective", "every-k", "full")  # cheapest first; eve
 # every synchronous schedule of the registry (pipeline/schedules.py); an asynchronous one changes the
 # optimisation and is never chosen for the user
 SEARCHED = tuple(sorted((name for name, kind in KINDS.items() if kind.synchronous),
-                        key=lambda n: ("1f1b", "interleaved", "zb-h1", "gpipe").index(n)
-                        if n in ("1f1b", "interleaved", "zb-h1", "gpipe") else 4))  # ties go to the simpler
+                        key=lambda n: KINDS[n].preference))  # ties go to the simpler (the registration's preference)
 
 
 @dataclass
@@ -145,15 +144,16 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                 else:
                     mbs = [per_rank // b for b in MICRO_BATCH_SIZES if per_rank % b == 0]
                 remats = [fixed["remat"]] if "remat" in fixed else REMAT_POLICIES
-                schedules = [fixed["schedule"]] if "schedule" in fixed else (SEARCHED if pp > 1 else ("1f1b",))
+                schedules = ([fixed["schedule"]] if "schedule" in fixed
+                             else SEARCHED if pp > 1 else (DEFAULT_SCHEDULE,))
                 for micro, remat, schedule in product(mbs, remats, schedules):
                     vs = [1]
-                    if schedule == "interleaved":
+                    if KINDS[schedule].needs_virtual_stages:
                         vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else interleaving_depths(m.layers, pp)
                         if micro % pp:
                             continue
                     for v in vs:
-                        if schedule == "interleaved" and (v < 2 or pp * v > m.layers):
+                        if KINDS[schedule].needs_virtual_stages and (v < 2 or pp * v > m.layers):
                             continue
                         if pp > 1 and (KINDS[schedule].check(pp, micro, v)
                                        or pp * KINDS[schedule].chunks_for(v) > m.layers):

@@ -101,20 +101,19 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: flo
     steady = m * (f + b)
     if p == 1:
         return steady
-    if schedule == "interleaved" and v > 1:
-        return steady + (p - 1) * (f + b) / v
-    if schedule == "zb-h1":
-        return steady + (p - 1) * max(f + b - 2 * w, 0.0)
     from ..pipeline.schedules import SCHEDULES
-    if SCHEDULES[schedule].placement == "v":  # the registration's bubble share (F = I = W)
-        return steady / (1 - SCHEDULES[schedule].bubble(p, m, v))
+    kind = SCHEDULES[schedule]
+    if kind.bubble_time is not None:  # the registration's bubble for general F, I, W (interleaved, zb-h1)
+        return steady + kind.bubble_time(p, m, v, f, b, w)
+    if kind.placement == "v":  # the registration's bubble share (F = I = W)
+        return steady / (1 - kind.bubble(p, m, v))
     return steady + (p - 1) * (f + b)
 
 
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> tuple[float, bool]:
     """(makespan, whether the simulator computed it)."""
-    v = v if schedule == "interleaved" else 1
     from ..pipeline.schedules import SCHEDULES
+    v = v if SCHEDULES[schedule].needs_virtual_stages else 1
     chunks = SCHEDULES[schedule].chunks_for(v)
     if p > 1 and _simulator() is not None and 3 * p * m * chunks <= SIMULATE_MAX_ACTIONS:
         return _simulated_makespan(schedule, p, m, v, f, b - w, w), True
@@ -209,7 +208,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
         candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, p2p_f + p2p_b, ep_f + ep_b, hidden)
         best = candidate if best is None or candidate[0] > best[0] else best
     _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep, hidden = best
-    v = st.virtual_stages if st.schedule == "interleaved" else 1
+    v = st.virtual
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import Config, ModelConfig
+from ..pipeline.schedules import DEFAULT_SCHEDULE
 from .moe import expert_parameters, sparse_block_extra, sparse_block_rank_extra, sparse_blocks
 
 IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
@@ -54,7 +55,7 @@ class Strategy:
     zero: int = 0
     microbatches: int = 1  # per data-parallel rank per step
     remat: str = "none"  # none | selective | full | every-k
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (only matters when pp > 1)
+    schedule: str = DEFAULT_SCHEDULE  # a name of the registry, pipeline/schedules.py (only matters when pp > 1)
     virtual_stages: int = 1
     sequence_parallel: bool = False
     precision: str = "bf16"  # fp32 | bf16 | fp16
@@ -83,6 +84,19 @@ class Strategy:
         return SCHEDULES[self.schedule].chunks_for(self.virtual_stages)
 
     @property
+    def virtual(self) -> int:
+        """`virtual_stages` as the schedule takes them: its own for a schedule that needs them
+        (the registration's `needs_virtual_stages`: interleaved), else 1."""
+        from ..pipeline.schedules import SCHEDULES
+        return self.virtual_stages if SCHEDULES[self.schedule].needs_virtual_stages else 1
+
+    @property
+    def schedule_label(self) -> str:
+        """The schedule's name, with xV when it takes virtual stages ("interleavedx2")."""
+        from ..pipeline.schedules import SCHEDULES
+        return self.schedule + (f"x{self.virtual_stages}" if SCHEDULES[self.schedule].needs_virtual_stages else "")
+
+    @property
     def placement(self) -> str:
         """Which rank holds which stage: "interleaved" (stage s on rank s % pp) or "v"."""
         if self.pp == 1:
@@ -102,7 +116,7 @@ class Strategy:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}", f"m={self.microbatches}",
                  f"ckpt={self.remat}"]
         if self.pp > 1:
-            parts.append(self.schedule + (f"x{self.virtual_stages}" if self.schedule == "interleaved" else ""))
+            parts.append(self.schedule_label)
         if self.sequence_parallel:
             parts.append("sp")
         if self.ep > 1:
