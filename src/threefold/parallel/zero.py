@@ -107,7 +107,8 @@ class ZeroReducer(HooklessSync):
                  bucket_mb: float = 25.0, wire_dtype: torch.dtype | None = None, axis: str = "",
                  defer: bool = False):
         assert stage in (1, 2)
-        self.comm, self.stage, self.axis = comm, stage, axis or comm.mesh.replica_axis  # default: dp (x cp)
+        axis = axis or comm.mesh.replica_axis  # default: the mesh's replica axes, dp (x cp)
+        self.comm, self.stage, self.axis = comm, stage, axis
         self.kind = f"ZeRO-{stage}"
         self.defer = defer  # stage 2: accumulate whole buckets, reduce-scatter in finish() only (pipeline)
         self.wire_dtype = wire_dtype

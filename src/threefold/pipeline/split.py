@@ -45,7 +45,7 @@ class PipelineSplit:
         """The interpreter for this rank. `weights`: every tensor holding weights (under ZeRO-3 the
         shards and the whole forms), which the activation meter must not count. `compile_stage`:
         what turns a stage's computation into its compiled form (`train.compile`), or None."""
-        if not self.schedule.synchronous:  # pipedream-2bw, asynchronous: its own runtime (two_bw.py)
+        if not kind(self.schedule.name).synchronous:  # pipedream-2bw, asynchronous: its own runtime (two_bw.py)
             from .two_bw import make_runtime
 
             return make_runtime(self, comm, grad_sync, dtype, weights, compile_stage)
