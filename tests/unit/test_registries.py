@@ -78,11 +78,12 @@ def test_config_reads_the_family_registry():
 
 def test_every_family_names_a_spec_function():
     from threefold.models.families import FAMILIES
-    from threefold.models.registry import PREFIXES, load_object
+    from threefold.models.registry import PREFIXES, SPEC_MODULES
 
+    assert {f.module for f in FAMILIES.values()} == set(SPEC_MODULES)
     for family in FAMILIES.values():
-        assert callable(load_object(family.spec, "threefold.models")), family
-    assert list(PREFIXES) == ["hf:"]
+        assert SPEC_MODULES[family.module]().__module__ == f"threefold.models.{family.module}", family
+    assert list(PREFIXES) == ["hf:", "py:"]
 
 
 # ------------------------------------------------------------------ schedules

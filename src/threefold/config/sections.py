@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import ConfigError
-from ..pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES
+from ..pipeline import schedules as registry  # the schedule registry: plain data
 
-SCHEDULE_NAMES = tuple(SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
+SCHEDULE_NAMES = tuple(registry.SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -102,7 +102,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: Literal[SCHEDULE_NAMES] = DEFAULT_SCHEDULE
+    schedule: Literal[SCHEDULE_NAMES] = registry.DEFAULT_SCHEDULE
     virtual_stages: int = 1
     split: str = ""  # comma-separated first layer index of each stage after the first; "" = balanced
     balance: Literal["params", "time"] = "params"

@@ -7,7 +7,6 @@ preset without one of them is the reference decoder's. Adding a prefix is one en
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +32,7 @@ def hf_spec(directory: Path, seed: int) -> ModelSpec:
     from .hf_causal import load_hf_config
 
     config = load_hf_config(directory)
-    build = load_object(FAMILIES[config.architectures[0]].spec, __package__)
+    build = SPEC_MODULES[FAMILIES[config.architectures[0]].module]()
     return build(directory, config, seed)
 
 
@@ -43,11 +42,28 @@ def _py_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
     return py_spec(cfg, seed)
 
 
-def load_object(target: str, package: str | None = None) -> Callable:
-    """The object "MODULE:NAME" names (MODULE relative to `package` when given), importing MODULE."""
-    module, _, name = target.partition(":")
-    return vars(importlib.import_module(f".{module}" if package else module, package))[name]
+def _causal():
+    from .hf_causal import causal_spec
 
+    return causal_spec
+
+
+def _gpt2():
+    from .hf_gpt2 import gpt2_spec
+
+    return gpt2_spec
+
+
+def _moe():
+    from .hf_moe import moe_spec
+
+    return moe_spec
+
+
+# a family's module -> its spec function (directory, transformers config, seed) -> ModelSpec, imported
+# only when asked for (each module pulls in transformers)
+SPEC_MODULES: dict[str, Callable[[], Callable[[Path, object, int], ModelSpec]]] = {
+    "hf_causal": _causal, "hf_gpt2": _gpt2, "hf_moe": _moe}
 
 # model.preset prefix -> build(rest of the name, the model config, seed)
 PREFIXES: dict[str, Callable[[str, ModelConfig, int], ModelSpec]] = {
