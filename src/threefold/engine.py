@@ -43,7 +43,7 @@ from .comm import Comm
 from .checkpoint.format import step_dir_name
 from .config import Config, load_config, with_overrides
 from .errors import ConfigError
-from .mesh import Layout, Mesh, init_distributed, pick_device
+from .mesh import BATCH, Layout, Mesh, init_distributed, pick_device
 from .parallel.module import ModuleParallel, Units, parallelize_module, refuse_unplanned
 from .train.step import TrainStep
 
@@ -104,11 +104,12 @@ class Engine:
         self.module.train()
         micro = self._micro_batches(batch)
         self.step += 1
-        result = self.step_fn(self.step, micro, self.mesh.size("dp") * len(micro))
+        batch_axis = self.mesh.axis_over(self.mesh.axes_where(BATCH))  # the axes that split the samples
+        result = self.step_fn(self.step, micro, self.mesh.size(batch_axis) * len(micro))
         loss = result.loss_sum.reshape(1).clone()
-        self.comm.all_reduce(loss, "dp", tag="metrics")
+        self.comm.all_reduce(loss, batch_axis, tag="metrics")
         grad_norm, skipped, scale, loss_total = result.read(loss[0])
-        return {"step": self.step, "loss": loss_total / (self.mesh.size("dp") * len(micro)), "grad_norm": grad_norm,
+        return {"step": self.step, "loss": loss_total / (self.mesh.size(batch_axis) * len(micro)), "grad_norm": grad_norm,
                 "lr": result.lr, "loss_scale": scale, "skipped": bool(skipped),
                 "step_time_s": time.perf_counter() - start, "comm": self.comm.traffic.take_window()}
 
@@ -123,10 +124,11 @@ class Engine:
             micro = self._micro_batches(batch)
             for mb in micro:
                 total += self.parallel.loss_of(self.module, mb).float()
-            self.comm.all_reduce(total, "dp", tag="metrics")
+            batch_axis = self.mesh.axis_over(self.mesh.axes_where(BATCH))
+            self.comm.all_reduce(total, batch_axis, tag="metrics")
         finally:
             self.module.train(was)
-        return total.item() / (self.mesh.size("dp") * len(micro))
+        return total.item() / (self.mesh.size(batch_axis) * len(micro))
 
     # ------------------------------------------------------------ checkpoints
 

@@ -115,8 +115,9 @@ class ModuleParallel(ParallelModel):
 
     @torch.no_grad()
     def sync_buffers(self) -> None:
-        """Average the floating-point buffers over dp (one all-reduce per dtype), when synced."""
-        n = self.comm.mesh.size("dp")
+        """Average the floating-point buffers over the replicas (one all-reduce per dtype), when synced."""
+        axis = self.comm.mesh.replica_axis
+        n = self.comm.mesh.size(axis)
         if not self.synced_buffers or n == 1:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -125,7 +126,7 @@ class ModuleParallel(ParallelModel):
                 by_dtype.setdefault(b.dtype, []).append(b)
         for bufs in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in bufs])
-            self.comm.all_reduce(flat, "dp", tag="buffers")
+            self.comm.all_reduce(flat, axis, tag="buffers")
             flat /= n
             for b, value in zip(bufs, flat.split([b.numel() for b in bufs])):
                 b.copy_(value.view_as(b))
@@ -134,7 +135,7 @@ class ModuleParallel(ParallelModel):
         """Parameters and persistent buffers with their placements: what a checkpoint holds."""
         buffers = dict(self.module.named_buffers())
         named = list(self.module.named_parameters()) + [(n, buffers[n]) for n in self.buffer_names]
-        places = {**self.placements, **{n: Placement.whole(n, tuple(buffers[n].shape)).replicated("dp")
+        places = {**self.placements, **{n: Placement.whole(n, tuple(buffers[n].shape)).replicated(self.comm.mesh.replica_axis)
                                         for n in self.buffer_names}}
         return named, places
 
@@ -166,7 +167,7 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
     model.to(mesh.device)
     with torch.no_grad():  # every replica starts from dp rank 0's values (parameters and buffers)
         for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, "dp", src=0)
+            comm.broadcast(t.data, mesh.replica_axis, src=0)
     chosen = choose_units(model, units)
     # activation checkpointing: each region's forward recomputed in backward (hooks stay outside it)
     regions = []
@@ -183,15 +184,15 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
         wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
     after_step = settle = None
     if stage == 0:
-        hook = make_comm_hook(cfg, mesh.size("dp"), wire if wire != precision.compute_dtype else None)
+        hook = make_comm_hook(cfg, mesh.size(mesh.replica_axis), wire if wire != precision.compute_dtype else None)
         grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
-        placements = {n: place.replicated("dp") for n, place in placements.items()}
+        placements = {n: place.replicated(mesh.replica_axis) for n, place in placements.items()}
         pieces = [Piece(n, placements[n], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
                   for n, q in named]
     elif stage in (1, 2):
         grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire)
         pieces = grad_sync.pieces(placements)
-        placements = {n: place.replicated("dp") for n, place in placements.items()}
+        placements = {n: place.replicated(mesh.replica_axis) for n, place in placements.items()}
         grad_sync.overlap_gather(model, [m for _, m in chosen])  # each unit waits for its parameters' gathers
         after_step, settle = grad_sync.defer_param_gather, grad_sync.settle
     else:
