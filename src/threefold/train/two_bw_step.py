@@ -47,6 +47,7 @@ class TwoBWStep:
         self._step = 0  # the step whose segment ran last
         self._lr = 0.0  # the rate of the update applied in this call (0: none)
         self._applied = torch.zeros(2, dtype=torch.float32, device=comm.mesh.device)  # sumsq, not finite
+        self.stage_figures = self._applied  # `_applied` of the last call (`__call__`)
 
     def __call__(self, step: int, micro_batches, global_tokens: int) -> StepResult:
         if not self.runtime.in_flight:
@@ -54,9 +55,17 @@ class TwoBWStep:
         self._step, self._lr = step, 0.0
         self._applied = torch.zeros(2, dtype=torch.float32, device=self.comm.mesh.device)
         loss_sum = self.runtime.forward_backward(micro_batches, global_tokens)
-        figures = self._applied.clone()
-        self.comm.all_reduce(figures, "pp", tag="grad_norm")  # every stage has stepped (or not) by now
-        return StepResult(loss_sum, figures[0].sqrt(), self._lr, figures[1] > 0, 1.0)
+        # this stage's [sum of squares, not finite] of the update it applied; summed over pp with the
+        # metrics, posted without a wait (the trainer's `_post_figures`; `global_figures` reads the sum)
+        self.stage_figures = self._applied.clone()
+        sumsq, bad = self.stage_figures.unbind()
+        return StepResult(loss_sum, sumsq.sqrt(), self._lr, bad > 0, 1.0)  # this stage's own figures
+
+    @staticmethod
+    def global_figures(summed: torch.Tensor) -> dict:
+        """`StepResult.figures` of the step from `stage_figures` summed over pp: the global norm of
+        the gradient applied in it, and whether a stage skipped its update."""
+        return {"grad_norm": summed[0].sqrt(), "skipped": summed[1] > 0, "loss_scale": 1.0}
 
     def drain(self) -> None:
         """The flush: apply the last batch's update (lr_at of its step); nothing stays in flight."""
