@@ -4,14 +4,25 @@ A call runs step t's segment of the timeline: the forwards of batch t (whose los
 reports), the tail of batch t - 1's backwards and, on every stage, the update with batch t - 1's
 gradient (`U`), then the head of batch t's backwards. The update at U is the synchronous step's
 math restricted to one stage: the dp sync of its gradients (its dp peers reach the same U), the
-norm of its own gradients (summed over dp), learning rate `lr_at(k)` for the k-th update (k =
-t - 1: the learning-rate schedule follows the batches), the optimizer step, unless the stage's
-gradient is not finite. Nothing is clipped (no stage has the global norm when it steps: the
-config refuses train.grad_clip > 0). After the segment the stages' squared norms are summed over
-pp for the record: `grad_norm` of step t is the global norm of the gradient applied in step t
-(batch t - 1's; 0 at the first step after a flush, which applies none), `lr` the rate it was
-applied with (0 when none), `skipped` whether a stage skipped it. `drain()` is the flush: the
-last batch's remaining backwards and its update (lr_at(t)), before a checkpoint and at the end.
+norm of its own gradients (summed over dp), clipping by that norm, learning rate `lr_at(k)` for
+the k-th update (k = t - 1: the learning-rate schedule follows the batches), the optimizer step,
+unless the stage's gradient is not finite.
+
+Clipping (`train.grad_clip` = c > 0) is per stage: no stage has the global norm when it steps
+(the other stages finish the batch at other times; waiting for them is a flush). Stage s scales
+its gradient g_s by min(1, c / (||g_s|| + 1e-6)), torch's `clip_grads_with_norm_` with the
+stage's own norm in place of the global one. A stage is clipped only where the synchronous step
+would clip too (||g_s|| > c implies ||g|| > c), each stage by its own factor, so the applied
+update's global norm may reach sqrt(pp) * c. It changes the optimisation, as the staleness does
+(docs/pipeline.md).
+
+Nothing is summed over pp here. The stages' [squared norm, not finite] of the update they
+applied (`stage_figures`) go with the metrics reduction, which the trainer posts without a wait
+and reads one step later (`Trainer._post_figures`): `grad_norm` of step t is the global norm of
+the gradient applied in step t, before clipping (batch t - 1's; 0 at the first step after a
+flush, which applies none), `lr` the rate it was applied with (0 when none), `skipped` whether a
+stage skipped it. `drain()` is the flush: the last batch's remaining backwards and its update
+(lr_at(t)), before a checkpoint and at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from ..config import TrainConfig
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
 from .optim import lr_at, set_lr
-from .step import StepResult, grad_sum_of_squares
+from .step import StepResult, clip_gradients, grad_sum_of_squares
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
@@ -79,6 +90,7 @@ class TwoBWStep:
         params, placements = self.optimizer.prepare_grads(1.0)
         sumsq = stage_sumsq(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
         found_inf = ~torch.isfinite(sumsq)
+        clip_gradients(params, sumsq.sqrt(), self.cfg.grad_clip)  # by this stage's own norm (module text)
         self._lr = lr_at(self._step - 1, self.cfg)
         set_lr(self.optimizer, self._lr)
         self.optimizer.step(found_inf)
