@@ -90,7 +90,8 @@ def test_dualpipev_hides_each_pairs_all_to_all_behind_the_other_side(runs):
     and some all-to-all time of one side was covered by the other side's computation. Summed over
     every rank and step (dozens of pairs): an all-to-all waits for the peer replica, while the
     other thread computes, so the figure is not a race a loaded machine loses. Under
-    debug.comm_semantics=nccl the pairs run one after the other (docs/pipeline.md)."""
+    debug.comm_semantics=nccl too, where a pair's two receives of one batch complete as one Work
+    that both threads wait for (comm/collectives.py `_Shared`: one wait, the other thread waits for it)."""
     from threefold.pipeline.schedules import build_schedule, paired_schedule
 
     _, together = paired_schedule(build_schedule("dualpipev", 2, 4))
@@ -102,7 +103,7 @@ def test_dualpipev_hides_each_pairs_all_to_all_behind_the_other_side(runs):
         hidden += got["hidden_s"]
     assert hidden > 0
     for r in runs["dualpipev p2 ep2 nccl"]:
-        assert r["overlap"]["pairs"] == 0
+        assert r["overlap"]["pairs"] == 6 * len(together[r["coords"]["pp"]]) > 0, r["overlap"]
 
 
 def overlap_figure(steps: int = 6) -> list[dict]:

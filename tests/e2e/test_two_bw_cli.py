@@ -33,8 +33,9 @@ def test_two_bw_trains_and_a_resume_continues_the_run_exactly(tmp_path):
 
 
 def test_two_bw_refusals_exit_2_with_one_line(tmp_path):
-    args = TWO_BW[:TWO_BW.index("train.grad_clip=0") - 1] + TWO_BW[TWO_BW.index("train.grad_clip=0") + 1:]
-    run = threefold("train", *args, "--steps", "2", "--out", str(tmp_path))  # grad_clip left at 1.0
+    tied = TWO_BW.index("model.tie_embeddings=false")
+    args = TWO_BW[:tied - 1] + TWO_BW[tied + 1:]
+    run = threefold("train", *args, "--steps", "2", "--out", str(tmp_path))  # tied embeddings, the default
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "train.grad_clip: " in lines[0], run.stderr
+    assert len(lines) == 1 and "model.tie_embeddings: " in lines[0], run.stderr

@@ -88,12 +88,13 @@ BASE = ["model.preset=tiny", "model.layers=4", "parallel.pp=2", "pipeline.schedu
 
 def test_a_supported_config_validates():
     load_config(None, BASE).validate(2)
+    load_config(None, BASE + ["train.grad_clip=1.0"]).validate(2)  # clipped per stage (train/two_bw_step.py)
 
 
 @pytest.mark.parametrize("override, field", [
-    ("train.microbatches=1", "train.microbatches"), ("train.grad_clip=1.0", "train.grad_clip"),
+    ("train.microbatches=1", "train.microbatches"),
     ("model.tie_embeddings=true", "model.tie_embeddings"), ("precision.compute=fp16", "precision.compute"),
-    ("parallel.zero=1", "parallel.zero"), ("train.compile=true", "train.compile"),
+    ("model.experts=4", "model.experts"), ("parallel.zero=1", "parallel.zero"), ("train.compile=true", "train.compile"),
     ("remat.policy=full", "remat.policy"), ("train.eval_every=2", "train.eval_every"),
     ("compress.method=fp16", "compress.method"), ("pipeline.virtual_stages=2", "pipeline.virtual_stages"),
 ])

@@ -145,16 +145,21 @@ class Handle:
 
 
 class _Shared:
-    """One Work, waited once by whichever of its handles asks first."""
+    """One Work, waited once by whichever of its handles asks first; a handle asking meanwhile (from
+    another thread: a dualpipev pair's forward and backward may each wait for a receive of one
+    batch, which NCCL, and the nccl test mode, complete as one Work) waits for that wait to end.
+    gloo's point-to-point Work never returns from a second wait()."""
 
     def __init__(self, work):
         self.work = work
         self._waited = False
+        self._lock = threading.Lock()
 
     def wait(self) -> None:
-        if not self._waited:
-            self.work.wait()
-            self._waited = True
+        with self._lock:
+            if not self._waited:
+                self.work.wait()
+                self._waited = True
 
     def is_completed(self) -> bool:
         return self._waited or self.work.is_completed()

@@ -384,8 +384,6 @@ def _validate_two_bw(c: Sections) -> None:
     refusals = (
         (m < pp, "train.microbatches", f"pipedream-2bw needs at least as many micro-batches as pipeline ranks "
                                        f"({m} < pp={pp}); use train.microbatches >= {pp}"),
-        (t.grad_clip > 0, "train.grad_clip", f"{why}, before the other stages have their gradients: there is no "
-                                             "global norm to clip by; set train.grad_clip=0"),
         (c.model.tie_embeddings, "model.tie_embeddings", f"{why}; the tied embedding and head would have to meet "
                                                          "between the first and last stage (a flush); set "
                                                          "model.tie_embeddings=false"),
@@ -394,6 +392,9 @@ def _validate_two_bw(c: Sections) -> None:
         (p.zero > 0, "parallel.zero", "pipedream-2bw runs with plain data parallelism; set parallel.zero=0"),
         (p.tp > 1, "parallel.tp", "pipedream-2bw runs without tensor parallelism here; set parallel.tp=1"),
         (p.ep > 1, "parallel.ep", "pipedream-2bw runs without expert parallelism here; set parallel.ep=1"),
+        (c.model.experts > 0, "model.experts", "pipedream-2bw's steps do not wait for each other, and the routers' "
+                                               "metrics are summed over the pipeline stages at every step (a wait); "
+                                               "use a dense model (model.experts=0) or another schedule"),
         (t.compile, "train.compile", "pipedream-2bw runs its stages uncompiled; set train.compile=false"),
         (c.remat.policy != "none", "remat.policy", "pipedream-2bw runs without activation checkpointing here; "
                                                    "set remat.policy=none"),

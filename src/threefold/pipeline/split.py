@@ -59,10 +59,7 @@ class PipelineSplit:
         tied_grads = (lambda: sum_tied_gradients(comm, [_grad_or_zeros(p, gradient_of) for p in self.tied],
                                                  self.tied_peer)) if self.tied else None
         schedule, pairs = self.schedule, frozenset()
-        # not under debug.comm_semantics=nccl: that mode's host waits for a whole p2p batch (sends
-        # included) before a receive counts as arrived, which ties the two threads of a pair to the
-        # other replica's progress through both ep groups: a cycle (docs/pipeline.md)
-        if self.overlap_pairs and compile_stage is None and comm.semantics == "native":
+        if self.overlap_pairs and compile_stage is None:
             schedule, together = paired_schedule(self.schedule)
             pairs = together[comm.mesh.rank("pp")]
         return PipelineRuntime(schedule, self.stages, compute, comm, self.activation_shape, dtype, tied_grads,

@@ -124,9 +124,11 @@ def plan(p: int, m: int) -> Plan:
 def check_plan(pl: Plan, lengths: tuple[int, ...] = (1, 2, 3, 4)) -> None:
     """Raise ScheduleError unless a run of n steps (first + steady x (n-1) + drain) is the unrolled
     timeline of n batches for each n in `lengths` (steps repeat: the steady segment is the same for
-    every step) and no step needs anything of a later step (steps meet at their boundary: the
-    metrics all-reduce): every message is sent no later than the step that consumes it, and its
-    receive posted no later than the step that sends it."""
+    every step) and no step needs anything of a later step: every message is sent no later than the
+    step that consumes it, and its receive is posted in the step that sends it. The last makes a
+    collective between two steps safe where it runs in order with the transfers (NCCL's one stream
+    per communicator: the metrics reduction over pp, posted at each step's end, Trainer._post_figures):
+    every transfer before it on one rank is matched by a transfer before it on the other."""
     for n in lengths:
         want = unrolled(pl.p, pl.m, n)
         got = pl.run(n)
@@ -147,7 +149,7 @@ def check_plan(pl: Plan, lengths: tuple[int, ...] = (1, 2, 3, 4)) -> None:
                 recv, consumer = ("RECV_B", stage - 1, mb), ("B", stage - 1, mb)
             else:
                 continue
-            if not where[recv] <= seg <= where[consumer]:
+            if not where[recv] == seg <= where[consumer]:
                 raise ScheduleError(f"{NAME} (pp={pl.p}, m={pl.m}): {kind}{mb}@s{stage} in step {seg}, its receive "
                                     f"in step {where[recv]}, its consumer in step {where[consumer]}")
 

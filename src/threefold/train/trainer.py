@@ -33,7 +33,7 @@ from ..parallel.precision import set_tf32
 from .autosave import AutoSave
 from .clock import Mark, StepClock
 from .evaluate import Evaluator
-from .metrics import MetricsLog, plot_run
+from .metrics import MetricsLog, PostedRead, plot_run
 from .preempt import Preempted, StopSignals
 from .rundir import check_resume, run_directory, update_run
 from .step import Device, PendingRead, StepResult, TorchDevice, TrainStep, start_read
@@ -47,7 +47,7 @@ class LaunchedStep:
 
     step: int
     result: StepResult
-    figures: PendingRead  # the step's figures on their way to the host (`Trainer.figures`; with "stop":
+    figures: PendingRead | PostedRead  # the step's figures on their way to the host (`Trainer.figures`; with "stop":
     # how many ranks had a stop signal when the step was launched, train/preempt.py)
     start: Mark  # when its launch began, and when its work ended (train/clock.py)
     end: Mark
@@ -101,8 +101,10 @@ class Trainer:
         # 1-bit Adam takes its place when compress.method=onebit asks for it
         self.optimizer = self.parallel.make_optimizer(cfg.train)
         # pipedream-2bw steps each stage inside the schedule (train/two_bw_step.py); drained before a save
-        self.step_fn = (TwoBWStep if cfg.pipeline.schedule == "pipedream-2bw" and p.pp > 1 else TrainStep)(
-            self.parallel, self.optimizer, self.comm, cfg.train)
+        self.two_bw = TwoBWStep(self.parallel, self.optimizer, self.comm, cfg.train) \
+            if cfg.pipeline.schedule == "pipedream-2bw" and p.pp > 1 else None  # its metrics: `_post_figures`
+        self.step_fn = self.two_bw if self.two_bw is not None else TrainStep(self.parallel, self.optimizer, self.comm,
+                                                                             cfg.train)
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
             val_sampler, cfg.train, self.parallel.module, self.comm,
@@ -265,12 +267,16 @@ class Trainer:
                 reduced[0] = 0
         if self.faults.skips_collective(step):
             self.faults.stall()
-        for over in axes:
-            self.comm.all_reduce_over(reduced, over, tag="metrics")
-        self.faults.step_end(step)
-        # before anything of the next step; with the step's largest token id (lowest if negative)
-        figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids},
-                             self.device)
+        if self.two_bw is not None:  # pipedream-2bw: posted, read one step later (no wait at the boundary)
+            figures = self._post_figures(self.two_bw, reduced, token_ids)
+            self.faults.step_end(step)
+        else:
+            for over in axes:
+                self.comm.all_reduce_over(reduced, over, tag="metrics")
+            self.faults.step_end(step)
+            # before anything of the next step; with the step's largest token id (lowest if negative)
+            figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids},
+                                 self.device)
         self.step = step
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
@@ -278,6 +284,18 @@ class Trainer:
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, figures, start, self.clock.mark(),
                             sum(mb.targets.numel() for mb in micro_batches), data_wait, mem, moe, comm)
+
+    def _post_figures(self, two_bw: TwoBWStep, reduced: torch.Tensor, token_ids: torch.Tensor) -> PostedRead:
+        """pipedream-2bw's metrics reduction, which makes no pipeline rank wait for another: summed over
+        dp at once (the stage's replicas, in step with each other: they met at its update), then, with
+        the stage's figures of the update it applied (`TwoBWStep.stage_figures`), over pp asynchronously:
+        waited for when the step's figures are read, after the next step is launched (`run`; at once
+        when a save, the last step or a stop comes first). The sums are the synchronous ones."""
+        self.comm.all_reduce_over(reduced, self.mesh.axes_where(BATCH, SEQUENCE), tag="metrics")
+        summed = torch.cat([reduced, two_bw.stage_figures])
+        posted = self.comm.all_reduce_over(summed, self.mesh.axes_where(PIPELINE), async_op=True, tag="metrics")
+        return PostedRead(posted, lambda: {**two_bw.global_figures(summed[2:]), "loss_total": summed[0],
+                                           "stop": summed[1], "token_id": token_ids}, self.device)
 
     @staticmethod
     def figures(result: StepResult, loss_sum: torch.Tensor) -> dict:

@@ -4,14 +4,25 @@ A call runs step t's segment of the timeline: the forwards of batch t (whose los
 reports), the tail of batch t - 1's backwards and, on every stage, the update with batch t - 1's
 gradient (`U`), then the head of batch t's backwards. The update at U is the synchronous step's
 math restricted to one stage: the dp sync of its gradients (its dp peers reach the same U), the
-norm of its own gradients (summed over dp), learning rate `lr_at(k)` for the k-th update (k =
-t - 1: the learning-rate schedule follows the batches), the optimizer step, unless the stage's
-gradient is not finite. Nothing is clipped (no stage has the global norm when it steps: the
-config refuses train.grad_clip > 0). After the segment the stages' squared norms are summed over
-pp for the record: `grad_norm` of step t is the global norm of the gradient applied in step t
-(batch t - 1's; 0 at the first step after a flush, which applies none), `lr` the rate it was
-applied with (0 when none), `skipped` whether a stage skipped it. `drain()` is the flush: the
-last batch's remaining backwards and its update (lr_at(t)), before a checkpoint and at the end.
+norm of its own gradients (summed over dp), clipping by that norm, learning rate `lr_at(k)` for
+the k-th update (k = t - 1: the learning-rate schedule follows the batches), the optimizer step,
+unless the stage's gradient is not finite.
+
+Clipping (`train.grad_clip` = c > 0) is per stage: no stage has the global norm when it steps
+(the other stages finish the batch at other times; waiting for them is a flush). Stage s scales
+its gradient g_s by min(1, c / (||g_s|| + 1e-6)), torch's `clip_grads_with_norm_` with the
+stage's own norm in place of the global one. A stage is clipped only where the synchronous step
+would clip too (||g_s|| > c implies ||g|| > c), each stage by its own factor, so the applied
+update's global norm may reach sqrt(pp) * c. It changes the optimisation, as the staleness does
+(docs/pipeline.md).
+
+Nothing is summed over pp here. The stages' [squared norm, not finite] of the update they
+applied (`stage_figures`) go with the metrics reduction, which the trainer posts without a wait
+and reads one step later (`Trainer._post_figures`): `grad_norm` of step t is the global norm of
+the gradient applied in step t, before clipping (batch t - 1's; 0 at the first step after a
+flush, which applies none), `lr` the rate it was applied with (0 when none), `skipped` whether a
+stage skipped it. `drain()` is the flush: the last batch's remaining backwards and its update
+(lr_at(t)), before a checkpoint and at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from ..config import TrainConfig
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
 from .optim import lr_at, set_lr
-from .step import StepResult, grad_sum_of_squares
+from .step import StepResult, clip_gradients, grad_sum_of_squares
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
@@ -47,6 +58,7 @@ class TwoBWStep:
         self._step = 0  # the step whose segment ran last
         self._lr = 0.0  # the rate of the update applied in this call (0: none)
         self._applied = torch.zeros(2, dtype=torch.float32, device=comm.mesh.device)  # sumsq, not finite
+        self.stage_figures = self._applied  # `_applied` of the last call (`__call__`)
 
     def __call__(self, step: int, micro_batches, global_tokens: int) -> StepResult:
         if not self.runtime.in_flight:
@@ -54,9 +66,17 @@ class TwoBWStep:
         self._step, self._lr = step, 0.0
         self._applied = torch.zeros(2, dtype=torch.float32, device=self.comm.mesh.device)
         loss_sum = self.runtime.forward_backward(micro_batches, global_tokens)
-        figures = self._applied.clone()
-        self.comm.all_reduce(figures, "pp", tag="grad_norm")  # every stage has stepped (or not) by now
-        return StepResult(loss_sum, figures[0].sqrt(), self._lr, figures[1] > 0, 1.0)
+        # this stage's [sum of squares, not finite] of the update it applied; summed over pp with the
+        # metrics, posted without a wait (the trainer's `_post_figures`; `global_figures` reads the sum)
+        self.stage_figures = self._applied.clone()
+        sumsq, bad = self.stage_figures.unbind()
+        return StepResult(loss_sum, sumsq.sqrt(), self._lr, bad > 0, 1.0)  # this stage's own figures
+
+    @staticmethod
+    def global_figures(summed: torch.Tensor) -> dict:
+        """`StepResult.figures` of the step from `stage_figures` summed over pp: the global norm of
+        the gradient applied in it, and whether a stage skipped its update."""
+        return {"grad_norm": summed[0].sqrt(), "skipped": summed[1] > 0, "loss_scale": 1.0}
 
     def drain(self) -> None:
         """The flush: apply the last batch's update (lr_at of its step); nothing stays in flight."""
@@ -70,6 +90,7 @@ class TwoBWStep:
         params, placements = self.optimizer.prepare_grads(1.0)
         sumsq = stage_sumsq(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
         found_inf = ~torch.isfinite(sumsq)
+        clip_gradients(params, sumsq.sqrt(), self.cfg.grad_clip)  # by this stage's own norm (module text)
         self._lr = lr_at(self._step - 1, self.cfg)
         set_lr(self.optimizer, self._lr)
         self.optimizer.step(found_inf)
