@@ -480,6 +480,8 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
     NilEffect(("precision.initial_scale", "precision.growth_interval", "precision.growth_factor",
                "precision.backoff_factor"), lambda c, dp: c.precision.compute == "fp16",
               "precision.compute=fp16 (the loss scaler)"),
+    NilEffect(("precision.fp8_recipe", "precision.fp8_linears", "precision.fp8_skip_first_last"),
+              lambda c, dp: c.precision.compute == "fp8", "precision.compute=fp8"),
     NilEffect(("train.beta1", "train.beta2", "train.eps"), lambda c, dp: not _sgd(c, dp), "train.optimizer=adamw"),
     NilEffect(("train.momentum", "train.nesterov"), _sgd, "train.optimizer=sgd"),
     NilEffect(("train.outer_lr", "train.outer_momentum"), lambda c, dp: c.train.outer_optimizer != "none",

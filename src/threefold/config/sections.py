@@ -110,7 +110,8 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    compute: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 elsewhere
+    # auto: bf16 on CUDA, fp32 elsewhere; fp8: the blocks' linears in float8 (parallel/fp8.py), the rest bf16
+    compute: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     # the dtype gradients travel in over dp; auto: the compute dtype on CUDA, fp32 elsewhere
     reduce_dtype: Literal["auto", "fp32", "bf16", "fp16", "compute"] = "auto"
     tf32: bool = True  # on CUDA, fp32 matmuls and convolutions use TF32 tensor cores
@@ -118,6 +119,17 @@ class PrecisionConfig:
     growth_interval: int = 1000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
+    # with compute=fp8 (docs/fp8.md): torchao's scaling recipe; which block linears convert (auto: those whose
+    # GEMM shape gains on this GPU, planner/compute.py fp8_gains; all: every one, e.g. for CPU emulation);
+    # the first and last block stay bf16 unless false
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    fp8_linears: Literal["auto", "all"] = "auto"
+    fp8_skip_first_last: bool = True
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype of the model's parameters and activations: fp8 computes its linears in float8 on bf16 ones."""
+        return "bf16" if self.compute == "fp8" else self.compute
 
     def for_device(self, device_type: str) -> "PrecisionConfig":
         """`auto` settled for a device: bf16 compute reduced in bf16 on CUDA, fp32 elsewhere."""

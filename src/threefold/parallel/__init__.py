@@ -35,6 +35,7 @@ with `parallel.offload`.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -96,6 +97,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
         placements = {name: placements[split.names[name]].replicated("pp") if id(q) in tied
                       else placements[split.names[name]] for name, q in model.named_parameters()}
     allocated = materialise(model, placements, mesh.device, spec)
+    # 2b. fp8: the blocks' linears get float8 matmuls (after the tp shards, before remat wraps forwards)
+    fp8 = _convert_fp8(model, cfg, comm, mesh, None if split is None else split.names)
     shards.install()
     if spec.local_hooks is not None:
         spec.local_hooks(model)
@@ -164,6 +167,34 @@ def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, co
         syncs[0].gather_params()
         syncs[1].gather_params()
     return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, pieces, after_step
+
+
+def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: dict[str, str] | None):
+    """`precision.compute=fp8`: convert the blocks' linears (parallel/fp8.py), the auto rule reading this
+    GPU's fp8/bf16 GEMM ratios (planner/compute.py); one line on rank 0 says how many converted and why."""
+    if cfg.precision.compute != "fp8":
+        return None
+    from ..planner.compute import fp8_gains
+    from ..planner.hardware import fp8_gpu
+    from .fp8 import convert_linears, hardware_fp8
+
+    t = cfg.train
+    tokens = max(1, t.global_batch // (mesh.size("dp") * t.microbatches)) * t.seq_len
+    gpu = fp8_gpu(torch.cuda.get_device_name(mesh.device)) if hardware_fp8(mesh.device) else None
+    gains = None if gpu is None else (lambda m, k, n: fp8_gains(m, k, n, gpu, cfg.precision.fp8_recipe))
+
+    def global_name(local: str) -> str:  # a module's global name under a pipeline split (by its parameters')
+        if names is None:
+            return local
+        for pname in names:
+            if pname.startswith(local + "."):
+                return names[pname][: len(names[pname]) - len(pname) + len(local)]
+        return local
+
+    report = convert_linears(model, cfg.precision, comm, mesh.device, tokens, cfg.model.layers, global_name, gains)
+    if mesh.global_rank == 0:
+        print(report.line(), file=sys.stderr, flush=True)
+    return report
 
 
 def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool,

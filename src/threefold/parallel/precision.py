@@ -11,6 +11,9 @@ travel in over dp (`precision.reduce_dtype`) is independent of both (`fp32` keep
 sum over many ranks in bf16 loses; `compute`, the CUDA default, halves the bytes and skips the
 upcast and the rounding back).
 
+With `precision.compute=fp8` the model is bf16 as above and the blocks' linears compute in float8
+(parallel/fp8.py, step 2b of `parallelize`: `convert_linears`); masters and moments stay fp32.
+
 fp16 has a narrow exponent range, so small gradients underflow to zero. The dynamic loss scaler
 multiplies the loss by S before backward (gradients are S times larger), the optimizer divides
 them by S again in fp32, and S adapts: after `growth_interval` steps without overflow it grows
@@ -100,7 +103,7 @@ class MixedPrecision:
 
 def resolve_reduce_dtype(cfg: PrecisionConfig, device_type: str = "cpu") -> torch.dtype:
     cfg = cfg.for_device(device_type)
-    return DTYPES[cfg.compute if cfg.reduce_dtype == "compute" else cfg.reduce_dtype]
+    return DTYPES[cfg.model_dtype if cfg.reduce_dtype == "compute" else cfg.reduce_dtype]
 
 
 def set_tf32(device: torch.device, enabled: bool) -> None:
@@ -112,9 +115,10 @@ def set_tf32(device: torch.device, enabled: bool) -> None:
 
 def apply_precision(model: nn.Module, cfg: PrecisionConfig, device_type: str = "cpu") -> MixedPrecision:
     """Cast `model`'s floating-point parameters and buffers to the compute dtype, in place
-    (`auto` settled for `device_type`: bf16 on CUDA, fp32 elsewhere)."""
+    (`auto` settled for `device_type`: bf16 on CUDA, fp32 elsewhere; fp8: bf16, its linears already
+    given their fp8 matmuls by `parallel.fp8.convert_linears`)."""
     cfg = cfg.for_device(device_type)
-    dtype = DTYPES[cfg.compute]
+    dtype = DTYPES[cfg.model_dtype]
     fp32_init: dict[str, torch.Tensor] = {}
     if dtype != torch.float32:
         for name, p in model.named_parameters():  # tied weights appear once

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,14 @@ def leave_region(y: torch.Tensor, comm: Comm, sequence_parallel: bool, seq_dim: 
     if sequence_parallel:
         return reduce_scatter_to_group(y, comm, AXIS, seq_dim)
     return reduce_from_group(y, comm, AXIS)
+
+
+class LinearKernel(Protocol):
+    """The matmul of a tensor-parallel linear, y = x W^T + b (W as F.linear takes it); `shard`: under
+    sequence parallelism, (the region's sequence shard of x, its _Regather) to save instead of x."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 shard: "tuple[torch.Tensor, _Regather] | None" = None) -> torch.Tensor: ...
 
 
 class _Regather:
@@ -181,6 +190,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = weight.shape[0 if transposed else 1]
         self.out_features = out_features or (rows[1] if rows else weight.shape[1 if transposed else 0])
         self.region: SequenceRegion | None = None  # the enclosing region under sequence parallelism
+        self.kernel: LinearKernel | None = None  # another matmul (fp8: parallel/fp8.py); None: F.linear
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         weight, bias = (self.weight.t() if self.transposed else self.weight), self.bias
@@ -188,7 +198,9 @@ class ColumnParallelLinear(nn.Module):
             weight = weight.narrow(0, *self.rows)
             bias = None if bias is None else bias.narrow(0, *self.rows)
         shard = self.region.shard_of(x_bsh) if self.region is not None else None
-        if shard is not None and torch.is_grad_enabled():
+        if self.kernel is not None:
+            y = self.kernel(x_bsh, weight, bias, shard if torch.is_grad_enabled() else None)
+        elif shard is not None and torch.is_grad_enabled():
             y = _LinearOnShard.apply(x_bsh, shard[0], weight, bias, shard[1])
         else:
             y = F.linear(x_bsh, weight, bias)
@@ -218,10 +230,12 @@ class RowParallelLinear(nn.Module):
         self.transposed = transposed  # weight stored (in, out): GPT-2's Conv1D
         self.in_features = weight.shape[0 if transposed else 1] * comm.mesh.size(AXIS)
         self.out_features = weight.shape[1 if transposed else 0]
+        self.kernel: LinearKernel | None = None  # another matmul (fp8: parallel/fp8.py); None: F.linear
 
     def forward(self, x_bsf: torch.Tensor) -> torch.Tensor:
         weight = self.weight.t() if self.transposed else self.weight
-        y = leave_region(F.linear(x_bsf, weight), self.comm, self.sequence_parallel, self.seq_dim)
+        local = F.linear(x_bsf, weight) if self.kernel is None else self.kernel(x_bsf, weight, None)
+        y = leave_region(local, self.comm, self.sequence_parallel, self.seq_dim)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(PRESETS)} or a .toml file with a [gpu] table (default h100-80gb)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: ~4M tokens)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq)")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="fp8: the blocks' linears in float8 where their GEMM shape gains (docs/fp8.md)")
     p.add_argument("--network", metavar="NAME",
                    help=f"inter-node network, replacing the GPU kind's: {', '.join(NETWORKS)} (docs/planner.md, "
                         "\"Networks and presets\")")
@@ -176,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     extra["offload_option"] = offloaded
     if explain is not None:
         extra["explain"] = _explain(w, args, gpu, {**fixed, **explain}, result)
+    if args.precision == "fp8" and result.candidates:
+        extra["fp8"] = fp8_advice(w, result.candidates[0].strategy, gpu)
     scaling = scaling_points(w, gpu, args.precision, args.scaling_max) if args.scaling else None
     if args.json:
         print(json.dumps(to_json(result, scaling, extra), indent=1))
@@ -247,9 +250,27 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
         out["offload"] = extra["offload_option"].as_dict()
     if "explain" in extra:
         out["explain"] = {k: v for k, v in extra["explain"].items() if k != "lines"}
+    if "fp8" in extra:
+        out["fp8"] = extra["fp8"]
     if scaling is not None:
         out["scaling"] = scaling
     return out
+
+
+def fp8_advice(w: Workload, st, gpu) -> dict:
+    """Which of a block's linears the fp8 auto rule converts under the layout `st` (planner/compute.py
+    fp8_gains: the same rule as a run's `precision.fp8_linears=auto`), with each one's modelled speedup."""
+    from .compute import block_linear_shapes, fp8_gains, fp8_speedup
+
+    rows = st.micro_batch_size(w) * w.seq_len
+    layers = {name: {"m": m, "k": k, "n": n, "speedup": round(fp8_speedup(m, k, n, gpu), 3),
+                     "fp8": fp8_gains(m, k, n, gpu)}
+              for name, (m, k, n) in block_linear_shapes(w.model, rows, st.tp).items()}
+    gaining = [n for n, v in layers.items() if v["fp8"]]
+    line = (f"fp8 ({st.label()}): {len(gaining)} of {len(layers)} block linears gain on {gpu.name}"
+            + (f" ({', '.join(gaining)})" if gaining else "") + "; the first and last block and the head stay bf16"
+            + ("" if gpu.fp8_flops else f" ({gpu.name} has no fp8 tensor cores)"))
+    return {"layout": st.label(), "linears": layers, "gaining": gaining, "line": line}
 
 
 def _network_json(g) -> dict:
@@ -286,6 +307,8 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
         lines += breakdown(best, g)
         if "checkpoint" in extra:
             lines.append(extra["checkpoint"][1])
+        if "fp8" in extra:
+            lines.append(extra["fp8"]["line"])
         if extra.get("slow_links") is not None:
             lines.append(extra["slow_links"].describe(best))
         lines.append("why the others lose:")

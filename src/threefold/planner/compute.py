@@ -144,7 +144,73 @@ def gemm_seconds(m: int, n: int, k: int, gpu: Gpu, precision: str = "bf16", batc
 
 
 def compute_element_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
+    return 4 if precision == "fp32" else 2  # fp8 keeps bf16 activations: only its GEMM operands are 1 byte
+
+
+# ---- fp8 linears (precision.compute=fp8, parallel/fp8.py): the auto rule and the planner share this model
+# Casting an operand for its two GEMMs (bytes moved per element): tensorwise reads it for the amax and
+# for the cast and writes the fp8 copy in both layouts _scaled_mm needs (2 + 2 + 1 + 1); rowwise scales
+# each layout over another dimension, so both reads happen per layout (2 x (2 + 2 + 1)).
+FP8_CAST_BYTES = {"tensorwise": 6, "rowwise": 10}
+# kernels per linear for the casts (amax, scale, cast of 3 operands, per layout for rowwise): each costs at
+# least the launch gap `Gpu.op_overhead_s`, which is what keeps small GEMMs in bf16
+FP8_CAST_KERNELS = {"tensorwise": 9, "rowwise": 18}
+# share of the fp8 peak the scaled GEMM reaches relative to cuBLAS bf16 at the same shape: 1 for the
+# tensorwise cuBLAS kernel; the rowwise (CUTLASS) kernel is assumed 10% slower
+FP8_GEMM_SHARE = {"tensorwise": 1.0, "rowwise": 0.9}
+
+
+def bf16_linear_seconds(m: int, k: int, n: int, gpu: Gpu) -> float:
+    """Forward + backward GEMMs of a linear (x[m,k] W^T[k,n]) in bf16: output, input gradient, weight gradient."""
+    return gemm_seconds(m, n, k, gpu) + gemm_seconds(m, k, n, gpu) + gemm_seconds(k, n, m, gpu)
+
+
+def _fp8_gemm_seconds(m: int, n: int, k: int, gpu: Gpu, recipe: str) -> float:
+    flops = 2.0 * m * n * k
+    peak = gpu.fp8_flops * gpu.gemm_efficiency * FP8_GEMM_SHARE[recipe] * quantization_efficiency(m, n, gpu.sms)
+    memory = (m * k + k * n + 2 * m * n) / gpu.hbm_bytes_per_s  # 1-byte operands, bf16 output
+    return max(flops / peak, memory)
+
+
+def fp8_linear_seconds(m: int, k: int, n: int, gpu: Gpu, recipe: str = "tensorwise") -> float:
+    """The same three GEMMs with fp8 operands plus the dynamic casts (their HBM traffic and kernel launches);
+    infinite on a GPU without fp8 tensor cores."""
+    if not gpu.fp8_flops:
+        return math.inf
+    gemms = _fp8_gemm_seconds(m, n, k, gpu, recipe) + _fp8_gemm_seconds(m, k, n, gpu, recipe) \
+        + _fp8_gemm_seconds(k, n, m, gpu, recipe)
+    casts = FP8_CAST_BYTES[recipe] * (m * k + k * n + m * n) / gpu.hbm_bytes_per_s
+    return gemms + casts + FP8_CAST_KERNELS[recipe] * gpu.op_overhead_s
+
+
+def fp8_gains(m: int, k: int, n: int, gpu: Gpu, recipe: str = "tensorwise") -> bool:
+    """The auto rule of `precision.fp8_linears`: does the linear of GEMM shape (M=m tokens, K=k, N=n) train
+    faster in fp8 than in bf16 on `gpu`?"""
+    return fp8_linear_seconds(m, k, n, gpu, recipe) < bf16_linear_seconds(m, k, n, gpu)
+
+
+def fp8_speedup(m: int, k: int, n: int, gpu: Gpu, recipe: str = "tensorwise") -> float:
+    """bf16 / fp8 time of a linear's forward + backward (0 without fp8 tensor cores)."""
+    fp8 = fp8_linear_seconds(m, k, n, gpu, recipe)
+    return 0.0 if math.isinf(fp8) else bf16_linear_seconds(m, k, n, gpu) / fp8
+
+
+def _linear_seconds(m: int, k: int, n: int, gpu: Gpu, precision: str) -> float:
+    """One linear's forward GEMM time as the step model charges it (backward = twice forward): under fp8 a
+    third of the faster of its bf16 and fp8 forward + backward (the auto rule keeps the slower in bf16)."""
+    if precision != "fp8":
+        return gemm_seconds(m, n, k, gpu, precision)
+    return min(bf16_linear_seconds(m, k, n, gpu), fp8_linear_seconds(m, k, n, gpu)) / 3
+
+
+def block_linear_shapes(m: ModelConfig, rows: int, tp: int) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of one block's linears on a tp rank (q/k/v fused, as the step model counts them)."""
+    h, f = m.hidden, m.ffn_hidden
+    kv = m.kv_heads * m.head_dim
+    q_width = _ceil(m.attn_width, tp)
+    up = (2 if m.mlp == "swiglu" else 1) * _ceil(f, tp)
+    return {"qkv": (rows, h, q_width + 2 * _ceil(kv, tp)), "attn_out": (rows, q_width, h),
+            "mlp_up": (rows, h, up), "mlp_down": (rows, _ceil(f, tp), h)}
 
 
 @lru_cache(maxsize=8192)
@@ -159,11 +225,10 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
     kv = m.kv_heads * m.head_dim
     q_width = _ceil(m.attn_width, tp)
     t = 0.0
-    t += gemm_seconds(rows, q_width + 2 * _ceil(kv, tp), h, gpu, precision)  # q, k, v (one fused weight)
-    t += gemm_seconds(rows, h, q_width, gpu, precision)  # attention output (row parallel)
-    up = (2 if m.mlp == "swiglu" else 1) * _ceil(f, tp)
-    t += gemm_seconds(rows, up, h, gpu, precision)  # MLP up (and gate)
-    t += gemm_seconds(rows, h, _ceil(f, tp), gpu, precision)  # MLP down
+    # q, k, v (one fused weight), attention output (row parallel), MLP up (and gate), MLP down
+    for mm, k, n in block_linear_shapes(m, rows, tp).values():
+        t += _linear_seconds(mm, k, n, gpu, precision)
+    precision = "bf16" if precision == "fp8" else precision  # the rest of the block stays bf16
     heads = micro_batch * _ceil(m.heads, tp)
     share = executed_attention_share(attention)
     attn_flops = share * 4.0 * seq_len * m.attn_width * rows / tp  # q.k^T and the weighted sum, executed

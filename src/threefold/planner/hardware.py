@@ -22,6 +22,9 @@ Sources (vendor data sheets):
         nodes; section 3.2.2: "IB (50 GB/s)" per GPU across nodes, "NVLink (160 GB/s)" achieved inside
         one; and DeepSeek-AI, "Insights into DeepSeek-V3", arXiv:2505.09343, section 5: eight 400 Gb/s
         ConnectX-7 InfiniBand NICs per node, one per GPU).
+  FP8: the same data sheets' dense FP8 tensor-core peaks (H100 / H200 / H800 SXM 1,979 TFLOP/s, twice
+        the BF16 peak; B200 4.5 PFLOP/s); the A100 has none (`fp8_flops` 0). How a linear's fp8 GEMMs
+        and casts compare with its bf16 GEMMs: planner/compute.py `fp8_linear_seconds`.
   InfiniBand generations: EDR 100, HDR 200, NDR 400, XDR 800 Gb/s per port (InfiniBand Trade
         Association roadmap); one port per GPU as in the DGX nodes above.
   Other networks (`NETWORKS`, `threefold plan --network NAME`): each entry names its source.
@@ -91,11 +94,22 @@ class Gpu:
     attention_efficiency: float = 0.6  # share of the dense peak a fused (flash) attention kernel reaches
     fp32_flops: float = 0.0  # non-tensor-core FP32 peak, for --precision fp32 (0: peak / 16)
     op_overhead_s: float = 4e-6  # host seconds to dispatch and launch one operator (planner/dispatch.py)
+    fp8_flops: float = 0.0  # dense FP8 tensor-core peak (0: no fp8 tensor cores; --precision fp8 gains nothing)
 
     def flops(self, precision: str) -> float:
         if precision == "fp32":
             return self.fp32_flops or self.peak_flops / 16
         return self.peak_flops
+
+
+def fp8_gpu(device_name: str) -> Gpu | None:
+    """The preset of a CUDA device by its name (torch.cuda.get_device_name: "NVIDIA H200", ...), for the
+    fp8 auto rule; None for a GPU without a known fp8 peak (then no linear converts under auto)."""
+    name = device_name.lower()
+    for key, preset in (("h200", "h200-141gb"), ("h800", "h800-80gb"), ("h100", "h100-80gb"), ("b200", "b200-192gb")):
+        if key in name:
+            return PRESETS[preset]
+    return None
 
 
 def _nvlink(gen: str) -> float:
@@ -113,17 +127,17 @@ PRESETS: dict[str, Gpu] = {
                      infiniband="hdr", fp32_flops=19.5e12),
     "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
                      infiniband="ndr", fp32_flops=67e12, sms=132,
-                     gemm_efficiency=0.74, attention_efficiency=0.55),
+                     gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12),
     "h200-141gb": Gpu("h200-141gb", 989e12, 141 * GiB, 4800 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
                       infiniband="ndr", fp32_flops=67e12, sms=132,
-                      gemm_efficiency=0.74, attention_efficiency=0.55),
+                      gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12),
     # the H100 SXM's compute and HBM, NVLink 400 GB/s, one 400 Gb/s InfiniBand NIC per GPU (module docstring)
     "h800-80gb": Gpu("h800-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4 (h800)", 400 / 2 * GB, _ib("ndr"),
                      infiniband="ndr", fp32_flops=67e12, sms=132,
-                     gemm_efficiency=0.74, attention_efficiency=0.55),
+                     gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12),
     "b200-192gb": Gpu("b200-192gb", 2250e12, 180 * GiB, 8000 * GB, "nvlink5", _nvlink("nvlink5"), _ib("ndr"),
                       infiniband="ndr", fp32_flops=80e12, sms=148,
-                      gemm_efficiency=0.74, attention_efficiency=0.55),
+                      gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=4500e12),
 }
 
 
