@@ -1,0 +1,89 @@
+"""FP8 linears across layouts (gloo): tp=2 with sequence parallelism quantises exactly as one process does
+(amaxes reduced over tp), and fp8 training under dp2 ZeRO-3, tp2+sp, pp2 and ep2 stays close to bf16."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from tests.helpers import make_config, rel_err
+
+
+def tp_parity(preset: str, sp: bool) -> dict:
+    """The fp8 tiny model (fp32 around its fp8 matmuls) at tp=world size against the whole model on each rank."""
+    import torch.distributed as dist
+
+    from threefold.comm import Comm
+    from threefold.config import load_config
+    from threefold.mesh import Layout, Mesh
+    from threefold.models.decoder import build_model
+    from threefold.models.decoder_plan import decoder_plan
+    from threefold.parallel.fp8 import convert_linears
+    from threefold.parallel.tensor import gather_full, gather_vocab
+    from threefold.parallel.tensor_plan import parallelize_tensor
+
+    tp = dist.get_world_size()
+    mesh = Mesh(Layout(tp=tp), torch.device("cpu"))
+    cfg = load_config(None, [f"model.preset={preset}", "precision.compute=fp8", "precision.fp8_linears=all",
+                             "precision.fp8_skip_first_last=false"])
+    comm = Comm(mesh)
+    reference, model = build_model(cfg.model, 0), build_model(cfg.model, 0)
+    placements = parallelize_tensor(model, mesh, comm, decoder_plan(cfg.model), sp)
+    one = convert_linears(reference, cfg.precision, None, torch.device("cpu"), 32, cfg.model.layers)
+    many = convert_linears(model, cfg.precision, comm, torch.device("cpu"), 32, cfg.model.layers)
+    gen = torch.Generator().manual_seed(3)
+    tokens, targets = torch.randint(0, cfg.model.vocab, (2, 2, 16), generator=gen)
+    ref_loss = reference(tokens, targets)
+    ref_loss.backward()
+    loss = model(tokens, targets)
+    loss.backward()
+    logits = gather_vocab(model(tokens), comm, cfg.model.vocab).detach()
+    grads = gather_full({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, placements, comm)
+    errors = {"logits": rel_err(logits, reference(tokens).detach()), "loss": rel_err(loss.detach(), ref_loss.detach())}
+    errors.update({n: rel_err(grads[n], p.grad) for n, p in reference.named_parameters() if p.grad is not None})
+    return {"errors": errors, "converted": (len(one.converted), len(many.converted))}
+
+
+@pytest.mark.parametrize("preset,sp", [("tiny", True), ("tiny-llama", False)])
+def test_tp_quantises_as_one_process(worlds, preset, sp):
+    for r in worlds(2).run(tp_parity, preset, sp):
+        assert r["converted"][0] == r["converted"][1] > 0
+        worst = max(r["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+
+
+def train_pairs(runs: list[list[str]], out: str) -> list[dict]:
+    from threefold.train.trainer import Trainer
+
+    reports = []
+    for overrides in runs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            trainer = Trainer(make_config(overrides, out))
+            records = trainer.run()
+        reports.append({"losses": [r["loss"] for r in records], "stderr": err.getvalue()})
+    return reports
+
+
+BASE = ["train.steps=4", "train.global_batch=4", "train.seq_len=16", "train.lr=3e-3", "data.source=stdlib"]
+FP8 = ["precision.compute=fp8", "precision.fp8_linears=all", "precision.fp8_skip_first_last=false"]
+LAYOUTS = {
+    "dp2-zero3": ["model.preset=tiny", "parallel.dp=2", "parallel.zero=3"],
+    "tp2-sp": ["model.preset=tiny", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2": ["model.preset=tiny", "parallel.pp=2", "train.microbatches=2"],
+    "ep2": ["model.preset=tiny-moe", "parallel.dp=2", "parallel.ep=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_trains_close_to_bf16(worlds, tmp_path, layout):
+    runs = [BASE + LAYOUTS[layout] + ["precision.compute=bf16"], BASE + LAYOUTS[layout] + FP8]
+    for bf16, fp8 in worlds(2).run(train_pairs, runs, str(tmp_path)):
+        assert all(torch.isfinite(torch.tensor(fp8["losses"])))
+        if "threefold: fp8:" in fp8["stderr"]:  # printed by global rank 0
+            converted = int(fp8["stderr"].split("threefold: fp8: ")[1].split()[0])
+            assert converted > 0, fp8["stderr"]
+        assert fp8["losses"] != bf16["losses"]
+        worst = max(abs(a - b) / b for a, b in zip(fp8["losses"], bf16["losses"]))
+        assert worst < 2e-2, (layout, worst)
