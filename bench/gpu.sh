@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run that answers every GPU question, in at most --budget seconds (default 540), from the
-# source tree (no install; needs torch, safetensors, numpy; no pytest, transformers or tokenizers):
+# source tree (no install; needs torch, safetensors, numpy, and torchao for the fp8 stages: from vendor/
+# when the tree has one, `pip install --target vendor torchao==0.18.0 --no-deps`, docs/fp8.md;
+# no pytest, transformers or tokenizers):
 #
 #     bash bench/gpu.sh [--budget SECONDS] [--smoke]        (docs/gpu.md, "The benchmark")
 #
@@ -13,6 +15,10 @@
 #   gpt2-train     GPT-2 124M through `threefold train --compile` (its own loop), tokens/s and MFU
 #   gpt2-compare   bench/gpu_compare.py: threefold against a compiled plain PyTorch loop, alternating
 #                  rounds, with a 3-step torch.profiler summary per side
+#   fp8-gemm       bench/fp8_gemm.py: one linear's fp8 / bf16 forward + backward time by GEMM shape, beside
+#                  the auto rule's model of it (planner/compute.py), the measured table of docs/fp8.md
+#   fp8-bf16, fp8-train, fp8-figures   a 4-block Llama-7B-shaped model in bf16 and --precision fp8 (auto):
+#                  tokens/s of each (results fp8_train)
 #   llama-compare  the ~1.2B Llama (Llama 3.2 1B's shape, threefold's reference decoder), last, when time is left
 # Files in $OUT (default runs/gpu-<UTC time>): gpu.log (everything printed), status.tsv (stage, exit
 # code or "skip", seconds, note), results.json (every figure), results/<stage>.json, the runs' directories.
@@ -27,7 +33,7 @@ while [ $# -gt 0 ]; do
         --smoke) SMOKE=1 ;;
         --budget) BUDGET=${2:?--budget needs SECONDS}; shift ;;
         --budget=*) BUDGET=${1#*=} ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "gpu.sh: unknown option '$1' (--budget SECONDS, --smoke)" >&2; exit 2 ;;
     esac
     shift
@@ -37,7 +43,9 @@ OUT=${OUT:-runs/gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT/results" || exit 2
 OUT=$(cd "$OUT" && pwd)
 if [ -e "$OUT/status.tsv" ]; then echo "gpu.sh: $OUT already holds a run (status.tsv); set OUT to a new directory" >&2; exit 2; fi
-export OUT PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+VENDOR=""
+[ -d "$ROOT/vendor" ] && VENDOR=":$ROOT/vendor"  # torchao for the GPU machine, which has no package registry
+export OUT PYTHONPATH="$ROOT/src$VENDOR${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 LOGGER=$!
@@ -76,6 +84,8 @@ if [ "$SMOKE" = 1 ]; then
     GPT2=(--model tiny --steps 5 --global-batch 4 --seq-len 32 --set debug.compile_backend=aot_eager)
     GPT2_CMP=(--smoke --model tiny)
     LLAMA_CMP=(--smoke --model tiny-llama)
+    FP8_MODEL=(--model tiny-llama --steps 4 --global-batch 4 --seq-len 32)
+    FP8=(--precision fp8 --set precision.fp8_linears=all --set precision.fp8_skip_first_last=false)
 else
     FLAG=()
     DEV=(--set run.device=cuda)
@@ -83,6 +93,8 @@ else
     GPT2=(--model gpt2-124m --steps 30 --global-batch 16 --seq-len 1024 --precision bf16)
     GPT2_CMP=(--model gpt2-124m --batch 16 --seq-len 1024 --rounds 4 --steps 10)
     LLAMA_CMP=(--model llama-1b --batch 4 --seq-len 2048 --rounds 3 --steps 5)
+    FP8_MODEL=(--model llama-7b --set model.layers=4 --steps 12 --global-batch 2 --seq-len 2048 --compile)
+    FP8=(--precision fp8)
 fi
 
 echo "== gpu.sh: out=$OUT budget=${BUDGET}s smoke=$SMOKE $(date -u +%FT%TZ)"
@@ -106,6 +118,11 @@ stage gpt2-train-figures 30 5 "$PY" bench/gpu_checks.py summary --json "$R/gpt2_
     gpt2="$OUT/gpt2-train"
 stage gpt2-compare 300 90 "$PY" bench/gpu_compare.py "${GPT2_CMP[@]}" --profile-steps 3 \
     --json "$R/gpt2_compare.json" --out "$OUT/gpt2-compare"
+stage fp8-gemm 90 30 "$PY" bench/fp8_gemm.py --json "$R/fp8_gemm.json" "${FLAG[@]}"
+stage fp8-bf16 120 40 "${TRAIN[@]}" "${FP8_MODEL[@]}" "${DEV[@]}" --precision bf16 --out "$OUT/fp8-bf16"
+stage fp8-train 120 40 "${TRAIN[@]}" "${FP8_MODEL[@]}" "${DEV[@]}" "${FP8[@]}" --out "$OUT/fp8-train"
+stage fp8-figures 30 5 "$PY" bench/gpu_checks.py summary --json "$R/fp8_train.json" --skip 2 \
+    bf16="$OUT/fp8-bf16" fp8="$OUT/fp8-train"
 # the Llama last, only when enough is left (the Hugging Face side needs transformers; absent, it is skipped)
 stage llama-compare 300 150 "$PY" bench/gpu_compare.py "${LLAMA_CMP[@]}" --json "$R/llama_compare.json" \
     --out "$OUT/llama-compare"

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_compare import device_peak, flops_per_token  # noqa: E402
 
 # stages whose figures results.json carries under these keys (gpu.sh writes OUT/results/<key>.json)
-RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "llama_compare")
+RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "fp8_gemm", "fp8_train",
+               "llama_compare")
 
 
 def write(path: str, data: dict) -> None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,10 @@ class LocalDispatch:
         return experts(rows, counts.tolist())  # variable-size expert batches: their sizes on the host
 
 
+def _matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x @ weight.t()
+
+
 class Experts(nn.Module):
     """The stacked expert MLPs (this device's experts: all of them, or a contiguous run under ep)."""
 
@@ -94,6 +98,8 @@ class Experts(nn.Module):
             self.w_gate = nn.Parameter(torch.empty(e, f, h))
         self.w_up = nn.Parameter(torch.empty(e, f, h))
         self.w_down = nn.Parameter(torch.empty(e, h, f))
+        # the experts' matmul y = x W^T (+ b), another one where set (fp8: parallel/fp8.py); None: x @ W^T
+        self.linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`rows` grouped by local expert, `counts[j]` rows for expert j (variable sizes). Every expert
@@ -103,9 +109,10 @@ class Experts(nn.Module):
         for j, n in enumerate(counts):
             x = rows[start: start + n]
             start += n
-            up = x @ self.w_up[j].t()
-            act = F.silu(x @ self.w_gate[j].t()) * up if self.swiglu else F.gelu(up, approximate="tanh")
-            outs.append(act @ self.w_down[j].t())
+            mm = self.linear if self.linear is not None and n else _matmul_t
+            up = mm(x, self.w_up[j], None)
+            act = F.silu(mm(x, self.w_gate[j], None)) * up if self.swiglu else F.gelu(up, approximate="tanh")
+            outs.append(mm(act, self.w_down[j], None))
         return torch.cat(outs)
 
 

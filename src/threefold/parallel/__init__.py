@@ -191,7 +191,8 @@ def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: d
                 return names[pname][: len(names[pname]) - len(pname) + len(local)]
         return local
 
-    report = convert_linears(model, cfg.precision, comm, mesh.device, tokens, cfg.model.layers, global_name, gains)
+    report = convert_linears(model, cfg.precision, comm, mesh.device, tokens, cfg.model.layers, global_name, gains,
+                             max(1, cfg.model.experts_top_k), mesh.size("ep"))
     if mesh.global_rank == 0:
         print(report.line(), file=sys.stderr, flush=True)
     return report

@@ -20,7 +20,8 @@ parallelism does not use): here an amax over a dimension that tensor parallelism
 column-parallel output gradient or a row-parallel input is scaled exactly as the whole tensor is
 on one device, and tp=2 quantises to the same fp8 values as tp=1.
 
-Which linears convert: those inside `blocks.<i>` (never the embedding, the head or a router), not
+Which linears convert: those inside `blocks.<i>`, the stacked experts' matmuls among them (never
+the embedding, the head or a router), not
 the first and last block with `precision.fp8_skip_first_last`, and with `precision.fp8_linears=auto`
 only those whose GEMM shape gains on this device (`planner.compute.fp8_gains`: the per-GPU ratios
 of fp8 to bf16 GEMM time, cast overheads included; no gain anywhere without fp8 tensor cores). The
@@ -41,6 +42,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..config import PrecisionConfig
+from ..models.moe import Experts
 from .tensor import AXIS, ColumnParallelLinear, RowParallelLinear
 
 Sharded = Literal["in", "out"] | None
@@ -234,18 +236,24 @@ def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
         return (w.shape[0], w.shape[1]) if module.transposed else (w.shape[1], w.shape[0])
     if type(module) is nn.Linear:
         return module.in_features, module.out_features
+    if isinstance(module, Experts):  # one expert's up projection stands for its matmuls
+        _, f, h = module.w_up.shape
+        return h, f
     return None
 
 
 def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, device: torch.device, tokens: int,
                     layers: int, global_name: Callable[[str], str] = lambda n: n,
-                    gains: Callable[[int, int, int], bool] | None = None) -> Fp8Report:
+                    gains: Callable[[int, int, int], bool] | None = None, experts_top_k: int = 1,
+                    experts_split: int = 1) -> Fp8Report:
     """Give the blocks' linears an fp8 matmul where `cfg` asks (`precision.compute=fp8`), in place.
 
     `tokens`: the rows M of each linear's GEMM (tokens of a micro-batch on this rank); `layers`: the
     model's block count (first and last by global index; `global_name` maps a local module name to
     its global one under a pipeline split); `gains(M, K, N)`: the auto rule (None: this device has
-    no fp8 tensor cores, nothing gains)."""
+    no fp8 tensor cores, nothing gains). A block's stacked experts (models/moe.py `Experts`) count as one
+    entry, their matmuls all fp8 or all bf16, judged at M = tokens x top-k / (local experts x
+    `experts_split`, the ep size)."""
     report = Fp8Report()
     if cfg.compute != "fp8":
         return report
@@ -266,7 +274,10 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
             report.kept[name] = "in the first or last block (precision.fp8_skip_first_last)"
             continue
         k, n = shape
-        if cfg.fp8_linears == "auto" and (gains is None or not gains(tokens, k, n)):
+        rows = tokens
+        if isinstance(module, Experts):  # an expert sees its share of the routed rows
+            rows = max(1, tokens * experts_top_k // max(1, module.w_up.shape[0] * experts_split))
+        if cfg.fp8_linears == "auto" and (gains is None or not gains(rows, k, n)):
             report.kept[name] = ("without a gain on this device (precision.fp8_linears=auto: no fp8 tensor cores)"
                                  if gains is None else "too small to gain (precision.fp8_linears=auto)")
             continue
@@ -275,6 +286,8 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
         kernel = Fp8Kernel(recipe, emulate, comm, sharded)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.kernel = kernel
+        elif isinstance(module, Experts):
+            module.linear = kernel
         else:
             swaps.append((name, module, kernel))
         report.converted.append(name)
