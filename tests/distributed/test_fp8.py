@@ -70,6 +70,7 @@ BASE = ["train.steps=4", "train.global_batch=4", "train.seq_len=16", "train.lr=3
 FP8 = ["precision.compute=fp8", "precision.fp8_linears=all", "precision.fp8_skip_first_last=false"]
 LAYOUTS = {
     "dp2-zero3": ["model.preset=tiny", "parallel.dp=2", "parallel.zero=3"],
+    "dp2-zero3-fp8-gather": ["model.preset=tiny", "parallel.dp=2", "parallel.zero=3", "parallel.zero_weight_comm=fp8"],
     "tp2-sp": ["model.preset=tiny", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2": ["model.preset=tiny", "parallel.pp=2", "train.microbatches=2"],
     "ep2": ["model.preset=tiny-moe", "parallel.dp=2", "parallel.ep=2"],
@@ -87,3 +88,18 @@ def test_fp8_trains_close_to_bf16(worlds, tmp_path, layout):
         assert fp8["losses"] != bf16["losses"]
         worst = max(abs(a - b) / b for a, b in zip(fp8["losses"], bf16["losses"]))
         assert worst < 2e-2, (layout, worst)
+
+
+def test_resume_under_another_layout(worlds, tmp_path):
+    """A tp2+sp fp8 checkpoint (no fp8 state in it) continues under dp2 ZeRO-3 as the tp2 run continued."""
+    from threefold.checkpoint.format import step_dir_name
+
+    tp = BASE + LAYOUTS["tp2-sp"] + FP8 + ["checkpoint.save_every=2"]
+    first = worlds(2).run(train_pairs, [tp], str(tmp_path / "tp"))[0][0]
+    ckpt = tmp_path / "tp" / "checkpoints" / step_dir_name(2)
+    names = {p.name for p in ckpt.rglob("*")}
+    assert not any("fp8" in n or "amax" in n or "scale" in n for n in names), names
+    zero3 = BASE + LAYOUTS["dp2-zero3"] + FP8 + [f"checkpoint.resume={ckpt}"]
+    again = worlds(2).run(train_pairs, [zero3], str(tmp_path / "zero3"))[0][0]
+    assert len(again["losses"]) == 2
+    assert max(abs(a - b) / b for a, b in zip(again["losses"], first["losses"][2:])) < 1e-2

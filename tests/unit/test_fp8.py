@@ -121,3 +121,20 @@ def test_fp8_trains_close_to_bf16_and_resumes_bitwise(tmp_path):
     again, resumed, _ = _train(FP8 + ALL + ["train.steps=6", f"checkpoint.resume={ckpt}"], tmp_path / "again")
     assert again == fp8[3:]
     assert all(torch.equal(resumed[n], p) for n, p in params.items())
+
+
+def test_plan_precision_fp8_says_which_linears_gain(capsys):
+    import json
+
+    from threefold.cli import main
+
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "h200-141gb", "--precision", "fp8",
+                 "--json"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["fp8"]["gaining"] == ["qkv", "attn_out", "mlp_up", "mlp_down"]
+    assert all(v["speedup"] > 1 for v in fp8["fp8"]["linears"].values())
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "h200-141gb", "--json"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert "fp8" not in bf16 and fp8["candidates"][0]["tokens_per_s"] > bf16["candidates"][0]["tokens_per_s"]
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"]) == 0
+    assert "0 of 4 block linears gain on a100-80gb" in capsys.readouterr().out
