@@ -103,3 +103,22 @@ def test_resume_under_another_layout(worlds, tmp_path):
     again = worlds(2).run(train_pairs, [zero3], str(tmp_path / "zero3"))[0][0]
     assert len(again["losses"]) == 2
     assert max(abs(a - b) / b for a, b in zip(again["losses"], first["losses"][2:])) < 1e-2
+
+
+def rows_to_nobody() -> list[float]:
+    """all_to_all_v where rank 0 holds no rows at all (its experts got no tokens): it still takes part."""
+    import torch.distributed as dist
+
+    from threefold.comm import Comm
+    from threefold.mesh import Layout, Mesh
+
+    mesh = Mesh(Layout(dp=dist.get_world_size()), torch.device("cpu"))
+    rank = mesh.rank("dp")
+    x = torch.zeros(0, 3) if rank == 0 else torch.full((2, 3), 7.0)
+    out = torch.empty(1, 3)
+    Comm(mesh).all_to_all_v(out, x, [0, 1], [0, 0] if rank == 0 else [1, 1], "dp")
+    return out.flatten().tolist()
+
+
+def test_all_to_all_v_from_a_rank_without_rows(worlds):
+    assert worlds(2).run(rows_to_nobody) == [[7.0] * 3, [7.0] * 3]

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -428,7 +429,7 @@ class Comm:
         if self._trivial(axis):
             output.copy_(input)
             return
-        row = input[0].numel() if input.dim() > 1 else 1
+        row = math.prod(input.shape[1:])  # elements per row (also when this rank sends no rows)
         kept = input_splits[self.mesh.rank(axis)]
         nbytes = (sum(input_splits) - kept) * row * input.element_size()
         lane = self._thread_lane(axis)
