@@ -147,6 +147,10 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     mb = st.micro_batch_size(w)
     block_s, block_flops = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu,
                                                  st.precision)
+    if st.precision == "fp8" and layers:  # the first and last block stay bf16 (precision.fp8_skip_first_last)
+        kept = min(layers, int(first) + int(last))
+        bf16_s, _ = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu, "bf16")
+        block_s = (kept * bf16_s + (layers - kept) * block_s) / layers
     rate = block_flops / block_s
     head = head_forward_flops_per_token(m) if last else 0.0
     replicated = sparse * sparse_mlp_flops_per_token(m, s) if st.tp > 1 and not st.sequence_parallel else 0.0
