@@ -108,8 +108,8 @@ def _train(overrides, out):
     with contextlib.redirect_stderr(err):
         trainer = Trainer(make_config(overrides, str(out)))
         records = trainer.run()
-    return ([r["loss"] for r in records], {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()},
-            err.getvalue())
+    params = {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
+    return [r["loss"] for r in records], params, err.getvalue()
 
 
 def test_fp8_trains_close_to_bf16_and_resumes_bitwise(tmp_path):

@@ -62,14 +62,13 @@ def _torchao_float8():
         for q in quiet:
             q.setLevel(logging.ERROR)
         try:
-            from torchao.float8.config import ScalingGranularity
             from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig, ScaledMMConfig,
                                                                hp_tensor_and_scale_to_float8)
             from torchao.float8.float8_utils import amax_to_scale
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
-    return ScalingGranularity, GemmInputRole, LinearMMConfig, ScaledMMConfig, hp_tensor_and_scale_to_float8, amax_to_scale
+    return GemmInputRole, LinearMMConfig, ScaledMMConfig, hp_tensor_and_scale_to_float8, amax_to_scale
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,7 @@ class Fp8Kernel:
     column-parallel one's outputs), whose amaxes are then reduced over tp."""
 
     def __init__(self, recipe: Fp8Recipe, emulate: bool, comm: Comm | None = None, sharded: Sharded = None):
-        (self._granularity, self._role, LinearMMConfig, ScaledMMConfig, self._to_fp8,
-         self._amax_to_scale) = _torchao_float8()
+        self._role, LinearMMConfig, ScaledMMConfig, self._to_fp8, self._amax_to_scale = _torchao_float8()
         self.recipe, self.emulate, self.comm, self.sharded = recipe, emulate, comm, sharded
         # output GEMM with fast accumulation, the gradients' without (torchao's defaults)
         self.mm_config = LinearMMConfig(ScaledMMConfig(emulate, True, False, False),
