@@ -138,3 +138,10 @@ def test_plan_precision_fp8_says_which_linears_gain(capsys):
     assert "fp8" not in bf16 and fp8["candidates"][0]["tokens_per_s"] > bf16["candidates"][0]["tokens_per_s"]
     assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"]) == 0
     assert "0 of 4 block linears gain on a100-80gb" in capsys.readouterr().out
+
+
+def test_fp8_is_refused_for_a_module_without_blocks():
+    from threefold.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="precision.compute"):
+        make_config(["model.preset=py:mypkg.models:build", "precision.compute=fp8"], "unused").validate(1)

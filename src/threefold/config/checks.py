@@ -87,6 +87,9 @@ def _validate(c: S, world_size: int) -> S:
     if p.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb", f"must be positive, got {p.bucket_mb}")
     pr = c.precision
+    if pr.compute == "fp8" and m.preset.startswith("py:"):  # fp8 converts the blocks.<i> of a ModelSpec's model
+        raise ConfigError("precision.compute", f"fp8 converts the linears of a model's blocks.<i>, which {m.preset} "
+                          "does not describe; use precision.compute=bf16 (or describe the model as a ModelSpec)")
     if pr.initial_scale <= 0 or pr.growth_factor <= 1 or not 0 < pr.backoff_factor < 1 or pr.growth_interval < 1:
         raise ConfigError("precision", "the loss scaler needs initial_scale > 0, growth_factor > 1, "
                           f"0 < backoff_factor < 1 and growth_interval >= 1; got {pr.initial_scale}, "

@@ -98,7 +98,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                       else placements[split.names[name]] for name, q in model.named_parameters()}
     allocated = materialise(model, placements, mesh.device, spec)
     # 2b. fp8: the blocks' linears get float8 matmuls (after the tp shards, before remat wraps forwards)
-    fp8 = _convert_fp8(model, cfg, comm, mesh, None if split is None else split.names)
+    _convert_fp8(model, cfg, comm, mesh, None if split is None else split.names)
     shards.install()
     if spec.local_hooks is not None:
         spec.local_hooks(model)
@@ -169,11 +169,11 @@ def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, co
     return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, pieces, after_step
 
 
-def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: dict[str, str] | None):
+def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: dict[str, str] | None) -> None:
     """`precision.compute=fp8`: convert the blocks' linears (parallel/fp8.py), the auto rule reading this
     GPU's fp8/bf16 GEMM ratios (planner/compute.py); one line on rank 0 says how many converted and why."""
     if cfg.precision.compute != "fp8":
-        return None
+        return
     from ..planner.compute import fp8_gains
     from ..planner.hardware import fp8_gpu
     from .fp8 import convert_linears, hardware_fp8
@@ -195,7 +195,6 @@ def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: d
                              max(1, cfg.model.experts_top_k), mesh.size("ep"))
     if mesh.global_rank == 0:
         print(report.line(), file=sys.stderr, flush=True)
-    return report
 
 
 def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool,
