@@ -18,11 +18,15 @@ pieces into units gives the bits of the in-memory optimizer (tests/distributed/t
 Gradients are what `parallel.offload=optimizer` gives its host pool (fp32, unscaled, one flat
 host buffer; the model's own fp32 gradient when there is nothing to convert); the norm and the
 clipping act on them through `masters`, one zero-storage holder per piece whose `.grad` is that
-gradient. The parameters themselves (ZeRO-3's shards included) stay in memory.
+gradient (resident: the norm is taken over them before any update). Under ZeRO-3 the parameter
+shards live in a scratch file of their own between gathers (`ShardStore`, below): the step writes
+each updated unit's shard back there; under ZeRO-1/2 the parameters stay in memory.
 
 The file is scratch, not a checkpoint: it is rewritten at every start from the initial values
 (or, on a resume, from the checkpoint, which still holds the usual safetensors at any layout),
-and removed when the optimizer goes. `named_state()` reads the states into host tensors for a
+and removed when the optimizer goes (at the interpreter's exit at the latest). A file left by a
+killed process (`threefold-<host>-rank<R>-<pid>.scratch`, its pid gone) is removed at the next
+start of that rank on that host: nothing is read from it, the states come from the checkpoint. `named_state()` reads the states into host tensors for a
 checkpoint (kept until the next step, so a load can fill them in place and `after_load` writes
 them back).
 
