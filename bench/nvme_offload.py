@@ -1,15 +1,17 @@
-"""Optimizer step time with parallel.offload=nvme against offload=optimizer and none, and the overlap.
+"""Whole training steps with parallel.offload=nvme against offload=optimizer (CPU) and none, the overlap.
 
-    python bench/nvme_offload.py --dir /scratch --params 16e6 --rounds 5 [--prefetch 2] [--block-mb 64]
+    python bench/nvme_offload.py --dir /scratch [--layers 8 --hidden 512] [--zero 3] [--rounds 7]
 
-One process, the optimizer over this many fp32 parameters cut into 8 pieces (ZeRO-1's shards of
-one rank look like this), AdamW: per round, in turn, one step of each mode (alternating, so drift
-in the machine's load hits all three alike); prints each mode's step time quartiles over the
-rounds, and for nvme the overlap: the time the step waited on reads / the reader's total read
-time (0: every read was hidden behind the update of the previous unit; 1: none was), and the
-scratch bandwidth achieved (bytes read and written / the reader's time in them) against what
-`dd` achieves on the same directory (a file of the same size, 4 MiB blocks, O_DIRECT, written
-then read).
+One process (a gloo world of 1), the reference decoder, AdamW, one Trainer per mode built side by
+side: per round, in turn, one whole step (forward, backward, norm and clipping, optimizer step) of
+each mode - alternating, so drift in the machine's load hits all three alike - after one warm-up
+round. Prints each mode's step time (median and quartiles over the rounds); for nvme the overlap,
+the time the step waited on scratch reads / the total time of those reads (0: every read hidden
+behind compute, 1: none; the states' reads in the optimizer step and, under ZeRO-3, the parameter
+shards' reads before their gathers), and the scratch bandwidth the step achieved (bytes read and
+written / the time in reads and writes) against `dd` on the same directory (a file of the states'
+size, 4 MiB blocks, oflag=direct then iflag=direct; without O_DIRECT where the filesystem refuses
+it, which the table says).
 """
 
 from __future__ import annotations
@@ -17,33 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from threefold.config import TrainConfig  # noqa: E402
-from threefold.parallel.master import Piece, ShardedOptimizer  # noqa: E402
-from threefold.parallel.nvme import NvmeOptimizer, ScratchSettings  # noqa: E402
-from threefold.sharding import Placement  # noqa: E402
 
-
-def pieces(n: int, count: int = 8) -> tuple[list[Piece], torch.Tensor]:
-    param = torch.randn(n)
-    grad = torch.randn(n) * 1e-3
-    place = Placement.whole("w", (n,))
-    bounds = [i * n // count for i in range(count + 1)]
-    return [Piece("w", place.flat_shard(a, b), param[a:b], (lambda g=grad[a:b]: g), True, a)
-            for a, b in zip(bounds, bounds[1:])], param
-
-
-def dd_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
-    """(write, read) bytes/s of dd on `directory` (O_DIRECT where it is accepted)."""
+def dd_bandwidth(directory: Path, nbytes: int) -> tuple[float, float, bool]:
+    """(write, read) bytes/s of dd on `directory`, and whether O_DIRECT was accepted."""
     path = directory / f"dd-{os.getpid()}.tmp"
     count = max(1, nbytes // 2**22)
 
@@ -53,65 +41,90 @@ def dd_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
         return count * 2**22 / float(m.group(1)) if m else float("nan")
 
     try:
-        write = run(["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"])
-        if write != write:
+        direct = True
+        write = run(["if=/dev/zero", f"of={path}", "oflag=direct"])
+        if write != write:  # the filesystem refuses O_DIRECT
+            direct = False
             write = run(["if=/dev/zero", f"of={path}", "conv=fsync"])
-        read = run([f"if={path}", "of=/dev/null", "iflag=direct"])
-        if read != read:
-            read = run([f"if={path}", "of=/dev/null"])
-        return write, read
+        read = run([f"if={path}", "of=/dev/null", "iflag=direct"] if direct else [f"if={path}", "of=/dev/null"])
+        return write, read, direct
     finally:
         path.unlink(missing_ok=True)
 
 
 def quartiles(xs: list[float]) -> str:
     if len(xs) < 2:
-        return f"{xs[0] * 1e3:.1f} ms"
+        return f"median {xs[0] * 1e3:.0f} ms"
     q = statistics.quantiles(xs, n=4)
-    return f"q1 {q[0] * 1e3:.1f} / median {q[1] * 1e3:.1f} / q3 {q[2] * 1e3:.1f} ms"
+    return f"median {statistics.median(xs) * 1e3:.0f} ms (q1 {q[0] * 1e3:.0f}, q3 {q[2] * 1e3:.0f})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True, help="scratch directory (parallel.offload_dir)")
-    ap.add_argument("--params", type=float, default=16e6)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--zero", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--block-mb", type=float, default=64.0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--block-mb", type=float, default=16.0)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    n = int(args.params)
-    cfg = TrainConfig(lr=1e-4, weight_decay=0.1)
-    optimizers = {"none": ShardedOptimizer(pieces(n)[0], cfg, offload=False),
-                  "optimizer": ShardedOptimizer(pieces(n)[0], cfg, offload=True),
-                  "nvme": NvmeOptimizer(pieces(n)[0], cfg, ScratchSettings(args.dir, args.prefetch, args.block_mb))}
-    times: dict[str, list[float]] = {k: [] for k in optimizers}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from threefold.config import load_config
+    from threefold.train.trainer import Trainer
+
+    dist.init_process_group("gloo")
+    model = ["model.preset=tiny", f"model.layers={args.layers}", f"model.hidden={args.hidden}", "model.heads=8",
+             "model.kv_heads=8", f"model.ffn_hidden={4 * args.hidden}", "model.vocab=1024",
+             f"train.steps={args.rounds + 2}", f"train.global_batch={args.batch}", f"train.seq_len={args.seq}",
+             f"parallel.zero={args.zero}", "train.grad_clip=1.0", "run.progress=false", "run.plot=false",
+             "checkpoint.save_every=0"]
+    modes = {"none": [], "cpu": ["parallel.offload=optimizer"],
+             "nvme": ["parallel.offload=nvme", f"parallel.offload_dir={args.dir}",
+                      f"parallel.offload_prefetch={args.prefetch}", f"parallel.offload_block_mb={args.block_mb}"]}
+    out = Path(tempfile.mkdtemp(prefix="nvme-bench-"))
+    trainers = {mode: Trainer(load_config(None, [f"run.out={out / mode}", *model, *extra]))
+                for mode, extra in modes.items()}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     overlap, bandwidth = [], []
-    for _ in range(args.rounds + 1):  # the first round warms up and is dropped
-        for mode, opt in optimizers.items():
-            if mode == "nvme":
-                opt.stats.reset()
+    nvme = trainers["nvme"].optimizer
+    io = [nvme.stats] + ([nvme.home.stats] if nvme.home is not None else [])
+    for round_ in range(args.rounds + 1):  # the first round warms up and is dropped
+        for mode, trainer in trainers.items():
+            for s in io:
+                s.reset()
             start = time.perf_counter()
-            opt.prepare_grads(1.0)
-            opt.step()
-            times[mode].append(time.perf_counter() - start)
-            if mode == "nvme":
-                s = opt.stats
-                overlap.append(s.wait_s / s.read_s if s.read_s else 0.0)
-                bandwidth.append((s.read_bytes + s.write_bytes) / (s.read_s + s.write_s))
-    nvme = optimizers["nvme"]
-    print(f"{n / 1e6:.0f}M parameters, AdamW, states {nvme.nbytes / 2**20:.0f} MiB per step read and written "
-          f"({len(nvme.units)} units, prefetch {args.prefetch}, O_DIRECT {'on' if nvme.direct else 'off'}), "
-          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
-    for mode in optimizers:
-        print(f"  offload={mode:<9} step {quartiles(times[mode][1:])}")
-    print(f"  overlap: the step waited on reads for {statistics.median(overlap[1:]):.0%} of the read time (median)")
-    write, read = dd_bandwidth(args.dir, nvme.nbytes)
-    print(f"  scratch: {statistics.median(bandwidth[1:]) / 1e9:.2f} GB/s achieved (reads and writes); "
-          f"dd on {args.dir}: write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s")
-    nvme.close()
+            trainer.train_one_step()
+            if round_:
+                times[mode].append(time.perf_counter() - start)
+            if mode == "nvme" and round_:
+                wait, read = sum(s.wait_s for s in io), sum(s.read_s for s in io)
+                overlap.append(wait / read if read else 0.0)
+                moved = sum(s.read_bytes + s.write_bytes for s in io)
+                bandwidth.append(moved / sum(s.read_s + s.write_s for s in io))
+    params = sum(p.numel() for p in trainers["none"].parallel.module.parameters())
+    shards = nvme.home.nbytes if nvme.home is not None else 0
+    print(f"{params / 1e6:.1f}M parameters, ZeRO-{args.zero}, AdamW, batch {args.batch} x {args.seq} tokens; nvme: "
+          f"states {nvme.nbytes / 2**20:.0f} MiB in {len(nvme.units)} units (O_DIRECT {'on' if nvme.direct else 'off'}), "
+          f"parameter shards {shards / 2**20:.0f} MiB, prefetch {args.prefetch}; {args.rounds} rounds")
+    print("| offload | whole step |")
+    print("| --- | --- |")
+    for mode in modes:
+        print(f"| {mode} | {quartiles(times[mode])} |")
+    print(f"overlap: the step waited on scratch reads for {statistics.median(overlap):.0%} of their time (median)")
+    write, read, direct = dd_bandwidth(args.dir, nvme.nbytes)
+    print(f"scratch: {statistics.median(bandwidth) / 1e9:.2f} GB/s achieved (reads and writes); dd on {args.dir}: "
+          f"write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s "
+          f"({'O_DIRECT' if direct else 'buffered: the filesystem refuses O_DIRECT'})")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

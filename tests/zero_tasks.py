@@ -253,11 +253,18 @@ def nvme_parity(base: list[str], out: str) -> dict:
                 opt = trainer.optimizer
                 entry["units"] = len(opt.units)
                 entry["file"] = opt.path.exists() and opt.path.stat().st_size == opt.nbytes
-                path = opt.path
+                entry["scratch_metric"] = records[-1]["mem"].get("scratch") == opt.scratch_nbytes > 0
+                paths, home = [opt.path], None
+                if opt.home is not None:  # ZeRO-3: the parameter shards in a scratch file of their own
+                    home = opt.home
+                    entry["home"] = {"units": len(home.shards), "peak": home.peak_resident,
+                                     "read": home.stats.read_bytes, "size": home.file_bytes(),
+                                     "nbytes": home.nbytes, "unlinked": not home.path.exists()}
             report[f"z{stage}-{run}"] = entry
             del trainer, records
+        opt = home = None  # the last references: the optimizer's finalizers remove the files
         import gc
 
         gc.collect()
-        report[f"z{stage}-removed"] = not path.exists()
+        report[f"z{stage}-left"] = [str(p) for p in paths if p.exists()]
     return report

@@ -80,3 +80,25 @@ def test_a_directory_without_room_or_write_access_is_refused(tmp_path):
     huge = flat_pieces(torch.empty(2**36, device="meta"), torch.empty(2**36, device="meta"), [])
     with pytest.raises(ConfigError, match=r"need 824633720832 bytes"):
         NvmeOptimizer(huge, cfg, ScratchSettings(tmp_path))
+
+
+def test_a_stale_scratch_file_of_a_dead_process_is_removed(tmp_path):
+    """A killed run leaves its scratch file: the next start on the same rank removes it (the states
+    are rebuilt from the checkpoint or the initial values); a live process's file and other ranks' stay."""
+    import subprocess
+    import sys
+
+    from threefold.parallel.nvme import scratch_name
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / scratch_name(0, dead.pid)
+    other_rank = tmp_path / scratch_name(1, dead.pid)
+    live = tmp_path / scratch_name(0, 1)  # pid 1 is alive
+    for path in (stale, other_rank, live):
+        path.write_bytes(b"x" * 4096)
+    nvme = NvmeOptimizer(flat_pieces(torch.zeros(100), torch.zeros(100), [50]), TrainConfig(), ScratchSettings(tmp_path))
+    assert not stale.exists() and other_rank.exists() and live.exists() and nvme.path.exists()
+    path = nvme.path
+    nvme.close()
+    assert not path.exists()

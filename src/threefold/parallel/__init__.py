@@ -56,7 +56,7 @@ from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
 from .master import Piece
 from .materialise import materialise
-from .nvme import ScratchSettings
+from .nvme import ScratchSettings, ShardStore
 from .model import GradSync, ParallelModel, accumulate
 from .module import parallelize_module
 from .precision import apply_precision
@@ -115,14 +115,16 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # runtime below compiles it)
     apply_compile(model, cfg.train.compile, cfg.debug.compile_backend, pipelined=split is not None)
     p = cfg.parallel
-    scratch = (ScratchSettings(Path(p.offload_dir), p.offload_prefetch, p.offload_block_mb, mesh.global_rank)
-               if p.offload == "nvme" else None)
+    scratch = scratch_settings(cfg, mesh) if p.offload == "nvme" else None
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload != "none",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
                              routers=routers, activation_offload=activation_offload,
                              scratch=scratch, replica_axis=mesh.replica_axis)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
+    if isinstance(grad_sync, Zero3) and grad_sync.home is not None:  # the shards in memory for a reader
+        parallel.shard_home = grad_sync.home
+        parallel.settle_weights = grad_sync.home.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors(),
                                           stage_compiler(cfg.train.compile, cfg.debug.compile_backend))
@@ -132,6 +134,11 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
             # Summed after it, both ends add the same two decompressed sums.
             parallel.after_sync = parallel.pipeline.take_tied_sum()
     return parallel
+
+
+def scratch_settings(cfg: Config, mesh: Mesh) -> ScratchSettings:
+    p = cfg.parallel
+    return ScratchSettings(Path(p.offload_dir), p.offload_prefetch, p.offload_block_mb, mesh.global_rank)
 
 
 LOSSY_WIRES = ("dgc", "onebit", "powersgd")  # dp gradient exchanges that are not an exact sum
@@ -234,8 +241,10 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         grad_sync.overlap_gather(model)  # the next forward waits for each segment it needs (zero.py)
         return grad_sync, placements, pieces, grad_sync.defer_param_gather, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
+    home = ShardStore(scratch_settings(cfg, mesh)) if p.offload == "nvme" else None  # the shards in scratch too
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
-                      grad_comm=p.zero_grad_comm, hpz=secondary_partition(comm, pipelined) if p.zero_hpz else NO_HPZ)
+                      grad_comm=p.zero_grad_comm, hpz=secondary_partition(comm, pipelined) if p.zero_hpz else NO_HPZ,
+                      home=home)
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None
 

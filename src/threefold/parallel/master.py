@@ -85,6 +85,26 @@ def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return STATE_KINDS["adamw"]
 
 
+def fp32_grads(grads: list[torch.Tensor], own: list[bool], host: torch.device,
+               inv_scale: float | torch.Tensor) -> list[torch.Tensor]:
+    """fp32 unscaled gradients on `host`: `grads[i]` itself where `own[i]`, else a view of one flat buffer
+    filled by one multi-tensor copy (with the cast) and one multiply for all, not kernels per tensor."""
+    if isinstance(inv_scale, torch.Tensor):
+        inv_scale = inv_scale.to(host)  # a host read only with offload
+    out = list(grads)
+    copied = [i for i, o in enumerate(own) if not o]
+    if copied:
+        sizes = [grads[i].numel() for i in copied]
+        flat = torch.empty(sum(sizes), dtype=torch.float32, device=host)
+        views = flat.split(sizes)
+        torch._foreach_copy_(views, [grads[i] for i in copied])
+        if isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
+            flat.mul_(inv_scale)
+        for i, view in zip(copied, views):
+            out[i] = view
+    return out
+
+
 class ShardedOptimizer:
     """AdamW or SGD (`train.optimizer`) over this rank's pieces with fp32 masters, optionally in a host pool.
 
@@ -92,6 +112,8 @@ class ShardedOptimizer:
     clip -> `step(found_inf)` (a 0-dim device flag: the update is skipped where it is set).
     Exposes `param_groups` like a torch optimizer, so learning-rate schedules apply unchanged.
     """
+
+    scratch_nbytes = 0  # bytes kept in scratch files (parallel.offload=nvme's optimizer: parallel/nvme.py)
 
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor] | None = None,
                  offload: bool = False, after_step: Callable[[], None] | None = None):
@@ -157,24 +179,10 @@ class ShardedOptimizer:
 
         `inv_scale`: 1 / the loss scale, a number or a 0-dim tensor (fp16's scaler keeps it on the device)."""
         scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
-        if isinstance(inv_scale, torch.Tensor):
-            inv_scale = inv_scale.to(self.host)  # a host read only with offload
         grads = [piece.grad().detach() for piece in self.pieces]  # views: nothing is launched
-        # fp32 copies, where the master does not take the model's own fp32 gradient: one buffer, one
-        # multi-tensor copy (with the cast) and one multiply for all of them, not kernels per tensor
-        copied = [i for i, alias in enumerate(self.aliased) if scaled or not alias]
-        for i, alias in enumerate(self.aliased):
-            if alias and not scaled:
-                self.masters[i].grad = grads[i]  # the model's own fp32 gradient, no copy
-        if copied:
-            sizes = [grads[i].numel() for i in copied]
-            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.host)
-            views = flat.split(sizes)
-            torch._foreach_copy_(views, [grads[i] for i in copied])
-            if scaled:
-                flat.mul_(inv_scale)
-            for i, view in zip(copied, views):
-                self.masters[i].grad = view
+        own = [alias and not scaled for alias in self.aliased]  # the model's own fp32 gradient, no copy
+        for master, grad in zip(self.masters, fp32_grads(grads, own, self.host, inv_scale)):
+            master.grad = grad
         return self.masters, self.placements
 
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None:

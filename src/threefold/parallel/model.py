@@ -22,7 +22,7 @@ from ..observe.memory import SavedTensorMeter
 from .remat import ActivationOffload
 from ..sharding import Placement
 from .master import Piece, ShardedOptimizer
-from .nvme import NvmeOptimizer, ScratchSettings
+from .nvme import NvmeOptimizer, ScratchSettings, ShardStore
 from .precision import MixedPrecision
 
 
@@ -146,6 +146,7 @@ class ParallelModel:
     activation_offload: ActivationOffload | None = None  # remat.offload=cpu: the host copies of saved activations
     scratch: ScratchSettings | None = None  # parallel.offload=nvme: where the states stream from (parallel/nvme.py)
     replica_axis: str = "dp"  # the axis gradients are summed over (Mesh.replica_axis: dp, or dp+cp)
+    shard_home: ShardStore | None = None  # nvme under ZeRO-3: the parameter shards' scratch file
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:
@@ -193,7 +194,7 @@ class ParallelModel:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
         if self.scratch is not None:  # masters and moments in a scratch file (config/checks.py refuses the rest)
-            optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step)
+            optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step, self.shard_home)
             fp32_init.clear()
             return optimizer
         if self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends

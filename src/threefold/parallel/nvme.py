@@ -18,11 +18,15 @@ pieces into units gives the bits of the in-memory optimizer (tests/distributed/t
 Gradients are what `parallel.offload=optimizer` gives its host pool (fp32, unscaled, one flat
 host buffer; the model's own fp32 gradient when there is nothing to convert); the norm and the
 clipping act on them through `masters`, one zero-storage holder per piece whose `.grad` is that
-gradient. The parameters themselves (ZeRO-3's shards included) stay in memory.
+gradient (resident: the norm is taken over them before any update). Under ZeRO-3 the parameter
+shards live in a scratch file of their own between gathers (`ShardStore`, below): the step writes
+each updated unit's shard back there; under ZeRO-1/2 the parameters stay in memory.
 
 The file is scratch, not a checkpoint: it is rewritten at every start from the initial values
 (or, on a resume, from the checkpoint, which still holds the usual safetensors at any layout),
-and removed when the optimizer goes. `named_state()` reads the states into host tensors for a
+and removed when the optimizer goes (at the interpreter's exit at the latest). A file left by a
+killed process (`threefold-<host>-rank<R>-<pid>.scratch`, its pid gone) is removed at the next
+start of that rank on that host: nothing is read from it, the states come from the checkpoint. `named_state()` reads the states into host tensors for a
 checkpoint (kept until the next step, so a load can fill them in place and `after_load` writes
 them back).
 
@@ -32,8 +36,12 @@ Before the first step the directory is checked: writable, with room for the file
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import threading
 import time
@@ -52,7 +60,7 @@ from torch.optim.sgd import sgd
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..sharding import Placement
-from .master import STATE_KINDS, Piece, ShardedOptimizer
+from .master import STATE_KINDS, Piece, ShardedOptimizer, fp32_grads
 
 ALIGN = 4096  # bytes: every block's offset and length (O_DIRECT's granularity on common filesystems)
 FLOATS = ALIGN // 4
@@ -174,6 +182,35 @@ def _open(path: Path) -> tuple[int, bool]:
     return os.open(path, flags, 0o600), False
 
 
+def scratch_name(rank: int, pid: int | None = None) -> str:
+    """The scratch file's name: host, global rank and the owning process (stale files are found by it)."""
+    return f"threefold-{socket.gethostname()}-rank{rank}-{os.getpid() if pid is None else pid}.scratch"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale(directory: Path, rank: int) -> list[Path]:
+    """Remove this host's scratch files of `rank` whose process is gone (a killed run: SIGKILL, a crash
+    of the machine); their contents are never read, a start rebuilds the states from the checkpoint
+    or the initial values. Files of live processes, and of other hosts sharing the directory, stay."""
+    prefix = scratch_name(rank, 0)[: -len("0.scratch")]
+    removed = []
+    for path in directory.glob(f"{prefix}*.scratch"):
+        pid = path.name[len(prefix): -len(".scratch")].split("-")[0]  # <pid>.scratch or <pid>-params.scratch
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def _close(fd: int, path: Path, pool: ThreadPoolExecutor) -> None:
     pool.shutdown(wait=True)
     os.close(fd)
@@ -186,12 +223,15 @@ class NvmeOptimizer:
     offload = True  # the states are not in the compute device's pool
 
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, settings: ScratchSettings,
-                 fp32_init: dict[str, torch.Tensor] | None = None, after_step: Callable[[], None] | None = None):
+                 fp32_init: dict[str, torch.Tensor] | None = None, after_step: Callable[[], None] | None = None,
+                 home: ShardStore | None = None):
         if cfg.optimizer not in STATE_KINDS:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
         self.pieces = pieces
         self.cfg = cfg
         self.after_step = after_step
+        self.home = home  # ZeRO-3: the model's shards in a scratch file of their own (ShardStore)
+        self._open: int | None = None  # the home's unit being updated
         self._pre_hooks: list[Callable[[], None]] = []
         self.kinds = STATE_KINDS[cfg.optimizer] if (cfg.optimizer == "adamw" or cfg.momentum) else ()
         self.placements = [p.placement for p in pieces]
@@ -202,8 +242,12 @@ class NvmeOptimizer:
         self.units = layout_units(numels, len(self.kinds), int(settings.block_mb * 2**20))
         self.nbytes = sum(u.padded * 4 * (1 + len(self.kinds)) for u in self.units)
         directory = Path(settings.directory)
+        if directory.is_dir():
+            for stale in remove_stale(directory, settings.rank):
+                print(f"threefold: removed the stale scratch file {stale} (its process is gone)", file=sys.stderr,
+                      flush=True)
         check_scratch(directory, self.nbytes)
-        self.path = directory / f"threefold-rank{settings.rank}-{os.getpid()}.scratch"
+        self.path = directory / scratch_name(settings.rank)
         try:
             self.fd, self.direct = _open(self.path)
         except OSError as err:
@@ -228,6 +272,11 @@ class NvmeOptimizer:
                           **{k: None for k in self.kinds}} for p in pieces])
 
     # ------------------------------------------------------------ the torch optimizer face
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes in the scratch files: the states, and ZeRO-3's parameter shards (metrics `mem.scratch`)."""
+        return self.nbytes + (self.home.nbytes if self.home is not None else 0)
 
     @property
     def state(self) -> dict:
@@ -324,23 +373,10 @@ class NvmeOptimizer:
     def prepare_grads(self, inv_scale: float | torch.Tensor = 1.0) -> tuple[list[nn.Parameter], list[Placement]]:
         """fp32 unscaled gradients on the holders (ShardedOptimizer.prepare_grads with its host pool)."""
         scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
-        if isinstance(inv_scale, torch.Tensor):
-            inv_scale = inv_scale.cpu()
         grads = [piece.grad().detach() for piece in self.pieces]
         own = [not scaled and g.dtype == torch.float32 and g.device.type == "cpu" for g in grads]
-        copied = [i for i, o in enumerate(own) if not o]
-        for i, o in enumerate(own):
-            if o:
-                self.masters[i].grad = grads[i]  # the model's own fp32 host gradient, no copy
-        if copied:
-            sizes = [grads[i].numel() for i in copied]
-            flat = torch.empty(sum(sizes), dtype=torch.float32)
-            views = flat.split(sizes)
-            torch._foreach_copy_(views, [grads[i] for i in copied])
-            if scaled:
-                flat.mul_(inv_scale)
-            for i, view in zip(copied, views):
-                self.masters[i].grad = view
+        for holder, grad in zip(self.masters, fp32_grads(grads, own, torch.device("cpu"), inv_scale)):
+            holder.grad = grad
         return self.masters, self.placements
 
     @torch.no_grad()
@@ -355,6 +391,7 @@ class NvmeOptimizer:
             return
         start = time.perf_counter()
         self._stream(self._update)
+        self._into_home(None)
         self.stats.step_s += time.perf_counter() - start
         self.steps += 1
         for holder in self.masters:
@@ -381,9 +418,26 @@ class NvmeOptimizer:
                 sgd(params, grads, states[0] if states else [None] * len(segs), foreach=True,
                     weight_decay=group["weight_decay"], momentum=c.momentum, lr=group["lr"], dampening=0.0,
                     nesterov=c.nesterov, maximize=False)
-            models = [self.pieces[s.piece].model[s.lo: s.hi] for s in segs]
-            torch._foreach_copy_(models, params)  # blocking: the buffer is reused by a later read
+        if self.home is None:
+            models = [self.pieces[s.piece].model[s.lo: s.hi] for s in unit.segments]
+            torch._foreach_copy_(models, [master[s.at: s.at + s.hi - s.lo] for s in unit.segments])  # blocking:
+            return True  # the buffer is reused by a later read
+        for s in unit.segments:  # ZeRO-3's shards, unit by unit of the home (the pieces are in its order)
+            piece = self.pieces[s.piece]
+            self._into_home(self.home.unit_of[piece.name])
+            piece.model[s.lo: s.hi].copy_(master[s.at: s.at + s.hi - s.lo])
         return True
+
+    def _into_home(self, index: int | None) -> None:
+        """Have the home's unit `index` open for the copies (the one open before written back); None: close."""
+        if index == self._open:
+            return
+        if self._open is not None:
+            self._opened.__exit__(None, None, None)
+        self._open = index
+        if index is not None:
+            self._opened = self.home.updating(index)
+            self._opened.__enter__()
 
     # ------------------------------------------------------------ memory and checkpoints
 
@@ -434,6 +488,162 @@ class NvmeOptimizer:
         self._write_all(states)
         self._loaded = None
         self.steps = step
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class ShardStore:
+    """ZeRO-3's parameter shards (each unit's flat shard buffer, parallel/zero3.py) in a scratch file.
+
+    Every unit's shard has a region of its own (aligned to 4096 bytes) in
+    `threefold-<host>-rank<R>-<pid>-params.scratch`. Between uses the shard's storage is resized to
+    zero (the views `named_parameters()` lists keep their identity); `load(i)` gives it storage back
+    and reads it - normally already read ahead: each load starts the read of the unit after it in
+    the direction of travel (forward up, backward down), so at most one shard is in flight beyond
+    the ones in use - and `drop(i)` releases it once its gather has completed. The optimizer step
+    takes each unit with `updating(i)`: read, the masters copied in, written back, released.
+
+    The file is unlinked as soon as it is open: the kernel frees its blocks when the descriptor
+    closes, whatever ends the process, so it never goes stale.
+
+    Until the first pass (`begin_pass`), and again after `settle()` (a checkpoint reads or fills the
+    shards in place, an evaluation or the end of a run reads them), every shard is resident; the
+    next pass writes them all back and releases them. Reads and writes are buffered (the shard
+    buffers are the model's own allocations, not aligned blocks)."""
+
+    def __init__(self, settings: ScratchSettings):
+        directory = Path(settings.directory)
+        if directory.is_dir():
+            remove_stale(directory, settings.rank)
+        check_scratch(directory, 0)
+        self.path = directory / scratch_name(settings.rank).replace(".scratch", "-params.scratch")
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as err:
+            raise ConfigError("parallel.offload_dir", f"cannot create {self.path}: {err.strerror}; "
+                              "name a writable directory") from None
+        # unlinked at once: the blocks live while the descriptor does, so no crash or kill leaves the file
+        # behind (the hooks ZeRO-3 puts on its parameters keep it alive until its process ends)
+        self.path.unlink()
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="threefold-shards")
+        self._finalizer = weakref.finalize(self, _close, self.fd, self.path, self.io)
+        self.shards: list[torch.Tensor] = []  # each unit's flat shard buffer
+        self.offsets: list[int] = []
+        self.unit_of: dict[str, int] = {}  # local parameter name -> unit index
+        self.nbytes = 0
+        self.resident: set[int] = set()
+        self.pending: dict[int, Future] = {}  # reads in flight
+        self.pinned = True  # every shard resident (before the first pass, after settle)
+        self.last = -1  # the unit loaded last: the direction of the read-ahead
+        self.stats = IoStats()
+        self.peak_resident = 0  # the most shards in memory or being read at once outside the pinned state
+
+    def file_bytes(self) -> int:
+        """The bytes the (unlinked) file holds on its filesystem."""
+        return os.fstat(self.fd).st_size
+
+    def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None:
+        """Register unit `index`'s flat shard buffer (resident now) and its parameters' names."""
+        assert index == len(self.shards)
+        self.shards.append(shard)
+        self.offsets.append(self.nbytes)
+        self.nbytes += -(-shard.numel() * shard.element_size() // ALIGN) * ALIGN
+        self.resident.add(index)
+        for name in names:
+            self.unit_of[name] = index
+
+    def _bytes(self, index: int) -> memoryview:
+        """The shard's bytes (not through numpy: a storage numpy has seen can no longer be resized)."""
+        shard = self.shards[index]
+        nbytes = shard.numel() * shard.element_size()
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(shard.data_ptr())).cast("B")
+
+    def _read(self, index: int) -> None:
+        start = time.perf_counter()
+        view, done = self._bytes(index), 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], self.offsets[index] + done)
+            if got <= 0:
+                raise OSError(f"short read of {self.path} at {self.offsets[index] + done}")
+            done += got
+        self.stats.read_s += time.perf_counter() - start
+        self.stats.read_bytes += len(view)
+
+    def _write(self, index: int) -> None:
+        start = time.perf_counter()
+        view, done = self._bytes(index), 0
+        while done < len(view):
+            done += os.pwritev(self.fd, [view[done:]], self.offsets[index] + done)
+        self.stats.write_s += time.perf_counter() - start
+        self.stats.write_bytes += len(view)
+
+    def _start_read(self, index: int) -> None:
+        if index in self.resident or index in self.pending or not 0 <= index < len(self.shards):
+            return
+        shard = self.shards[index]
+        if shard.numel() == 0:
+            return
+        shard.untyped_storage().resize_(shard.numel() * shard.element_size())
+        self.pending[index] = self.io.submit(self._read, index)
+
+    def load(self, index: int) -> None:
+        """Unit `index`'s shard in memory (waiting for its read), and the next one's read started."""
+        ahead = index + (1 if index >= self.last else -1)
+        self.last = index
+        if index not in self.resident and self.shards[index].numel():
+            self._start_read(index)
+            start = time.perf_counter()
+            self.pending.pop(index).result()
+            self.stats.wait_s += time.perf_counter() - start
+            self.resident.add(index)
+        for other in [i for i in self.pending if i != ahead]:  # a read ahead the other way: not needed now
+            self.pending.pop(other).result()
+            self._release(other)
+        self._start_read(ahead)
+        if not self.pinned:
+            self.peak_resident = max(self.peak_resident, len(self.resident) + len(self.pending))
+
+    def _release(self, index: int) -> None:
+        self.resident.discard(index)
+        self.shards[index].untyped_storage().resize_(0)
+
+    def drop(self, index: int) -> None:
+        """Release unit `index`'s shard (its gather has completed); kept while pinned."""
+        if not self.pinned and index in self.resident:
+            self._release(index)
+
+    @contextlib.contextmanager
+    def updating(self, index: int):
+        """The shard resident for the optimizer to write into, then written back and released."""
+        self.load(index)
+        yield self.shards[index]
+        self._write(index)
+        self.drop(index)
+
+    def settle(self) -> None:
+        """Every shard resident until the next pass (checkpoints, evaluations, the end of a run)."""
+        self.pinned = True
+        for index in range(len(self.shards)):
+            self.load(index)
+        for index in list(self.pending):
+            self.pending.pop(index).result()
+            self.resident.add(index)
+        self.pinned = True
+
+    def begin_pass(self) -> None:
+        """Leave the pinned state: every shard written to the file (a load may have filled it), released."""
+        if not self.pinned:
+            return
+        for index in range(len(self.shards)):
+            if index in self.pending:
+                self.pending.pop(index).result()
+                self.resident.add(index)
+            if index in self.resident:
+                self._write(index)
+                self._release(index)
+        self.pinned = False
+        self.last = -1
 
     def close(self) -> None:
         self._finalizer()

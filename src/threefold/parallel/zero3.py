@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -114,6 +115,16 @@ class Hooked:
     needs: list[Unit] = field(default_factory=list)
 
 
+class ShardHome(Protocol):
+    """Where the units' flat shards live between gathers when not in memory (parallel/nvme.py ShardStore):
+    `load` before a gather reads a shard, `drop` once the gather has completed, `begin_pass` at each pass."""
+
+    def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
+    def load(self, index: int) -> None: ...
+    def drop(self, index: int) -> None: ...
+    def begin_pass(self) -> None: ...
+
+
 class Zero3(HooklessSync):
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
 
@@ -122,9 +133,10 @@ class Zero3(HooklessSync):
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
                  hpz: NoPartition = NO_HPZ, only: set[int] | None = None,
-                 units: list[tuple[str, nn.Module]] | None = None):
+                 units: list[tuple[str, nn.Module]] | None = None, home: ShardHome | None = None):
         axis = axis or comm.mesh.replica_axis  # default: the mesh's replica axes, dp (x cp)
         self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
+        self.home = home  # parallel.offload=nvme: the shards in a scratch file between gathers
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
@@ -156,6 +168,9 @@ class Zero3(HooklessSync):
             needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters() if id(p) in assigned))
             self.hooked.append(Hooked(name, module, needs if module is not model else [unit]))
         self.root = self.hooked[-1]
+        if home is not None:
+            for unit in self.units:
+                home.add(unit.index, unit.shard_flat, [sp.name for sp in unit.params])
         self._by_full = {id(sp.full): (unit, sp) for unit in self.units for sp in unit.params}
         for unit in self.units:
             self._use(unit, whole=False)
@@ -223,6 +238,8 @@ class Zero3(HooklessSync):
     def _start_gather(self, unit: Unit) -> None:
         if unit.state != "sharded" or not unit.params:
             return
+        if self.home is not None:
+            self.home.load(unit.index)
         # hpZ's backward: the forward's values from the node-local copy, over dp_intra only
         from_copy = self._in_backward and self.hpz.ready(unit)
         if self.weight_comm != "none" and not from_copy:  # 8 bits on the wire, dequantized into a staging buffer
@@ -245,6 +262,8 @@ class Zero3(HooklessSync):
         self._start_gather(unit)
         buffer, handle = unit.gather
         handle.wait()
+        if self.home is not None:
+            self.home.drop(unit.index)
         if buffer is not None:  # the quantized path: dequantized rank-major chunks, copied in place
             rows = buffer.view(self.n, -1)
             for sp in unit.params:
@@ -262,6 +281,8 @@ class Zero3(HooklessSync):
         if unit.state == "gathering":
             unit.gather[1].wait()
             unit.gather = None
+            if self.home is not None:
+                self.home.drop(unit.index)
         else:
             self._use(unit, whole=False)
         # On CUDA a gather writes this storage on its group's own stream (the gather lane's). Every
@@ -363,6 +384,8 @@ class Zero3(HooklessSync):
     # ------------------------------------------------------------ grad-sync interface
 
     def _begin_pass(self) -> None:
+        if self.home is not None:
+            self.home.begin_pass()
         for unit in self.units:
             unit.pending = len(unit.trainable)
             unit.reduced = False

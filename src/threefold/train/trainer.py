@@ -223,7 +223,8 @@ class Trainer:
         """Bytes this rank holds, each storage counted once: model states and the step's activations.
 
         `optimizer` is what stays in the compute device's pool (fp32 masters not shared with the
-        model, Adam moments or SGD momentum); with `parallel.offload`, `offloaded` is what moved to the host pool.
+        model, Adam moments or SGD momentum); with `parallel.offload`, `offloaded` is what moved to the host pool
+        (with nvme: only what a checkpoint read back), and `scratch` (nvme) the bytes in the scratch files.
         """
         params = storage_bytes(self.parallel.param_tensors())
         grads = storage_bytes(self.parallel.grad_tensors())
@@ -236,6 +237,8 @@ class Trainer:
         mem = {"params": params, "grads": grads, "optimizer": optim, "activations": activations, "peak": peak}
         if self.optimizer.offload:
             mem["offloaded"] = offloaded
+        if self.optimizer.scratch_nbytes:  # parallel.offload=nvme: the states in the scratch file
+            mem["scratch"] = self.optimizer.scratch_nbytes
         if self.parallel.activation_offload is not None:  # remat.offload=cpu: saved activations held on the host
             mem["activations_host"] = self.parallel.activation_offload.host_peak
         return mem
