@@ -57,6 +57,7 @@ from .master import Piece
 from .materialise import materialise
 from .nvme import ScratchSettings
 from .model import GradSync, ParallelModel, accumulate
+from .context import install_context
 from .module import parallelize_module
 from .precision import apply_precision
 from .remat import apply_offload, apply_remat
@@ -97,6 +98,11 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                       else placements[split.names[name]] for name, q in model.named_parameters()}
     allocated = materialise(model, placements, mesh.device, spec)
     shards.install()
+    # 2b. context parallelism: every attention gets the other cp ranks' keys and values, the positions
+    # are the global ones of this rank's zigzag chunks (the trainer's step splits the micro-batches)
+    if mesh.size("cp") > 1 and not install_context(model, comm, "cp", cfg.parallel.cp_method, cfg.train.seq_len):
+        raise ConfigError("parallel.cp", f"model.preset={cfg.model.preset} has no attention context parallelism "
+                          "can split; use parallel.cp=1")
     if spec.local_hooks is not None:
         spec.local_hooks(model)
     # 3. activation checkpointing
