@@ -28,6 +28,9 @@ def test_cp_method_defaults_to_ring_and_takes_the_three_methods():
     (["parallel.cp=2", "model.preset=tiny-moe"], 2,
      "parallel.cp: model.preset=tiny-moe: mixture-of-experts routing under context parallelism is not wired yet; "
      "use parallel.cp=1"),
+    (["parallel.cp=2", "model.preset=py:mymodel:build"], 2,
+     "parallel.cp: model.preset=py:mymodel:build: a module of your own has no attention context parallelism can "
+     "split; use threefold's own decoder or parallel.cp=1"),
     (["parallel.cp=2", "parallel.tp=2"], 4, "parallel.tp: tp=2 with parallel.cp=2 is not wired yet; "
      "use parallel.cp=1 or drop it"),
     (["parallel.cp=2", "train.compile=true"], 2, "train.compile: train.compile=true with parallel.cp=2 is not "

@@ -379,6 +379,9 @@ def _validate_context(c: Sections) -> None:
         raise ConfigError("parallel.cp", f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention "
                           "seam context parallelism can split; use threefold's own decoder (model.preset=tiny, "
                           "tiny-llama, ...) or parallel.cp=1")
+    if m.preset.startswith("py:"):
+        raise ConfigError("parallel.cp", f"model.preset={m.preset}: a module of your own has no attention context "
+                          "parallelism can split; use threefold's own decoder or parallel.cp=1")
     if m.experts > 0:
         raise ConfigError("parallel.cp", f"model.preset={m.preset}: mixture-of-experts routing under context "
                           "parallelism is not wired yet; use parallel.cp=1")

@@ -70,6 +70,9 @@ __all__ = ["GradSync", "ParallelModel", "accumulate", "parallelize", "paralleliz
 
 def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
     if spec.module_loss is not None:  # a user's own module (py:MODULE:FACTORY): no plan (parallel/module.py)
+        if mesh.size("cp") > 1:  # no attention seam to split (config/checks.py refuses it first)
+            raise ConfigError("parallel.cp", f"model.preset={cfg.model.preset}: a module of your own has no attention "
+                              "context parallelism can split; use parallel.cp=1")
         torch.manual_seed(cfg.train.seed)  # the factory's init, the same on every rank (and broadcast from dp 0)
         return parallelize_module(spec.build(), mesh, comm, cfg, spec.module_loss)
     # 0. the whole model, without storage
