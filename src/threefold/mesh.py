@@ -224,8 +224,8 @@ class Mesh:
         torch.cuda.synchronize(self.device)
 
     def add_lane(self, axis: str, lane: str) -> None:
-        """Create `lane`, a second process group over the same ranks as `axis` (dp, cp, edp, ep or a joined axis), for
-        traffic that must not wait behind the axis's own collectives (see the module's text).
+        """Create `lane`, a second process group over the same ranks as `axis` (dp, cp, edp, ep or a
+        joined axis), for traffic that must not wait behind the axis's own collectives (see the module's text).
 
         Collective: every rank calls it at the same point (strategies do, while `parallelize` builds
         them), and every rank creates every group of the lane, one per group of the axis, in one
