@@ -81,7 +81,7 @@ EXPERT_AXES = ("ep", "edp")
 GATHER = "gather"  # the lane of parameter gathers (ZeRO-3)
 PAIR = "pair"  # the lane of the backward's all-to-alls in a dualpipev pair (pipeline/runtime.py)
 LANES = (GATHER, PAIR)  # second groups over an axis's ranks (Mesh.add_lane)
-LANE_AXES = ("dp", "edp", "ep")  # the axes that have lanes (and joined axes, such as dp+cp)
+LANE_AXES = ("dp", "cp", "edp", "ep")  # the axes that have lanes (and joined axes, such as dp+cp)
 
 
 def cuda_index(env=os.environ) -> int:
@@ -224,8 +224,8 @@ class Mesh:
         torch.cuda.synchronize(self.device)
 
     def add_lane(self, axis: str, lane: str) -> None:
-        """Create `lane`, a second process group over the same ranks as `axis` (dp, edp or ep), for
-        traffic that must not wait behind the axis's own collectives (see the module's text).
+        """Create `lane`, a second process group over the same ranks as `axis` (dp, cp, edp, ep or a
+        joined axis), for traffic that must not wait behind the axis's own collectives (see the module's text).
 
         Collective: every rank calls it at the same point (strategies do, while `parallelize` builds
         them), and every rank creates every group of the lane, one per group of the axis, in one
@@ -254,7 +254,7 @@ class Mesh:
         parallelism), in one order."""
         if axis == "dp":
             return self._dp_groups()
-        if JOIN in axis:
+        if JOIN in axis or axis == "cp":  # cp alone: the replica axis of a layout with dp = 1 (ZeRO-3's gathers)
             return self._joined_rank_lists(axis.split(JOIN))
         return self._cut_dp(self.layout.ep)[0 if axis == "ep" else 1]
 

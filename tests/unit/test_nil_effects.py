@@ -31,7 +31,7 @@ SAMPLES = {
     "fault.layout": "1,1,1", "fault.hold_file": "x", "fault.signal": "SIGINT", "compress.method": "bf16", "compress.hierarchical": "true",
     "parallel.bucket_mb": "5", "debug.replica_check_every": "2", "train.sync_every": "2",
     "train.outer_optimizer": "nesterov", "train.easgd_alpha": "0.1",
-    "parallel.offload_dir": "/tmp", "parallel.offload_prefetch": "4", "parallel.offload_block_mb": "8",
+    "parallel.offload_dir": "/tmp", "parallel.cp_method": "allgather", "parallel.offload_prefetch": "4", "parallel.offload_block_mb": "8",
 }
 # what else a key needs to be valid at all (the layout still leaves it without effect)
 CONTEXT = {"train.beta1": ["train.optimizer=sgd"], "train.beta2": ["train.optimizer=sgd"],
@@ -75,7 +75,8 @@ def test_a_key_without_effect_is_refused_or_warned(key):
                                          ("pipeline.schedule", ["parallel.pp=2"]),
                                          ("remat.targets", ["remat.policy=selective"]),
                                          ("train.momentum", ["train.optimizer=sgd"]),
-                                         ("compress.method", ["parallel.dp=2"])])
+                                         ("compress.method", ["parallel.dp=2"]),
+                                         ("parallel.cp_method", ["parallel.cp=2", "train.seq_len=16"])])
 def test_the_same_key_where_it_has_effect_is_accepted(key, enable):
     world = 2 if enable[0].startswith("parallel") else 1
     cfg = load_config(None, BASE + enable + [f"{key}={SAMPLES[key]}"]).validate(world)

@@ -16,11 +16,11 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "threefold"
 # ------------------------------------------------------------------ parallel.cp
 
 
-def test_cp_above_1_is_refused_in_one_line_naming_the_fix():
+def test_cp_above_1_validates_and_refuses_what_is_not_wired_in_one_line():
+    assert load_config(None, ["model.preset=tiny", "parallel.cp=2"]).validate(2).parallel.dp == 1
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["model.preset=tiny", "parallel.cp=2"]).validate(2)
-    assert str(e.value) == ("parallel.cp=2: context-parallel attention is not available in this build yet; "
-                            "use parallel.cp=1")
+        load_config(None, ["model.preset=tiny", "parallel.cp=2", "parallel.pp=2"]).validate(4)
+    assert str(e.value) == "parallel.pp: pp=2 with parallel.cp=2 is not wired yet; use parallel.cp=1 or drop it"
     assert "\n" not in e.value.line()
 
 
@@ -35,8 +35,8 @@ def test_cp_from_the_command_line_and_in_the_world_size():
     assert cfg.parallel.cp == 2 and load_config(None, ["model.preset=tiny"]).parallel.cp == 1
     with pytest.raises(ConfigError, match=r"layout dp=auto x cp=2 x tp=2 x pp=1 does not match the world size 6"):
         cfg.validate(6)  # dp x cp x tp x pp: 6 is no multiple of 4
-    with pytest.raises(ConfigError, match=r"^parallel.cp=2: context-parallel attention"):
-        cfg.validate(8)  # dp = 8 / (2 x 2) fits: then the refusal
+    with pytest.raises(ConfigError, match=r"^parallel.tp: tp=2 with parallel.cp=2 is not wired yet"):
+        cfg.validate(8)  # dp = 8 / (2 x 2) fits: then the refusal of cp with tp (not wired yet)
     with pytest.raises(ConfigError, match="parallel.cp: must be at least 1"):
         load_config(None, ["model.preset=tiny", "parallel.cp=0"]).validate(1)
     assert load_config(None, ["model.preset=tiny", "parallel.tp=2"]).validate(4).parallel.dp == 2  # cp=1: as before
@@ -47,7 +47,7 @@ def test_elastic_layout_keeps_cp_and_shrinks_dp():
 
     cfg = load_config(None, ["model.preset=tiny", "parallel.dp=4", "parallel.cp=2", "train.global_batch=8",
                              "parallel.elastic_world=8"])
-    half = rederive(cfg, 4, lambda c, world: c)  # the layout only (the checks refuse cp > 1 today)
+    half = rederive(cfg, 4, lambda c, world: c)  # the layout only 
     assert (half.parallel.dp, half.parallel.cp, half.train.microbatches) == (2, 2, 2)
     with pytest.raises(ConfigError, match=r"cp=2 x tp=1 x pp=1 = 2 does not divide 3"):
         rederive(cfg, 3, lambda c, world: c)

@@ -70,9 +70,8 @@ def _validate(c: S, world_size: int) -> S:
         raise ConfigError(
             "parallel", f"layout dp={p.dp or 'auto'}{cp} x tp={p.tp} x pp={p.pp} does not match the world size "
             f"{world_size}; choose dp, {'cp, ' if cp else ''}tp and pp whose product is {world_size}")
-    if p.cp > 1:  # the mesh has the axis; the attention that splits sequences over it is not wired yet
-        raise ConfigError("", f"parallel.cp={p.cp}: context-parallel attention is not available in this build yet; "
-                          "use parallel.cp=1")
+    if p.cp > 1:
+        _validate_context(c)
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"unknown ZeRO stage {p.zero}; choose 0, 1, 2 or 3")
     if p.offload != "none" and p.zero == 0:
@@ -357,6 +356,50 @@ def _validate_periodic(c: Sections, dp: int) -> None:
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")
 
 
+def _hf_family(preset: str) -> str:
+    """" (LlamaForCausalLM)": the architecture config.json of an hf:DIR names; "" when it cannot be read."""
+    from .hf import read_config_json
+
+    try:
+        return f" ({read_config_json(Path(preset[3:]))['architectures'][0]})"
+    except UserError:
+        return ""
+
+
+def _validate_context(c: Sections) -> None:
+    """parallel.cp > 1: the sequence splits into 2 cp zigzag chunks; ulysses splits the heads over cp;
+    the layouts context parallelism is not wired into yet are refused (docs/context.md)."""
+    p, m, t = c.parallel, c.model, c.train
+    cp = p.cp
+    if t.seq_len % (2 * cp):
+        raise ConfigError("train.seq_len", f"{t.seq_len} is not a multiple of 2 x parallel.cp = {2 * cp} (the zigzag "
+                          f"chunks of context parallelism); choose train.seq_len divisible by {2 * cp}")
+    if p.cp_method == "ulysses" and (m.heads % cp or m.kv_heads % cp):
+        raise ConfigError("parallel.cp_method", f"ulysses: {m.heads} query heads and {m.kv_heads} key/value heads "
+                          f"must both be divisible by parallel.cp={cp}; use parallel.cp_method=ring or allgather, "
+                          "or a cp dividing both")
+    if m.preset.startswith("hf:"):
+        raise ConfigError("parallel.cp", f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention "
+                          "seam context parallelism can split; use threefold's own decoder (model.preset=tiny, "
+                          "tiny-llama, ...) or parallel.cp=1")
+    if m.preset.startswith("py:"):
+        raise ConfigError("parallel.cp", f"model.preset={m.preset}: a module of your own has no attention context "
+                          "parallelism can split; use threefold's own decoder or parallel.cp=1")
+    if m.experts > 0:
+        raise ConfigError("parallel.cp", f"model.preset={m.preset}: mixture-of-experts routing under context "
+                          "parallelism is not wired yet; use parallel.cp=1")
+    for key, on, what in [("parallel.tp", p.tp > 1, f"tp={p.tp}"), ("parallel.pp", p.pp > 1, f"pp={p.pp}"),
+                          ("parallel.ep", p.ep > 1, f"ep={p.ep}"), ("train.compile", t.compile, "train.compile=true"),
+                          ("train.eval_every", t.eval_every > 0, f"train.eval_every={t.eval_every}"),
+                          ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
+                          ("remat.offload", c.remat.offload != "none", f"remat.offload={c.remat.offload}"),
+                          ("compress.method", c.compress.method != "none", f"compress.method={c.compress.method}"),
+                          ("compress.hierarchical", c.compress.hierarchical, "compress.hierarchical=true"),
+                          ("parallel.zero_hpz", p.zero_hpz, "parallel.zero_hpz=true")]:
+        if on:
+            raise ConfigError(key, f"{what} with parallel.cp={cp} is not wired yet; use parallel.cp=1 or drop it")
+
+
 def _validate_pipeline(c: Sections) -> None:
     pipe, pp, layers, m = c.pipeline, c.parallel.pp, c.model.layers, c.train.microbatches
     kind = SCHEDULES[pipe.schedule]
@@ -477,6 +520,7 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
               lambda c, dp: c.parallel.pp > 1, "parallel.pp > 1"),
     NilEffect(("parallel.offload_dir", "parallel.offload_prefetch", "parallel.offload_block_mb"),
               lambda c, dp: c.parallel.offload == "nvme", "parallel.offload=nvme"),
+    NilEffect(("parallel.cp_method",), lambda c, dp: c.parallel.cp > 1, "parallel.cp > 1"),
     NilEffect(("remat.every",), lambda c, dp: c.remat.policy == "every-k", "remat.policy=every-k"),
     NilEffect(("remat.targets",), lambda c, dp: c.remat.policy == "selective", "remat.policy=selective"),
     NilEffect(("remat.offload_blocks",), lambda c, dp: c.remat.offload == "cpu", "remat.offload=cpu"),

@@ -82,6 +82,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (parameters replicated over cp)
+    # how attention gets the other ranks' keys and values (parallel/context.py, docs/context.md)
+    cp_method: Literal["ring", "allgather", "ulysses"] = "ring"
     zero: int = 0
     ep: int = 1  # expert parallelism: carved out of dp, each ep rank holds experts / ep experts
     sequence_parallel: bool = False

@@ -184,11 +184,16 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.padded_vocab, cfg.hidden)
         self.pos = nn.Embedding(cfg.max_seq, cfg.hidden) if cfg.position == "learned" else None
+        # the learned positions' seam: the global positions of the local tokens (s,) when the sequence
+        # is split (context parallelism sets them from outside); None: 0 .. s-1
+        self.positions: torch.Tensor | None = None
 
     def forward(self, tokens_bs):
         x = self.tok(tokens_bs)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))
+            positions = (self.positions if self.positions is not None
+                         else torch.arange(tokens_bs.shape[1], device=tokens_bs.device))
+            x = x + self.pos(positions)
         return x
 
 

@@ -58,6 +58,7 @@ from .master import Piece
 from .materialise import materialise
 from .nvme import ScratchSettings, ShardStore
 from .model import GradSync, ParallelModel, accumulate
+from .context import install_context
 from .module import parallelize_module
 from .precision import apply_precision
 from .remat import apply_offload, apply_remat
@@ -70,6 +71,9 @@ __all__ = ["GradSync", "ParallelModel", "accumulate", "parallelize", "paralleliz
 
 def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> ParallelModel:
     if spec.module_loss is not None:  # a user's own module (py:MODULE:FACTORY): no plan (parallel/module.py)
+        if mesh.size("cp") > 1:  # no attention seam to split (config/checks.py refuses it first)
+            raise ConfigError("parallel.cp", f"model.preset={cfg.model.preset}: a module of your own has no attention "
+                              "context parallelism can split; use parallel.cp=1")
         torch.manual_seed(cfg.train.seed)  # the factory's init, the same on every rank (and broadcast from dp 0)
         return parallelize_module(spec.build(), mesh, comm, cfg, spec.module_loss)
     # 0. the whole model, without storage
@@ -100,6 +104,11 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # 2b. fp8: the blocks' linears get float8 matmuls (after the tp shards, before remat wraps forwards)
     _convert_fp8(model, cfg, comm, mesh, None if split is None else split.names)
     shards.install()
+    # 2b. context parallelism: every attention gets the other cp ranks' keys and values, the positions
+    # are the global ones of this rank's zigzag chunks (the trainer's step splits the micro-batches)
+    if mesh.size("cp") > 1 and not install_context(model, comm, "cp", cfg.parallel.cp_method, cfg.train.seq_len):
+        raise ConfigError("parallel.cp", f"model.preset={cfg.model.preset} has no attention context parallelism "
+                          "can split; use parallel.cp=1")
     if spec.local_hooks is not None:
         spec.local_hooks(model)
     # 3. activation checkpointing

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..comm.autograd import all_gather_from_group, gather_along
 from ..comm.collectives import Comm
 from ..errors import UserError
+from ..models.decoder import Attention, Embedding
 
 METHODS = ("ring", "allgather", "ulysses")
 ACC_BYTES = 4  # the ring's dK / dV accumulators travel in fp32
@@ -385,6 +386,33 @@ class ContextCore:
 
     def __call__(self, q, k, v) -> torch.Tensor:
         return ATTENTION[self.method](q, k, v, self.comm, self.axis, self.index, self.docs)
+
+
+# ------------------------------------------------------------------ training
+
+
+def install_context(model: torch.nn.Module, comm: Comm, axis: str, method: str, seq_len: int) -> int:
+    """Wire context parallelism into the reference decoder (parallel step 2b): every block's attention
+    gets a `ContextCore` of `method` over `axis`, and the learned position embedding the global
+    positions, both at this rank's zigzag index of a `seq_len` sequence (one document per
+    sequence: the index is the same for every micro-batch, so one core serves the whole run).
+    Returns the number of attentions wired (0: the model has none of the decoder's)."""
+    mesh = comm.mesh
+    index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
+    core = ContextCore(method, comm, axis, index)
+    wired = 0
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attention_core = core
+            wired += 1
+        elif isinstance(module, Embedding):
+            module.positions = index
+    return wired
+
+
+def split_micro_batch(tokens: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """This rank's zigzag part of a micro-batch's (b, S) inputs or targets along the sequence."""
+    return zigzag_split(tokens, comm.mesh.size(axis), comm.mesh.rank(axis), dim=1)
 
 
 # ------------------------------------------------------------------ bytes

@@ -25,6 +25,7 @@ from ..config import TrainConfig
 from ..data import Batch
 from ..mesh import PIPELINE, REPLICA, TENSOR
 from ..parallel import GradSync, ParallelModel, accumulate  # noqa: F401  (accumulate, GradSync: re-exported)
+from ..parallel.context import split_micro_batch
 from ..parallel.master import ShardedOptimizer
 from ..sharding import Placement
 from .optim import lr_at, set_lr
@@ -216,6 +217,15 @@ class TrainStep:
             self.scaler.to(comm.mesh.device)
         self.meter = parallel.meter
 
+    def split_sequences(self, micro_batches: list[Batch]) -> list[Batch]:
+        """Under context parallelism (cp > 1) this rank's zigzag part of every micro-batch's sequences
+        (inputs and targets alike: each target stays with its input); the global token count is
+        unchanged, the loss is summed over the batch and sequence axes (dp, cp)."""
+        if self.comm.mesh.size("cp") == 1:
+            return micro_batches
+        return [Batch(split_micro_batch(mb.inputs, self.comm, "cp"), split_micro_batch(mb.targets, self.comm, "cp"))
+                for mb in micro_batches]
+
     def drain(self) -> None:
         """Nothing is in flight between synchronous steps (pipedream-2bw's step drains its pipeline here)."""
 
@@ -226,6 +236,7 @@ class TrainStep:
         if self.parallel.periodic is not None:  # local SGD: whether this step sums gradients over dp
             self.parallel.periodic.begin_step(step)
         self.grad_sync.zero_grad()
+        micro_batches = self.split_sequences(micro_batches)
         loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, scale)
         self.grad_sync.finish()
         if self.parallel.after_sync is not None:
