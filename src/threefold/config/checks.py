@@ -439,8 +439,8 @@ def _validate_two_bw(c: Sections) -> None:
         (p.tp > 1, "parallel.tp", "pipedream-2bw runs without tensor parallelism here; set parallel.tp=1"),
         (p.ep > 1, "parallel.ep", "pipedream-2bw runs without expert parallelism here; set parallel.ep=1"),
         (c.model.experts > 0, "model.experts", "the steps of pipedream-2bw do not wait for each other, and the "
-                                               "routers' metrics are summed over the pipeline stages at every step (a wait); "
-                                               "use a dense model (model.experts=0) or another schedule"),
+                                               "routers' metrics are summed over the pipeline stages at every step "
+                                               "(a wait); use a dense model (model.experts=0) or another schedule"),
         (t.compile, "train.compile", "pipedream-2bw runs its stages uncompiled; set train.compile=false"),
         (c.remat.policy != "none", "remat.policy", "pipedream-2bw runs without activation checkpointing here; "
                                                    "set remat.policy=none"),
