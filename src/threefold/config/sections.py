@@ -52,6 +52,12 @@ class ModelConfig:
     expert_capacity: float = 0.0  # capacity factor per sequence (tokens dropped past it); 0 = dropless
     router_aux_weight: float = 0.01  # load-balancing loss weight (per sequence, Switch's E * sum f_e P_e)
     router_z_weight: float = 0.001  # router z-loss weight (mean logsumexp(logits)^2)
+    # LoRA (parallel/lora.py, docs/lora.md): rank 0 = off; alpha 0 = the rank (scaling alpha / rank 1);
+    # targets: comma-separated module names ("" = the attention and MLP projections)
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: str = ""
 
     @property
     def padded_vocab(self) -> int:

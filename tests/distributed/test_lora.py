@@ -1,0 +1,105 @@
+"""LoRA on a Hugging Face Llama (parallel/lora.py): threefold's adapters trained under several layouts
+against `peft`'s own model (get_peft_model on from_pretrained, the same initial adapter values, a plain
+torch AdamW loop over the same batches); the frozen base stays bitwise where it was; the optimizer holds
+adapter states only (12 bytes per adapter element in fp32 AdamW, divided over dp under ZeRO)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import make_config, rel_err
+
+pytest.importorskip("peft")
+
+from tests.hf_tasks import TRAIN, save_tiny, train_hf  # noqa: E402
+
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "train.steps=3", "train.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
+
+
+def ours_of(peft_name: str) -> str:
+    """peft's `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight` -> threefold's name."""
+    name = peft_name.removeprefix("base_model.model.").replace(".default.", ".")
+    for pattern, ours in ((r"^model\.layers\.(\d+)\.", r"blocks.\1.layer."), (r"^model\.embed_tokens\.", "embed."),
+                          (r"^model\.norm\.", "norm."), (r"^lm_head\.", "head.")):
+        name = re.sub(pattern, ours, name)
+    return name
+
+
+def peft_training(directory, overrides: list[str]) -> dict:
+    """peft's LoRA model trained by a plain loop, its adapters started from threefold's initial values."""
+    import peft
+    import transformers
+
+    from threefold.data import Sampler, load_tokens
+    from threefold.parallel.lora import DEFAULT_TARGETS, adapter_init
+
+    cfg = make_config(overrides, "unused")
+    t, m = cfg.train, cfg.model
+    with contextlib.redirect_stderr(io.StringIO()):
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=0.0,
+                                                      target_modules=list(DEFAULT_TARGETS)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(adapter_init(ours_of(name), tuple(p.shape), t.seed))
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                  weight_decay=t.weight_decay)
+    sampler = Sampler(load_tokens(cfg.data.source, cfg.model.vocab, t.seed), t.seq_len, t.global_batch, t.seed)
+    losses = []
+    for step in range(t.steps):
+        (batch,) = sampler.microbatches(step, 1)
+        loss = F.cross_entropy(model(input_ids=batch.inputs).logits.flatten(0, 1), batch.targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    params = {ours_of(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "initial": {ours_of(n): p for n, p in initial.items()},
+            "model": model}
+
+
+def _base_key(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
+def check_parity(result: dict, reference: dict, what: str) -> None:
+    losses = [abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"])]
+    assert len(losses) == 3 and max(losses) <= 1e-5, f"{what}: losses differ by {max(losses):.2e}"
+    ref = {_base_key(n): p for n, p in reference["params"].items()}
+    assert set(result["params"]) == set(ref), f"{what}: {set(result['params']) ^ set(ref)}"
+    errors = {n: rel_err(p, ref[n]) for n, p in result["params"].items()}
+    worst = max((e, n) for n, e in errors.items())
+    assert worst[0] <= 1e-5, f"{what}: {worst[1]} differs by {worst[0]:.2e}"
+    initial = {_base_key(n): p for n, p in reference["initial"].items()}
+    for name, p in result["params"].items():
+        if "lora_" not in name:  # frozen: exactly the pretrained value
+            assert torch.equal(p, initial[name]), f"{what}: frozen {name} moved"
+    moved = min(rel_err(ref[n], initial[n]) for n in ref if "lora_B" in n)
+    assert moved > 1e-2, f"{what}: the adapters did not train"
+
+
+def train_runs(runs: list[tuple[list[str], str]]) -> list[dict]:
+    return [train_hf(overrides, out) for overrides, out in runs]
+
+
+def test_lora_single_process_matches_peft(worlds, llama, tmp_path):
+    base = [f"model.preset=hf:{llama}", *TRAIN, *LORA]
+    reference = peft_training(llama, base)
+    (result,) = worlds(1).run(train_runs, [(base, str(tmp_path / "111"))])[0]
+    check_parity(result, reference, "(1,1,1)")
