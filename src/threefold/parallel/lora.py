@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Comm
@@ -167,14 +166,16 @@ class _Adapter:
         self.rows = rows  # the rows of B's output the base uses (replicated grouped key/value heads)
 
     def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        a, b = module.lora_A.weight, module.lora_B.weight
-        x = args[0]
-        u = F.linear(self.dropout(x.to(a.dtype)), a)
+        # the adapters run as modules: the hooks a strategy put on them (ZeRO-1/2's wait for the
+        # all-gather of their segment) fire
+        a, b = module.lora_A, module.lora_B
+        u = a(self.dropout(args[0].to(a.weight.dtype)))
         if self.comm is not None:
             u = reduce_from_group(u, self.comm, "tp")
+        y = b(u)
         if self.rows is not None:
-            b = b.narrow(0, *self.rows)
-        return output + (F.linear(u, b) * self.scaling).to(output.dtype)
+            y = y.narrow(-1, *self.rows)
+        return output + (y * self.scaling).to(output.dtype)
 
 
 def _targets(model: nn.Module, settings: LoraSettings) -> list[tuple[str, nn.Module]]:
