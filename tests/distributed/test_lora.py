@@ -121,3 +121,36 @@ def test_lora_layouts_match_peft(worlds, llama, tmp_path, size, layouts):
     for rank_results in worlds(size).run(train_runs, runs):
         for what, result in zip(layouts, rank_results):
             check_parity(result, reference, what)
+
+
+def optimizer_bytes(runs: list[tuple[list[str], str]]) -> list[dict]:
+    """Per run: this rank's optimizer state bytes (fp32 masters + AdamW moments) and what it updates."""
+    from threefold.train.trainer import Trainer
+
+    out = []
+    for overrides, directory in runs:
+        with contextlib.redirect_stderr(io.StringIO()):
+            trainer = Trainer(make_config(overrides, directory))
+        state = trainer.optimizer.state_tensors()
+        out.append({"bytes": sum(t.numel() * t.element_size() for t in state),
+                    "updated": sorted({piece.name for piece in trainer.optimizer.pieces}),
+                    "grad_bytes": sum(t.numel() * t.element_size() for t in trainer.parallel.grad_sync.gradient_tensors())})
+    return out
+
+
+def test_lora_optimizer_holds_adapter_states_only(worlds, llama, tmp_path):
+    """12 bytes per adapter element (fp32 master + two fp32 moments, bf16 compute), this rank's share under
+    ZeRO; nothing for the frozen base. The tiny Llama: 2 layers x r (in + out) of its 7 projections."""
+    h, f, kv, r = 64, 128, 32, 4
+    adapters = 2 * r * ((h + h) * 2 + (h + kv) * 2 + (h + f) * 3)
+    base = [f"model.preset=hf:{llama}", *TRAIN, *LORA, "precision.compute=bf16"]
+    runs = {0: ["parallel.dp=2"], 1: ["parallel.dp=2", "parallel.zero=1"], 3: ["parallel.dp=2", "parallel.zero=3"]}
+    results = worlds(2).run(optimizer_bytes, [(base + o, str(tmp_path / str(z))) for z, o in runs.items()])
+    for rank_results in results:
+        for zero, result in zip(runs, rank_results):
+            share = adapters if zero == 0 else adapters // 2
+            assert result["bytes"] == 12 * share, f"ZeRO-{zero}: {result['bytes']} bytes, not 12 x {share}"
+            assert all("lora_" in name for name in result["updated"]), result["updated"]
+            if zero == 0:  # every adapter whole, and gradients (bf16) for the adapters only
+                assert len(result["updated"]) == 2 * 7 * 2
+                assert result["grad_bytes"] == 2 * adapters
