@@ -154,3 +154,41 @@ def test_lora_optimizer_holds_adapter_states_only(worlds, llama, tmp_path):
             if zero == 0:  # every adapter whole, and gradients (bf16) for the adapters only
                 assert len(result["updated"]) == 2 * 7 * 2
                 assert result["grad_bytes"] == 2 * adapters
+
+
+def test_lora_checkpoint_and_exports(worlds, llama, tmp_path):
+    """A (2,2,1) LoRA run's checkpoint holds the adapters and names the base; `ckpt export --hf` merged opens
+    in transformers, `--lora adapter` in peft, both giving the trained model's logits (1e-5)."""
+    import peft
+    import transformers
+    from safetensors import safe_open
+
+    from threefold.checkpoint.format import read_manifest
+    from threefold.checkpoint.hf import export_hf
+    from threefold.cli import main
+
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    run = [f"model.preset=hf:{llama}", *TRAIN, *LORA, "parallel.dp=2", "parallel.tp=2", "checkpoint.save_every=3"]
+    results = worlds(4).run(train_hf, run, str(tmp_path / "run"), tokens)
+    trained = results[0]["after"]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000003"
+    manifest = read_manifest(ckpt)
+    model = [n for n in manifest.tensors if n.startswith("model/")]
+    assert len(model) == 2 * 7 * 2 and all("lora_" in n for n in model), model
+    assert manifest.extra["lora_base"]["source"] == str(llama) and manifest.extra["lora_base"]["fingerprint"]
+
+    export_hf(ckpt, tmp_path / "merged")
+    with contextlib.redirect_stderr(io.StringIO()):
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_err(merged(input_ids=tokens).logits, trained) <= 1e-5
+
+    assert main(["ckpt", "export", str(tmp_path / "run"), "--hf", str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == 2 * 7 * 2
+    with contextlib.redirect_stderr(io.StringIO()):
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_err(base(input_ids=tokens).logits, trained) > 1e-3  # the adapters changed the model
+        loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+        assert rel_err(loaded(input_ids=tokens).logits, trained) <= 1e-5

@@ -56,7 +56,7 @@ from .data import DataParallelReducer, parallelize_data
 from .expert import ExpertParallelSync, sequence_parallel_experts, shard_experts
 from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
-from .lora import add_adapters, check_supported, lora_settings, lora_spec
+from .lora import LoraBase, add_adapters, check_supported, lora_settings, lora_spec
 from .master import Piece
 from .materialise import materialise
 from .nvme import ScratchSettings, ShardStore
@@ -139,6 +139,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
                              routers=routers, activation_offload=activation_offload,
                              scratch=scratch, replica_axis=mesh.replica_axis)
+    if lora is not None:  # checkpoints hold the adapters and name the base (parallel/lora.py LoraBase)
+        parallel.lora_base = LoraBase(spec.hf.source if spec.hf is not None else None, lora)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
     if isinstance(grad_sync, Zero3) and grad_sync.home is not None:  # the shards in memory for a reader

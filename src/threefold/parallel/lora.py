@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..comm import Comm
 from ..comm.autograd import reduce_from_group
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..mesh import Mesh
 from ..models.decoder import parameter_seed
+from ..models.fingerprint import base_fingerprint
 from ..models.spec import ModelSpec
 from ..sharding import Placement
 from .materialise import _local_box
@@ -245,3 +247,27 @@ def add_adapters(model: nn.Module, placements: dict[str, Placement], partial: li
         names += [a_place.name, b_place.name]
     return names
 
+
+
+class LoraBase:
+    """What a LoRA checkpoint records instead of the frozen base weights (`extra.lora_base`): the base
+    directory, its fingerprint and the adapters' settings. A resume onto other base weights is refused."""
+
+    def __init__(self, source: Path | None, settings: LoraSettings):
+        self.source = Path(source) if source is not None else None
+        self.settings = settings
+        self.fingerprint = base_fingerprint(self.source) if self.source is not None else ""
+
+    def state_dict(self) -> dict:
+        s = self.settings
+        return {"source": str(self.source or ""), "fingerprint": self.fingerprint, "rank": s.rank,
+                "alpha": s.alpha, "dropout": s.dropout, "targets": list(s.targets)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise UserError(f"checkpoint.resume: the checkpoint's LoRA adapters were trained on the base weights "
+                            f"of {state.get('source')} (fingerprint {state.get('fingerprint')}), but "
+                            f"{self.source} has other weights ({self.fingerprint}); resume with that base model")
+        if state.get("rank") != self.settings.rank:
+            raise UserError(f"model.lora_rank: the checkpoint's adapters have rank {state.get('rank')}, not "
+                            f"{self.settings.rank}; set model.lora_rank={state.get('rank')}")
