@@ -192,3 +192,62 @@ def test_lora_checkpoint_and_exports(worlds, llama, tmp_path):
         assert rel_err(base(input_ids=tokens).logits, trained) > 1e-3  # the adapters changed the model
         loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
         assert rel_err(loaded(input_ids=tokens).logits, trained) <= 1e-5
+
+
+def test_lora_resume_continues_as_one_run(worlds, llama, tmp_path):
+    """2 steps, saved (adapters + their ZeRO-1 optimizer shards), resumed for the 3rd: peft's 3-step run."""
+    base = [f"model.preset=hf:{llama}", *TRAIN, *LORA, "parallel.dp=2", "parallel.zero=1"]
+    reference = peft_training(llama, base)
+    out = str(tmp_path / "run")
+    worlds(2).run(train_hf, base + ["train.steps=2", "checkpoint.save_every=2"], out)
+    results = worlds(2).run(train_hf, base + ["checkpoint.resume=auto"], out)
+    ref = {_base_key(n): p for n, p in reference["params"].items()}
+    for result in results:
+        assert len(result["losses"]) == 1 and abs(result["losses"][0] - reference["losses"][2]) <= 1e-5 * abs(
+            reference["losses"][2])
+        worst = max((rel_err(p, ref[n]), n) for n, p in result["params"].items())
+        assert worst[0] <= 1e-5, f"resumed: {worst[1]} differs by {worst[0]:.2e}"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.lora_rank=-1"], "model.lora_rank"),
+    (["model.lora_rank=4", "model.lora_dropout=1.5"], "model.lora_dropout"),
+    (["model.lora_rank=4", "model.lora_alpha=-2"], "model.lora_alpha"),
+    (["model.lora_rank=4", "model.lora_targets=q_proj;v"], "model.lora_targets"),
+    (["model.lora_alpha=16"], "model.lora_alpha"),  # without a rank: no effect, refused
+    (["model.lora_rank=4", "parallel.tp=2", "parallel.sequence_parallel=true"], "model.lora_rank"),
+])
+def test_lora_bad_settings_are_refused_in_one_line(llama, overrides, key):
+    from threefold.config import load_config
+    from threefold.errors import ConfigError
+
+    world = 2 if "parallel.tp=2" in overrides else 1
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.preset=hf:{llama}", "train.global_batch=8", *overrides]).validate(world)
+    assert str(e.value).startswith(f"{key}:") and "\n" not in str(e.value)
+
+
+def test_lora_refuses_the_reference_decoder_and_unknown_targets(alone, llama, tmp_path):
+    from threefold.config import load_config
+    from threefold.errors import ConfigError
+    from threefold.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="model.lora_rank: LoRA applies to a Hugging Face model"):
+        load_config(None, ["model.lora_rank=4", "train.global_batch=8"]).validate(1)
+    with pytest.raises(ConfigError, match="model.lora_targets: qq_proj name no linear layer"):
+        Trainer(make_config([f"model.preset=hf:{llama}", *TRAIN, "model.lora_rank=4", "model.lora_targets=qq_proj"],
+                            str(tmp_path / "run")))
+
+
+def test_lora_settings_from_a_peft_config():
+    import peft
+
+    from threefold.errors import ConfigError
+    from threefold.parallel.lora import lora_settings_from_peft
+
+    keys = lora_settings_from_peft(peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
+                                                   target_modules=["q_proj", "v_proj"]))
+    assert keys == {"model.lora_rank": 8, "model.lora_alpha": 16.0, "model.lora_dropout": 0.05,
+                    "model.lora_targets": "q_proj,v_proj"}
+    with pytest.raises(ConfigError, match="LoraConfig.use_dora"):
+        lora_settings_from_peft(peft.LoraConfig(r=8, use_dora=True, target_modules=["q_proj"]))
