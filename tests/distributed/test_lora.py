@@ -251,3 +251,22 @@ def test_lora_settings_from_a_peft_config():
                     "model.lora_targets": "q_proj,v_proj"}
     with pytest.raises(ConfigError, match="LoraConfig.use_dora"):
         lora_settings_from_peft(peft.LoraConfig(r=8, use_dora=True, target_modules=["q_proj"]))
+
+
+def test_lora_planner_counts_adapter_states_only(llama):
+    """`threefold plan`'s model states for a LoRA run: the frozen base's parameters, the adapters'
+    gradients and 12-byte optimizer states (bf16), sharded by ZeRO as the trainer shards them."""
+    from threefold.config import load_config
+    from threefold.planner.memory import predict_memory
+
+    h, f, kv, r = 64, 128, 32, 4
+    adapters = 2 * r * ((h + h) * 2 + (h + kv) * 2 + (h + f) * 3)
+    base_params = 250 * 64 * 2 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128 + 2 * 64) + 64
+    for zero, dp in [(0, 1), (1, 2), (3, 2)]:
+        cfg = load_config(None, [f"model.preset=hf:{llama}", *TRAIN, *LORA, "precision.compute=bf16",
+                                 f"parallel.dp={dp}", f"parallel.zero={zero}"]).validate(dp)
+        mem = predict_memory(cfg, dp)
+        share = dp if zero >= 1 else 1
+        assert mem["optimizer"] == 12 * adapters // share
+        assert mem["grads"] == 2 * adapters // (dp if zero >= 2 else 1)
+        assert mem["params"] == 2 * (base_params + adapters) // (dp if zero >= 3 else 1)

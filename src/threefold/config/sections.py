@@ -17,6 +17,9 @@ from ..pipeline import schedules as registry  # the schedule registry: plain dat
 
 SCHEDULE_NAMES = tuple(registry.SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = "tiny"
@@ -76,6 +79,12 @@ class ModelConfig:
     @property
     def expert_width(self) -> int:
         return self.expert_ffn_hidden or self.ffn_hidden
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        """The module names `model.lora_targets` lists ("" : the attention and MLP projections)."""
+        names = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return names or LORA_DEFAULT_TARGETS
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` is sparse (a mixture of experts) rather than a dense MLP."""

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..comm.autograd import reduce_from_group
+from ..config.sections import LORA_DEFAULT_TARGETS
 from ..errors import ConfigError, UserError
 from ..mesh import Mesh
 from ..models.decoder import parameter_seed
@@ -50,7 +51,7 @@ from ..sharding import Placement
 from .materialise import _local_box
 from .tensor import ColumnParallelLinear, RowParallelLinear
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 ADAPTER_PARTS = ("lora_A", "lora_B")
 # families whose linear layers are torch Linears (or threefold's parallel ones) named as in transformers
 SUPPORTED_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -74,12 +75,7 @@ def lora_settings(model_cfg, seed: int) -> LoraSettings | None:
     if model_cfg.lora_rank <= 0:
         return None
     return LoraSettings(model_cfg.lora_rank, float(model_cfg.lora_alpha or model_cfg.lora_rank),
-                        model_cfg.lora_dropout, parse_targets(model_cfg.lora_targets), seed)
-
-
-def parse_targets(text: str) -> tuple[str, ...]:
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    return names or DEFAULT_TARGETS
+                        model_cfg.lora_dropout, model_cfg.lora_target_names, seed)
 
 
 def lora_settings_from_peft(config) -> dict[str, object]:
