@@ -270,3 +270,19 @@ def test_lora_planner_counts_adapter_states_only(llama):
         assert mem["optimizer"] == 12 * adapters // share
         assert mem["grads"] == 2 * adapters // (dp if zero >= 2 else 1)
         assert mem["params"] == 2 * (base_params + adapters) // (dp if zero >= 3 else 1)
+
+
+def test_lora_base_reference_refuses_other_weights(llama, tmp_path):
+    """The checkpoint's base reference: the same directory fingerprints the same; other weights are refused."""
+    import shutil
+
+    from threefold.errors import UserError
+    from threefold.parallel.lora import LoraBase, LoraSettings
+
+    settings = LoraSettings(4, 8.0, 0.0, ("q_proj",))
+    saved = LoraBase(llama, settings).state_dict()
+    LoraBase(llama, settings).load_state_dict(saved)
+    other = save_tiny("llama", tmp_path / "other", initializer_range=0.05)
+    with pytest.raises(UserError, match="other weights"):
+        LoraBase(other, settings).load_state_dict(saved)
+    shutil.rmtree(other)

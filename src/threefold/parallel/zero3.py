@@ -20,7 +20,9 @@ are dequantized into a staging buffer and copied, as they must be).
               again (the forward's autograd graph refers to the same parameter objects, whose
               storage is re-filled) and prefetch the unit before it. When every trainable
               parameter of the unit has accumulated its gradient, the gradients are
-              reduce-scattered over dp into the persistent gradient shard and the unit is released.
+              reduce-scattered over dp into the persistent gradient shard and the unit is released
+              (a unit with frozen weights - LoRA's base - or nothing to train: when the backward
+              reaches the unit before it, since its own backward may still read those weights).
 
 So at most about two units are whole at a time (running and prefetched; a tied unit - the
 embedding - stays whole in between, one more): `peak_whole_numel` records it, the tests assert it.
