@@ -106,17 +106,19 @@ def test_lora_single_process_matches_peft(worlds, llama, tmp_path):
 
 
 LAYOUTS2 = {"(1,1,2)": ["parallel.pp=2", "train.microbatches=2", "pipeline.schedule=gpipe"],
-            "(2,1,1) ZeRO-1": ["parallel.dp=2", "parallel.zero=1"],
-            "(2,1,1) ZeRO-3": ["parallel.dp=2", "parallel.zero=3"]}
+            "(2,1,1) ZeRO-1": ["parallel.dp=2", "parallel.zero=1"]}
 LAYOUTS4 = {"(2,2,1)": ["parallel.dp=2", "parallel.tp=2"],
-            "(2,2,1) ZeRO-3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
-            "(1,2,2) 1F1B": ["parallel.tp=2", "parallel.pp=2", "train.microbatches=2"]}
+            "(2,2,1) ZeRO-3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"]}
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    return peft_training(llama, [f"model.preset=hf:{llama}", *TRAIN, *LORA])
 
 
 @pytest.mark.parametrize("size,layouts", [(2, LAYOUTS2), (4, LAYOUTS4)])
-def test_lora_layouts_match_peft(worlds, llama, tmp_path, size, layouts):
+def test_lora_layouts_match_peft(worlds, llama, reference, tmp_path, size, layouts):
     base = [f"model.preset=hf:{llama}", *TRAIN, *LORA]
-    reference = peft_training(llama, base)
     runs = [(base + o, str(tmp_path / str(i))) for i, o in enumerate(layouts.values())]
     for rank_results in worlds(size).run(train_runs, runs):
         for what, result in zip(layouts, rank_results):
