@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     export.add_argument("--hf", metavar="OUT", help="write a Hugging Face model directory (config.json, sharded "
                                                     "safetensors + index, tokenizer files) of a --model hf:DIR run, or "
                                                     "of the reference decoder as a Llama / GPT-2")
+    export.add_argument("--lora", choices=("merged", "adapter"), default="merged",
+                        help="a LoRA run's --hf export: the adapters merged into the base (a plain model), or a "
+                             "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
     export.add_argument("--shard-mb", type=float, default=2048.0, help="largest safetensors shard of --hf (MB)")
 
 
@@ -96,11 +99,14 @@ def run(args: argparse.Namespace) -> int:
         return check(Path(args.dir))
     if (args.out is None) == (args.hf is None):
         raise UserError("ckpt export: give either an output file (OUT) or --hf OUT (a Hugging Face directory)")
+    if args.lora != "merged" and args.hf is None:
+        raise UserError("ckpt export: --lora adapter writes a PEFT directory; give it with --hf OUT")
     if args.hf is not None:
         from .hf import export_hf
 
-        ckpt, count = export_hf(Path(args.dir), Path(args.hf), int(args.shard_mb * 2**20))
-        print(f"wrote {args.hf}: {count} tensors from {ckpt} (open with transformers' from_pretrained)")
+        ckpt, count = export_hf(Path(args.dir), Path(args.hf), int(args.shard_mb * 2**20), args.lora)
+        opener = "peft's PeftModel.from_pretrained" if args.lora == "adapter" else "transformers' from_pretrained"
+        print(f"wrote {args.hf}: {count} tensors from {ckpt} (open with {opener})")
         return 0
     ckpt, count = export_model(Path(args.dir), Path(args.out))
     print(f"wrote {args.out}: {count} tensors from {ckpt}")

@@ -30,6 +30,7 @@ from torch import nn
 from ..models.spec import ROW, HFFormat, HFTensor, ModelSpec
 from ..sharding import Placement
 from .format import DTYPES, CheckpointError, Slice, TensorInfo
+from .lora import export_lora, is_lora
 from .pieces import local_pieces, local_view
 from .reader import _SAFETENSORS_DTYPES, index_of_file, load_entries
 from .state import Entry
@@ -163,8 +164,10 @@ def _by_row(tensors: list[HFTensor], manifest) -> list[HFTensor]:
     return out
 
 
-def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path, int]:
-    """Write checkpoint `path` (verified first) as a Hugging Face model directory `out`; (checkpoint, tensors)."""
+def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30, lora: str = "merged") -> tuple[Path, int]:
+    """Write checkpoint `path` (verified first) as a Hugging Face model directory `out`; (checkpoint, tensors).
+    A LoRA checkpoint (adapters + a reference to the base) is written merged into its base, or, with
+    `lora="adapter"`, as a PEFT adapter directory (checkpoint/lora.py)."""
     ckpt = find_checkpoint_dir(path)
     manifest, problems = verify(ckpt)
     if problems:
@@ -174,6 +177,13 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; give a new directory for the export")
     out.mkdir(parents=True, exist_ok=True)
+    if is_lora(manifest):
+        count = export_lora(ckpt, manifest, fmt, out, lora)
+        if lora == "merged" and fmt.source is not None:
+            _copy_tokenizer(fmt.source, out)
+        return ckpt, count
+    if lora != "merged":
+        raise CheckpointError(f"{ckpt} holds no LoRA adapters (model.lora_rank=0); --lora {lora} needs a LoRA run")
     names = sorted(n[len("model/"):] for n in manifest.tensors if n.startswith("model/"))
     shards, current, size = [], [], 0
     for hf_tensor in _by_row(fmt.tensors(names), manifest):
@@ -210,7 +220,11 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30) -> tuple[Path
         config["torch_dtype"] = config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if fmt.source is not None:
-        for file in TOKENIZER_FILES:
-            if (fmt.source / file).is_file():
-                shutil.copy2(fmt.source / file, out / file)
+        _copy_tokenizer(fmt.source, out)
     return ckpt, len(weight_map)
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    for file in TOKENIZER_FILES:
+        if (source / file).is_file():
+            shutil.copy2(source / file, out / file)

@@ -116,6 +116,7 @@ def _validate(c: S, world_size: int) -> S:
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError("model.hidden", f"rotary embeddings need an even head size, got {m.head_dim}")
     _validate_tensor_parallel(p, m, t)
+    _validate_lora(c)
     validate_experts(c, dp)
     if t.seq_len > m.max_seq:
         if m.preset.startswith("hf:") and m.position == "learned":
@@ -282,6 +283,38 @@ def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig)
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by parallel.tp={p.tp}, which sequence "
                           f"parallelism splits it over; use a multiple of {p.tp}")
+
+
+def _validate_lora(c: Sections) -> None:
+    """model.lora_*: the values, and what LoRA does not combine with (parallel/lora.py, docs/lora.md)."""
+    m, p = c.model, c.parallel
+    if m.lora_rank < 0:
+        raise ConfigError("model.lora_rank", f"must be at least 0 (0: no LoRA), got {m.lora_rank}")
+    if m.lora_alpha < 0:
+        raise ConfigError("model.lora_alpha", f"must be at least 0 (0: the rank, a scaling of 1), got {m.lora_alpha}")
+    if not 0 <= m.lora_dropout < 1:
+        raise ConfigError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    if m.lora_targets.strip() and not all(t.strip().isidentifier() for t in m.lora_targets.split(",")):
+        raise ConfigError("model.lora_targets", f"'{m.lora_targets}' is not a comma-separated list of module names, "
+                          "e.g. q_proj,v_proj")
+    if m.lora_rank == 0:
+        for key, value in [("model.lora_alpha", m.lora_alpha), ("model.lora_dropout", m.lora_dropout),
+                           ("model.lora_targets", m.lora_targets)]:
+            if value:
+                raise ConfigError(key, "has no effect unless model.lora_rank > 0; set model.lora_rank or remove it")
+        return
+    if not m.preset.startswith("hf:"):
+        raise ConfigError("model.lora_rank", f"LoRA applies to a Hugging Face model (model.preset=hf:DIR), not "
+                          f"model.preset={m.preset}; set model.lora_rank=0")
+    if m.experts:
+        raise ConfigError("model.lora_rank", "LoRA is not implemented for a mixture of experts; "
+                          "set model.lora_rank=0")
+    if p.sequence_parallel and p.tp > 1:
+        raise ConfigError("model.lora_rank", "LoRA adapters are not split for sequence parallelism; "
+                          "set parallel.sequence_parallel=false")
+    if c.pipeline.schedule == "pipedream-2bw" and p.pp > 1:
+        raise ConfigError("model.lora_rank", "LoRA is not implemented with pipeline.schedule=pipedream-2bw; "
+                          "choose another schedule")
 
 
 def _validate_optimizer(t: TrainConfig) -> None:

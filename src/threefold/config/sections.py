@@ -17,6 +17,9 @@ from ..pipeline import schedules as registry  # the schedule registry: plain dat
 
 SCHEDULE_NAMES = tuple(registry.SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = "tiny"
@@ -52,6 +55,12 @@ class ModelConfig:
     expert_capacity: float = 0.0  # capacity factor per sequence (tokens dropped past it); 0 = dropless
     router_aux_weight: float = 0.01  # load-balancing loss weight (per sequence, Switch's E * sum f_e P_e)
     router_z_weight: float = 0.001  # router z-loss weight (mean logsumexp(logits)^2)
+    # LoRA (parallel/lora.py, docs/lora.md): rank 0 = off; alpha 0 = the rank (scaling alpha / rank 1);
+    # targets: comma-separated module names ("" = the attention and MLP projections)
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: str = ""
 
     @property
     def padded_vocab(self) -> int:
@@ -70,6 +79,12 @@ class ModelConfig:
     @property
     def expert_width(self) -> int:
         return self.expert_ffn_hidden or self.ffn_hidden
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        """The module names `model.lora_targets` lists ("" : the attention and MLP projections)."""
+        names = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return names or LORA_DEFAULT_TARGETS
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` is sparse (a mixture of experts) rather than a dense MLP."""

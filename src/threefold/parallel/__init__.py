@@ -6,6 +6,8 @@ the meta device, so no rank ever holds the whole model:
     0. build                 the single-device module, on the meta device (no storage)
     1. tensor parallelism    shard weights over tp by the model's plan          (parallel/tensor.py)
        expert parallelism    keep this rank's experts of each MoE block, all-to-all dispatch  (parallel/expert.py)
+       LoRA                  freeze the model, adapters beside the target linears, split as
+                             their base layers (`model.lora_rank`)                  (parallel/lora.py)
     2. pipeline split        keep this rank's stage(s) of the model              (pipeline/)
        materialise           allocate this rank's shards only; fill them from the pretrained
                              weights (reading only those boxes) or the seeded init  (parallel/materialise.py)
@@ -54,6 +56,7 @@ from .data import DataParallelReducer, parallelize_data
 from .expert import ExpertParallelSync, sequence_parallel_experts, shard_experts
 from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
+from .lora import LoraBase, add_adapters, check_supported, lora_settings, lora_spec
 from .master import Piece
 from .materialise import materialise
 from .nvme import ScratchSettings, ShardStore
@@ -89,6 +92,13 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     expert_names = shard_experts(model, mesh, comm, placements)
     if routers and cfg.parallel.sequence_parallel and mesh.size("tp") > 1:
         shards.partial += sequence_parallel_experts(model, comm)
+    # 1c. LoRA: the whole model frozen, adapters beside the target linears, split as their (already sharded)
+    # base layers; their initial values come from the seeded LoRA init (parallel/lora.py)
+    lora = lora_settings(cfg.model, cfg.train.seed)
+    if lora is not None:
+        check_supported(spec, cfg)
+        spec = lora_spec(spec, lora)
+        add_adapters(model, placements, shards.partial, mesh, comm, lora)
     # 2. pipeline: keep this rank's stages. Names stay global; a weight tied between the first and
     # last stage is held by both, replicated over pp (counted once, at pp coordinate 0).
     split = None
@@ -129,6 +139,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
                              routers=routers, activation_offload=activation_offload,
                              scratch=scratch, replica_axis=mesh.replica_axis)
+    if lora is not None:  # checkpoints hold the adapters and name the base (parallel/lora.py LoraBase)
+        parallel.lora_base = LoraBase(spec.hf.source if spec.hf is not None else None, lora)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step
         parallel.settle_weights = grad_sync.settle
     if isinstance(grad_sync, Zero3) and grad_sync.home is not None:  # the shards in memory for a reader

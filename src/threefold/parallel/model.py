@@ -147,6 +147,7 @@ class ParallelModel:
     scratch: ScratchSettings | None = None  # parallel.offload=nvme: where the states stream from (parallel/nvme.py)
     replica_axis: str = "dp"  # the axis gradients are summed over (Mesh.replica_axis: dp, or dp+cp)
     shard_home: ShardStore | None = None  # nvme under ZeRO-3: the parameter shards' scratch file
+    lora_base: object | None = None  # LoRA (parallel/lora.py LoraBase): the frozen base a checkpoint refers to
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:
@@ -210,13 +211,19 @@ class ParallelModel:
 
     def checkpoint_tensors(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Placement]]:
         """The named tensors a checkpoint holds and their placements: the parameters (a user's module
-        adds its persistent buffers, parallel/module.py)."""
+        adds its persistent buffers, parallel/module.py); with LoRA the adapters only (the frozen base
+        is the one `lora_base` names)."""
+        if self.lora_base is not None:
+            return self.named_trainable(), self.placements
         return list(self.module.named_parameters()), self.placements
 
     @property
     def stateful(self) -> dict[str, object]:
         """State outside parameters and optimizer that checkpoints carry (objects with state_dict())."""
-        return {"loss_scaler": self.scaler} if self.scaler is not None else {}
+        out = {"loss_scaler": self.scaler} if self.scaler is not None else {}
+        if self.lora_base is not None:
+            out["lora_base"] = self.lora_base
+        return out
 
     @property
     def rank_state(self) -> GradSync | Periodic:

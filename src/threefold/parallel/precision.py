@@ -123,7 +123,8 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device_type: str = "
     if dtype != torch.float32:
         for name, p in model.named_parameters():  # tied weights appear once
             if p.is_floating_point():
-                fp32_init[name] = p.data.float()
+                if p.requires_grad:  # a frozen weight (LoRA's base) gets no master: no fp32 copy
+                    fp32_init[name] = p.data.float()
                 p.data = p.data.to(dtype)
         for buf_name, buf in list(model.named_buffers()):
             if buf.is_floating_point():

@@ -20,7 +20,9 @@ are dequantized into a staging buffer and copied, as they must be).
               again (the forward's autograd graph refers to the same parameter objects, whose
               storage is re-filled) and prefetch the unit before it. When every trainable
               parameter of the unit has accumulated its gradient, the gradients are
-              reduce-scattered over dp into the persistent gradient shard and the unit is released.
+              reduce-scattered over dp into the persistent gradient shard and the unit is released
+              (a unit with frozen weights - LoRA's base - or nothing to train: when the backward
+              reaches the unit before it, since its own backward may still read those weights).
 
 So at most about two units are whole at a time (running and prefetched; a tied unit - the
 embedding - stays whole in between, one more): `peak_whole_numel` records it, the tests assert it.
@@ -105,6 +107,13 @@ class Unit:
     def trainable(self) -> list[ShardedParam]:
         return [sp for sp in self.params if sp.grad_offset is not None]
 
+    @property
+    def frozen(self) -> bool:
+        """Whether some parameter without a gradient is one a backward reads (LoRA's base weights and
+        norms, not a frozen bias): the unit's backward may still read it after the last trainable
+        gradient arrived."""
+        return any(sp.grad_offset is None and not sp.name.endswith("bias") for sp in self.params)
+
 
 @dataclass(eq=False)
 class Hooked:
@@ -184,6 +193,9 @@ class Zero3(HooklessSync):
         self._backward_seen: set[int] = set()
         self._in_backward = False
         self._inflight: list[tuple] = []  # (unit, src, out, handle) reduce-scatters not yet added
+        # units with frozen parameters whose backward may still read them: released when the backward
+        # reaches an earlier unit's output (by then every node of theirs has run) or at the pass's end
+        self._release_later: list[Unit] = []
         self.whole_numel = 0  # elements of units currently gathered (or being gathered)
         self.peak_whole_numel = 0
 
@@ -333,9 +345,17 @@ class Zero3(HooklessSync):
             return
         self._backward_seen.add(id(hooked))
         self._in_backward = True
+        waiting, self._release_later = self._release_later, []
+        for unit in waiting:
+            if unit in hooked.needs:
+                self._release_later.append(unit)
+            else:
+                self._reshard(unit)
         for unit in hooked.needs:
             if not unit.reduced:
                 self._unshard(unit)
+                if not unit.trainable and unit.params:  # nothing to reduce: released by the next unit's backward
+                    self._release_later.append(unit)
         if self.prefetch and hooked in self._order_now:
             position = self._order_now.index(hooked)
             if position > 0:
@@ -348,7 +368,10 @@ class Zero3(HooklessSync):
         unit.pending -= 1
         if unit.pending == 0:
             self._reduce(unit)
-            self._reshard(unit)
+            if unit.frozen:  # the base weights may still be read by this unit's backward (LoRA)
+                self._release_later.append(unit)
+            else:
+                self._reshard(unit)
 
     # ------------------------------------------------------------ gradient reduction
 
@@ -402,6 +425,7 @@ class Zero3(HooklessSync):
                 self._reduce(unit)
         while self._inflight:
             self._complete_one()
+        self._release_later = []
         for unit in self.units:
             self._reshard(unit)
         if self._order_now:

@@ -190,18 +190,34 @@ def layer_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
     column += (mats - 1) * h * m.ffn_hidden + b * (mats - 1) * m.ffn_hidden  # gate, up
     row += m.ffn_hidden * h  # down
     replicated += b * h
-    return ParamCount(column / tp + row / tp + replicated, frozen=b * kv / tp)
+    base = column / tp + row / tp + replicated
+    if m.lora_rank:  # everything frozen; the adapters trained
+        return ParamCount(base + lora_layer_parameters(m, tp), frozen=base)
+    return ParamCount(base, frozen=b * kv / tp)
+
+
+def lora_layer_parameters(m: ModelConfig, tp: int = 1) -> float:
+    """One block's LoRA adapters on one tp rank (parallel/lora.py): r (in + out) per target projection,
+    split as its base - a column-parallel base's A whole and B's rows split, a row-parallel base's A
+    columns split and B whole (replicated grouped key/value heads: both whole)."""
+    h, kv, aw, r, f = m.hidden, m.kv_heads * m.head_dim, m.attn_width, m.lora_rank, m.ffn_hidden
+    kv_split = tp if m.kv_heads % tp == 0 else 1
+    shapes = {"q_proj": r * h + r * aw / tp, "k_proj": r * h + r * kv / kv_split, "v_proj": r * h + r * kv / kv_split,
+              "o_proj": r * aw / tp + r * h, "gate_proj": r * h + r * f / tp, "up_proj": r * h + r * f / tp,
+              "down_proj": r * f / tp + r * h}
+    return sum(n for name, n in shapes.items() if name in m.lora_target_names)
 
 
 def embedding_parameters(m: ModelConfig, tp: int = 1) -> ParamCount:
     pos = m.max_seq * m.hidden if m.position == "learned" else 0
-    return ParamCount(-(-m.padded_vocab // tp) * m.hidden + pos)  # rows padded to a multiple of tp
+    total = -(-m.padded_vocab // tp) * m.hidden + pos  # rows padded to a multiple of tp
+    return ParamCount(total, frozen=total if m.lora_rank else 0)
 
 
 def head_parameters(m: ModelConfig, tp: int = 1, with_embedding: bool = True) -> ParamCount:
     """Final norm and output projection; a tied head is shared with the embedding on one stage."""
     head = 0 if (m.tie_embeddings and with_embedding) else -(-m.padded_vocab // tp) * m.hidden
-    return ParamCount(_norm_params(m) + head)
+    return ParamCount(_norm_params(m) + head, frozen=_norm_params(m) + head if m.lora_rank else 0)
 
 
 def total_parameters(m: ModelConfig) -> int:

@@ -58,6 +58,8 @@ NOT_IDENTITY = ("loss_chunk",)
 def model_hash(model: dict) -> str:
     """The run's identity: a short hash of its `[model]` section (shapes and architecture)."""
     model = {k: v for k, v in model.items() if k not in NOT_IDENTITY}
+    if not model.get("lora_rank"):  # without LoRA its keys say nothing: hashes of runs from before them hold
+        model = {k: v for k, v in model.items() if not k.startswith("lora_")}
     return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16]
 
 
