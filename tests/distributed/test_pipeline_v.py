@@ -7,9 +7,8 @@ Under the V placement rank 0 holds the first and the last stage (embedding, head
 
 import pytest
 
+from tests.case_runs import assert_parameters_match, assert_steps_match, run_by_world_size
 from tests.expert_tasks import train_many
-from tests.helpers import rel_err
-from tests.zero_tasks import assemble
 
 DENSE = ["model.preset=tiny", "model.layers=8", "train.global_batch=8", "train.seq_len=16", "train.lr=1e-3",
          "train.eps=1e-6", "train.steps=6"]
@@ -47,11 +46,7 @@ CASES = _cases()
 @pytest.fixture(scope="module")
 def runs(worlds, tmp_path_factory):
     root = tmp_path_factory.mktemp("vschedules")
-    out = {}
-    for size in sorted({size for size, _, _ in CASES.values()}):
-        names = [n for n, (s, _, _) in CASES.items() if s == size]
-        per_rank = worlds(size).run(train_many, [(CASES[n][1], str(root / f"{size}-{i}")) for i, n in enumerate(names)])
-        out.update({name: [r[i] for r in per_rank] for i, name in enumerate(names)})
+    out = run_by_world_size(worlds, train_many, CASES, root)
     refs = sorted({tuple(ref) for _, _, ref in CASES.values()})
     single = worlds(1).run(train_many, [(list(ref), str(root / f"ref{i}")) for i, ref in enumerate(refs)])[0]
     out["refs"] = dict(zip(refs, single))
@@ -61,18 +56,8 @@ def runs(worlds, tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_v_schedule_matches_one_process(runs, name):
     results, ref = runs[name], runs["refs"][tuple(CASES[name][2])]
-    for r in results:
-        assert len(r["losses"]) == len(ref["losses"]) == 6
-        for step, (a, b) in enumerate(zip(r["losses"], ref["losses"]), 1):
-            assert abs(a - b) <= TOL * abs(b), f"{name} rank {r['rank']} step {step}: loss {a} vs {b}"
-        for step, (a, b) in enumerate(zip(r["norms"], ref["norms"]), 1):
-            assert abs(a - b) <= TOL * abs(b), f"{name} rank {r['rank']} step {step}: grad norm {a} vs {b}"
-    got = assemble([r["params"] for r in results], [r["placements"] for r in results])
-    want = assemble([ref["params"]], [ref["placements"]])
-    assert got.keys() == want.keys(), f"{name}: stages hold {sorted(got.keys() ^ want.keys())} wrongly"
-    for key, value in want.items():
-        assert not got[key].isnan().any(), f"{name}: {key} not covered by the placements"
-        assert rel_err(got[key], value) <= TOL, f"{name}: {key} differs by {rel_err(got[key], value):.2e}"
+    assert_steps_match(name, results, ref, TOL, steps=6)
+    assert_parameters_match(name, results, ref, TOL)
 
 
 def test_v_placement_puts_both_ends_on_rank_zero(runs):
