@@ -121,7 +121,8 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         return
     alone = {}
     if "RANK" not in os.environ:  # an in-process store: no port to find, nothing to connect to
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        # The process's environment stays as it was: a child it starts later (a `threefold
+        # train` from a notebook that called prepare()) must not inherit RANK without MASTER_ADDR.
         alone = dict(store=dist.HashStore(), rank=0, world_size=1)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
