@@ -27,7 +27,7 @@ def test_train_on_two_local_processes(tmp_path):
     (["--steps", "many"], "train.steps: expected int, got 'many'"),
     (["--data", "/no/such/corpus"], "data.source: path '/no/such/corpus' does not exist"),
     (["--config", "/no/such.toml"], "--config: file '/no/such.toml' does not exist"),
-    (["--precision", "fp8"], "precision.compute: 'fp8' is not one of auto, fp32, bf16, fp16"),
+    (["--precision", "fp4"], "precision.compute: 'fp4' is not one of auto, fp32, bf16, fp16, fp8"),
 ])
 def test_user_mistakes_exit_2_with_one_line(args, message, tmp_path):
     run = threefold("train", *QUICK, "--out", str(tmp_path), *args)

@@ -11,7 +11,7 @@ from threefold.errors import ConfigError
     (["parallel.zero=-1"], "parallel.zero", "unknown ZeRO stage"),
     (["parallel.offload=optimizer"], "parallel.offload", "needs ZeRO stage 1, 2 or 3"),
     (["parallel.offload=params"], "parallel.offload", "is not one of none, optimizer"),
-    (["precision.compute=fp8"], "precision.compute", "is not one of auto, fp32, bf16, fp16"),
+    (["precision.compute=fp4"], "precision.compute", "is not one of auto, fp32, bf16, fp16, fp8"),
     (["precision.backoff_factor=1.5"], "precision", "0 < backoff_factor < 1"),
     (["remat.policy=some"], "remat.policy", "is not one of"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb", "must be positive"),

@@ -312,9 +312,9 @@ def _validate_lora(c: Sections) -> None:
     if p.sequence_parallel and p.tp > 1:
         raise ConfigError("model.lora_rank", "LoRA adapters are not split for sequence parallelism; "
                           "set parallel.sequence_parallel=false")
-    if c.pipeline.schedule == "pipedream-2bw" and p.pp > 1:
-        raise ConfigError("model.lora_rank", "LoRA is not implemented with pipeline.schedule=pipedream-2bw; "
-                          "choose another schedule")
+    if not SCHEDULES[c.pipeline.schedule].synchronous and p.pp > 1:
+        raise ConfigError("model.lora_rank", f"LoRA is not implemented with pipeline.schedule="
+                          f"{c.pipeline.schedule} (weights updated without a flush); choose another schedule")
 
 
 def _validate_optimizer(t: TrainConfig) -> None:
