@@ -46,7 +46,7 @@ def test_train_help_names_choices_and_defaults(capsys):
     except SystemExit:
         pass
     text = " ".join(capsys.readouterr().out.split())
-    assert "sets precision.compute; one of auto, fp32, bf16, fp16; default auto" in text
+    assert "sets precision.compute; one of auto, fp32, bf16, fp16, fp8; default auto" in text
     assert "sets model.preset; one of tiny," in text and "sets train.steps; default 20" in text
     assert "--overwrite" in text and "--verbose" in text
 
@@ -56,3 +56,16 @@ def test_dgc_with_adamw_warns_once_naming_the_setting():
     assert "compress.dgc_momentum_correction" in warning and "train.optimizer=sgd" in warning
     assert warnings_for(load_config(None, ["compress.method=dgc", "train.optimizer=sgd", "train.lr=0.3"])) == []
     assert warnings_for(load_config(None, ["compress.method=dgc", "compress.dgc_momentum_correction=false"])) == []
+
+
+def test_dualpipev_names_what_keeps_its_pairs_sequential():
+    """dualpipev with ep > 1 hides each pair's all-to-alls behind the other side; a setting that keeps
+    the pairs sequential (pipeline/split.py `overlaps_pairs`) is named in one warning, not silently on."""
+    base = ["model.preset=tiny-moe", "parallel.pp=2", "pipeline.schedule=dualpipev", "parallel.dp=2",
+            "parallel.ep=2", "train.microbatches=4"]
+    assert not [w for w in warnings_for(load_config(None, base)) if "dualpipev" in w]
+    for extra, named in ((["parallel.tp=2"], "parallel.tp=2"), (["parallel.zero=3"], "parallel.zero=3"),
+                         (["remat.policy=full"], "remat.policy=full"), (["train.compile=true"], "train.compile=true")):
+        (line,) = [w for w in warnings_for(load_config(None, base + extra)) if "dualpipev" in w]
+        assert named in line and "not hidden" in line, line
+    assert not [w for w in warnings_for(load_config(None, base[:-2] + ["parallel.tp=2"])) if "dualpipev" in w]

@@ -160,6 +160,15 @@ def dualpipev_order(p: int, m: int, rank: int) -> list[Action]:
     return _dualpipev(p, m, rank)[0]
 
 
+def pair_overlap_blockers(tp: int, zero: int, remat: str, compiled: bool) -> list[str]:
+    """What keeps a paired schedule's (F, B) pairs from running at once, each side's expert all-to-alls
+    on its own ep group (pipeline/runtime.py): any other collective inside a stage, or process-wide
+    state two threads would share. Empty: the pairs overlap (with ep > 1)."""
+    return [why for blocked, why in ((tp > 1, f"parallel.tp={tp}"), (zero >= 3, f"parallel.zero={zero}"),
+                                     (remat != "none", f"remat.policy={remat}"), (compiled, "train.compile=true"))
+            if blocked]
+
+
 def dualpipev_pairs(p: int, m: int, rank: int) -> list[tuple[Action, Action]]:
     """The (forward, backward) pairs DualPipeV overlaps on `rank`, each adjacent in its order."""
     return _dualpipev(p, m, rank)[1]

@@ -18,7 +18,7 @@ from ..mesh import PAIR, Mesh
 from ..observe.memory import SavedTensorMeter
 from .adapter import DecoderAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
-from .schedules import Schedule, build_schedule, kind, paired_schedule
+from .schedules import Schedule, build_schedule, kind, pair_overlap_blockers, paired_schedule
 from ..config.checks import parse_split
 from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
                     stages_from_bounds)
@@ -77,8 +77,8 @@ def overlaps_pairs(cfg: Config, mesh: Mesh) -> bool:
     all-to-alls on its own ep group (runtime.py): a schedule with pairs (dualpipev), ep > 1, and
     no other collective inside a stage or process-wide state two threads would share - tp = 1,
     ZeRO below 3, no activation checkpointing, no compiled stages."""
-    return (kind(cfg.pipeline.schedule).pairs is not None and mesh.size("ep") > 1 and mesh.size("tp") == 1
-            and cfg.parallel.zero < 3 and cfg.remat.policy == "none" and not cfg.train.compile)
+    return (kind(cfg.pipeline.schedule).pairs is not None and mesh.size("ep") > 1
+            and not pair_overlap_blockers(mesh.size("tp"), cfg.parallel.zero, cfg.remat.policy, cfg.train.compile))
 
 
 def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_stages: int,

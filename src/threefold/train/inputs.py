@@ -43,13 +43,28 @@ def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably not as meant; printed once, by the process that starts the job."""
     from ..config.checks import nil_effect_warnings
 
-    found = nil_effect_warnings(cfg) + _dropout_warnings(cfg) + _context_warnings(cfg)
+    found = nil_effect_warnings(cfg) + _dropout_warnings(cfg) + _context_warnings(cfg) + _pair_warnings(cfg)
     c = cfg.compress
     if c.method == "dgc" and cfg.train.optimizer == "adamw" and c.dgc_momentum_correction:
         found.append("compress.method=dgc with train.optimizer=adamw: DGC's momentum correction "
                      "(compress.dgc_momentum_correction) assumes momentum SGD; set train.optimizer=sgd (with a larger "
                      "train.lr, e.g. 0.1-0.5), or compress.dgc_momentum_correction=false")
     return found
+
+
+def _pair_warnings(cfg: Config) -> list[str]:
+    """A paired schedule (dualpipev) with ep > 1 under a setting that keeps its pairs sequential."""
+    from ..pipeline.schedules import kind, pair_overlap_blockers
+
+    p = cfg.parallel
+    if p.pp == 1 or p.ep == 1 or kind(cfg.pipeline.schedule).pairs is None:
+        return []
+    blockers = pair_overlap_blockers(p.tp, p.zero, cfg.remat.policy, cfg.train.compile)
+    if not blockers:
+        return []
+    return [f"pipeline.schedule={cfg.pipeline.schedule}: with {', '.join(blockers)} each pair's forward and backward "
+            "run one after the other, so the expert all-to-alls are not hidden behind the other side's "
+            "computation (that needs parallel.tp=1, parallel.zero below 3, remat.policy=none, no compile)"]
 
 
 def _dropout_warnings(cfg: Config) -> list[str]:
