@@ -19,6 +19,8 @@ BASE = ["train.global_batch=4", "train.seq_len=16", "train.lr=1e-3", "train.eps=
 LLAMA = ["model.preset=tiny-llama"] + BASE
 GPT = ["model.preset=tiny"] + BASE
 TOL = 1e-5
+BF16 = ["precision.compute=bf16"]
+BF16_TOL = 2e-2  # bf16 roundings in another order (the attention's sums split over ranks)
 SAVED = 3  # the step whose checkpoint (written under cp = 2) resumes under cp = 1
 
 
@@ -35,6 +37,14 @@ def _cases():
     cases["llama dp2 cp2"] = (4, LLAMA + ["parallel.dp=2", "parallel.cp=2", "train.microbatches=1"], LLAMA)
     cases["llama cp2 zero3"] = (2, LLAMA + ["parallel.cp=2", "parallel.zero=3"], LLAMA)
     cases["llama cp2 saved"] = (2, LLAMA + ["parallel.cp=2", f"checkpoint.save_every={SAVED}"], LLAMA)
+    # activation checkpointing recomputes each block's forward, its ring transfers included
+    cases["llama cp2 ring remat"] = (2, LLAMA + ["parallel.cp=2", "remat.policy=full"], LLAMA)
+    cases["gpt cp2 allgather remat"] = (2, GPT + ["parallel.cp=2", "parallel.cp_method=allgather",
+                                                  "remat.policy=selective"], GPT)
+    # bf16 against one process in bf16, to BF16_TOL
+    for method in ("ring", "allgather", "ulysses"):
+        cases[f"llama cp2 {method} bf16"] = (2, LLAMA + BF16 + ["parallel.cp=2", f"parallel.cp_method={method}"],
+                                             LLAMA + BF16)
     return cases
 
 
@@ -67,5 +77,9 @@ def test_a_cp2_checkpoint_resumes_under_cp1(runs):
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_one_process(runs, name):
     results, ref = runs[name], runs["refs"][tuple(CASES[name][2])]
-    assert_steps_match(name, results, ref, TOL, steps=6)
-    assert_parameters_match(name, results, ref, TOL)
+    tol = BF16_TOL if name.endswith("bf16") else TOL
+    assert_steps_match(name, results, ref, tol, steps=6)
+    if not name.endswith("bf16"):
+        assert_parameters_match(name, results, ref, tol)
+    else:  # bf16 updates of near-zero weights differ relatively; the loss trajectory is the check
+        assert results[0]["losses"][-1] < results[0]["losses"][0]
