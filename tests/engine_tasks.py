@@ -10,6 +10,8 @@ STEPS, BATCH = 10, 8
 CONFIG = ["train.steps=10", "train.lr=3e-3", "train.eps=1e-6", "train.grad_clip=0.5", "train.weight_decay=0.1",
           "train.beta2=0.95", "parallel.bucket_mb=0.001"]  # small buckets: several per model
 UNITS = {"ConvBN": None, "ViT": [nn.TransformerEncoderLayer], "FrozenShared": ["a", "b", "head", "unused"]}
+# tensor parallelism of the ViT's MLPs, as torch's parallelize_module plans name it
+PLANS = {"ViT": {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2": "rowwise"}}
 
 
 def batch(step: int):
@@ -28,43 +30,84 @@ def local(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return x[rank * per: (rank + 1) * per]
 
 
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["linear1", "linear2"]}  # peft LoraConfig of the ViT's MLPs
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(**LORA)
+
+
+def _engine(name: str, overrides: list[str], seed: int, lora: bool = False):
+    import threefold
+
+    planned = any(o.startswith("parallel.tp=") and o != "parallel.tp=1" for o in overrides)
+    return threefold.prepare(build(name, seed), nn.CrossEntropyLoss(), CONFIG + overrides, units=UNITS[name],
+                             plan=PLANS[name] if planned else None, lora=lora_config() if lora else None)
+
+
+def run_lora(name: str, overrides: list[str]) -> dict:
+    """10 steps of a peft LoRA model through `threefold.prepare(..., lora=LoraConfig)`."""
+    e = _engine(name, overrides, 0, lora=True)
+    records = _steps(e, 1, STEPS)
+    e.parallel.settle()
+    named, places = e.parallel.checkpoint_tensors()
+    return {"losses": [r["loss"] for r in records], "tensors": {k: v.detach().clone() for k, v in named},
+            "placements": places, "trainable": sum(p.numel() for p in e.module.parameters() if p.requires_grad),
+            "optimizer_bytes": sum(t.numel() * t.element_size() for t in e.optimizer.state_tensors()),
+            "updated": sorted({piece.name for piece in e.optimizer.pieces})}
+
+
+def _steps(e, first: int, last: int) -> list[dict]:
+    rank, n = e.batch_shard
+    out = []
+    for step in range(first, last + 1):
+        x, y = batch(step)
+        out.append(e.train_step((local(x, rank, n), local(y, rank, n))))
+    return out
+
+
+def resume(name: str, overrides: list[str], ckpt: str) -> dict:
+    """An engine of another init (and perhaps another layout) loads `ckpt` (step 5) and runs steps 6-10."""
+    e = _engine(name, overrides, 7)
+    assert e.load(ckpt) == 5
+    records = _steps(e, 6, STEPS)
+    e.parallel.settle()
+    named, places = e.parallel.checkpoint_tensors()
+    x, y = batch(1)
+    return {"losses": [r["loss"] for r in records], "tensors": {k: v.detach().clone() for k, v in named},
+            "placements": places, "eval": e.eval_step((x[:4], y[:4]))}
+
+
 def run(name: str, overrides: list[str], ckpt: str | None = None) -> dict:
     """10 steps of `threefold.prepare`; with `ckpt`, also 5 steps, save, a fresh engine from another
     init loads it, 5 more: both runs' final tensors (this rank's pieces) and placements."""
-    import threefold
-
-    def engine(seed: int):
-        return threefold.prepare(build(name, seed), nn.CrossEntropyLoss(), CONFIG + overrides, units=UNITS[name])
-
-    def steps(e, first: int, last: int) -> list[dict]:
-        rank, n = e.mesh.rank("dp"), e.mesh.size("dp")
-        out = []
-        for step in range(first, last + 1):
-            x, y = batch(step)
-            out.append(e.train_step((local(x, rank, n), local(y, rank, n))))
-        return out
-
     def state(e) -> dict:
         e.parallel.settle()
         named, places = e.parallel.checkpoint_tensors()
         return {"tensors": {k: v.detach().clone() for k, v in named}, "placements": places}
 
-    e = engine(0)
-    records = steps(e, 1, STEPS)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    e = _engine(name, overrides, 0)
+    records = _steps(e, 1, STEPS)
     report = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
-              "comm": [r["comm"] for r in records], **state(e)}
+              "comm": [r["comm"] for r in records], "graphs": counters["stats"]["unique_graphs"] - graphs,
+              **state(e)}
     if ckpt is not None:
-        e = engine(0)
-        steps(e, 1, 5)
+        e = _engine(name, overrides, 0)
+        _steps(e, 1, 5)
         e.save(ckpt)
-        e = engine(7)  # other initial values: everything must come from the checkpoint
+        e = _engine(name, overrides, 7)  # other initial values: everything must come from the checkpoint
         assert e.load(ckpt) == 5
-        report["resumed"] = [r["loss"] for r in steps(e, 6, STEPS)]
+        report["resumed"] = [r["loss"] for r in _steps(e, 6, STEPS)]
         report["resumed_state"] = state(e)["tensors"]
     return report
 
 
-def reference(name: str, chunks: int) -> dict:
+def reference(name: str, chunks: int, lora: bool = False) -> dict:
     """The user's loop: AdamW (matrices decayed), clipping, the cosine schedule. With `chunks` > 1 each
     step's batch runs as that many forwards (as dp ranks would), batch-norm statistics averaged."""
     from threefold.train.optim import lr_at
@@ -72,6 +115,10 @@ def reference(name: str, chunks: int) -> dict:
 
     train = load_config(None, CONFIG).train
     model = build(name)
+    if lora:  # peft's own LoRA model, trained by the plain loop
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config())
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -7,7 +7,8 @@
 
 The contract (docs/engine.md):
 
-    prepare(model, loss_fn, config=None, *, units=None, remat=None, buffers="synced") -> Engine
+    prepare(model, loss_fn, config=None, *, units=None, remat=None, buffers="synced", plan=None,
+            lora=None) -> Engine
         model      any nn.Module, with its values (rank 0's are broadcast to every dp rank)
         loss_fn    loss_fn(outputs, targets) -> the mean loss of the batch (nn.CrossEntropyLoss() etc.)
         config     a threefold Config, a list of "KEY=VALUE" strings, or None (defaults); its
@@ -16,13 +17,18 @@ The contract (docs/engine.md):
         units      ZeRO-3 units and remat regions: module classes or submodule names
         remat      the checkpointed regions when remat.policy=full, if not the units
         buffers    "synced" (floating buffers averaged over dp every step) or "local"
+        plan       tensor parallelism (parallel.tp > 1): {submodule pattern: "colwise" | "rowwise"}
+                   ("*" matches one name: {"encoder.layers.*.linear1": "colwise", ...}) or a TensorPlan
+        lora       a peft LoraConfig: peft.get_peft_model(model, lora) trains its adapters, the base frozen
     Engine.train_step((inputs, targets)) -> dict   step, loss (mean over dp), grad_norm, lr, loss_scale,
                                                    skipped, step_time_s, comm ({axis: {op: bytes}})
     Engine.eval_step((inputs, targets)) -> float   the mean loss over dp, in eval mode, no gradients
     Engine.save(dir) / Engine.load(dir)            checkpoints under dir/step-N (load: the newest, or a step dir)
     Engine.module                                  the model (ZeRO-3: parameters are this rank's flat shards)
+    Engine.batch_shard                             (index, count): ranks of one index take the same batch
 
-`inputs` is a tensor or a tuple of tensors (the module's positional arguments; floating-point ones are
+The world is dp x tp (tp = parallel.tp, dp the rest); the tp ranks of one dp coordinate must be given the
+same batch (`batch_shard`). `inputs` is a tensor or a tuple of tensors (the module's positional arguments; floating-point ones are
 cast to precision.compute); every tensor of a batch is split along dimension 0 into train.microbatches
 micro-batches. The gradient is that of
 the mean of the dp ranks' mean losses (DDP's convention: exact for equal batches).
@@ -44,7 +50,7 @@ from .checkpoint.format import step_dir_name
 from .config import Config, load_config, with_overrides
 from .errors import ConfigError
 from .mesh import BATCH, Layout, Mesh, init_distributed, pick_device
-from .parallel.module import ModuleParallel, Units, parallelize_module, refuse_unplanned
+from .parallel.module import ModuleParallel, Plan, Units, parallelize_module, refuse_unplanned
 from .train.step import TrainStep
 
 __all__ = ["Engine", "prepare"]
@@ -90,6 +96,13 @@ class Engine:
         self.step_fn = TrainStep(parallel, self.optimizer, comm, cfg.train)
         self.step = 0
         comm.traffic.take_window()  # the start's broadcast belongs to no step
+
+    @property
+    def batch_shard(self) -> tuple[int, int]:
+        """(this rank's index, the count) along the axes that split the samples: feed ranks of one index
+        the same batch (the tp ranks of a dp coordinate), and different indices different batches."""
+        axis = self.mesh.axis_over(self.mesh.axes_where(BATCH))
+        return self.mesh.rank(axis), self.mesh.size(axis)
 
     def _micro_batches(self, batch) -> list:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -141,7 +154,7 @@ class Engine:
 
     def _layout(self) -> dict:
         p = self.cfg.parallel
-        return {"dp": p.dp, "tp": 1, "pp": 1, "zero": p.zero, "world_size": self.mesh.world_size}
+        return {"dp": p.dp, "tp": p.tp, "pp": 1, "zero": p.zero, "world_size": self.mesh.world_size}
 
     def save(self, directory: str | Path) -> Path:
         """Save parameters, buffers, optimizer, RNG and the step as `directory/step-N`; returns it."""
@@ -162,25 +175,48 @@ class Engine:
 
 
 def prepare(model: nn.Module, loss_fn: Callable, config: Config | Sequence[str] | None = None, *,
-            units: Units = None, remat: Units = None, buffers: str = "synced") -> Engine:
-    """`model` under `config`'s data parallelism / ZeRO stage, precision, remat, compile and optimizer."""
+            units: Units = None, remat: Units = None, buffers: str = "synced", plan: Plan = None,
+            lora=None) -> Engine:
+    """`model` under `config`'s tensor (by `plan`) and data parallelism / ZeRO stage, precision, remat,
+    compile and optimizer; with `lora` (a peft LoraConfig), its peft LoRA model."""
     cfg = config if isinstance(config, Config) else load_config(None, list(config or ()))
     device = pick_device(cfg.run.device)
     init_distributed(device, cfg.run.collective_timeout_s)
     world = torch.distributed.get_world_size()
     cfg = cfg.for_device(device.type)
-    refuse_unplanned(cfg)  # tp, pp, ep need a plan: one line, before any process group is made
-    if cfg.parallel.dp not in (0, world):
-        raise ConfigError("parallel.dp", f"{cfg.parallel.dp} does not match the {world} processes; use 0 (auto)")
+    refuse_unplanned(cfg, plan is not None)  # tp needs a plan, pp/ep/cp a model family: one line
+    tp = cfg.parallel.tp
+    if world % tp:
+        raise ConfigError("parallel.tp", f"{tp} does not divide the {world} processes")
+    if cfg.parallel.dp not in (0, world // tp):
+        raise ConfigError("parallel.dp", f"{cfg.parallel.dp} x tp={tp} does not match the {world} processes; "
+                          "use 0 (auto)")
+    dp = world // tp
     # the batch is the caller's: global_batch only has to be consistent for the checks
-    cfg = with_overrides(cfg, parallel={"dp": world},
-                         train={"global_batch": world * cfg.train.microbatches}).validate(world)
-    mesh = Mesh(Layout(dp=cfg.parallel.dp), device)
+    cfg = with_overrides(cfg, parallel={"dp": dp},
+                         train={"global_batch": dp * cfg.train.microbatches}).validate(world)
+    if lora is not None:
+        if tp > 1:
+            raise ConfigError("lora", "peft's adapter layers are not split by a tensor plan; use parallel.tp=1 "
+                              "(the CLI's model.lora_rank splits adapters with their base layers under tp)")
+        model = _with_lora(model, lora)
+    mesh = Mesh(Layout(dp=dp, tp=tp), device)
     comm = Comm(mesh, history=cfg.debug.history)
 
     def loss_of(module: nn.Module, mb) -> torch.Tensor:
         inputs, targets = mb
         return loss_fn(_call(module, inputs), targets)
 
-    parallel = parallelize_module(model, mesh, comm, cfg, loss_of, units, remat, buffers)
+    parallel = parallelize_module(model, mesh, comm, cfg, loss_of, units, remat, buffers, plan)
     return Engine(parallel, loss_fn, cfg, mesh, comm)
+
+
+def _with_lora(model: nn.Module, lora) -> nn.Module:
+    """peft's LoRA model of `model` (its base weights frozen, the adapters trainable)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("lora", "needs peft: pip install 'threefold[lora]'") from None
+    if not isinstance(lora, LoraConfig):
+        raise ConfigError("lora", f"give a peft LoraConfig, not {type(lora).__name__}")
+    return get_peft_model(model, lora)

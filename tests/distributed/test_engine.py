@@ -6,7 +6,7 @@ equal bitwise to the uninterrupted run; the gradient bytes exactly those of the 
 import pytest
 import torch
 
-from tests.engine_tasks import reference, run
+from tests.engine_tasks import reference, resume, run
 from tests.helpers import rel_err
 from tests.zero_tasks import assemble
 from threefold.comm import ring_chunk
@@ -54,11 +54,86 @@ def _bucketed(nbytes: int, g: int, n: int) -> bool:
     return 2 * (g - -(-g // n)) * 4 * 0.9 <= nbytes <= 2 * g * 4
 
 
+def _matches(name: str, reports: list[dict], ref: dict, what: str) -> None:
+    got = assemble([r["tensors"] for r in reports], [r["placements"] for r in reports])
+    for key, want in ref["tensors"].items():
+        if key in got and want.is_floating_point():
+            err = rel_err(got[key], want.detach())
+            assert err <= 1e-5, f"{what}: {key} differs from the plain loop by {err:.2e}"
+    for a, b in zip(reports[0]["losses"], ref["losses"][-len(reports[0]["losses"]):]):
+        assert abs(a - b) <= 1e-5 * abs(b), (what, reports[0]["losses"], ref["losses"])
+
+
+def test_engine_tensor_parallel_by_plan_matches_plain_loop(worlds, tmp_path):
+    """The ViT's MLPs split over tp by a plan dict (colwise linear1, rowwise linear2), alone and under
+    dp + ZeRO-1 / ZeRO-3; its step-5 checkpoint (tp = 2) resumed bitwise at tp = 2 and, within 1e-5
+    of the plain loop, at dp = 2 (tp = 1)."""
+    ref = reference("ViT", 1)
+    ckpt = str(tmp_path / "tp2")
+    for n, overrides in ((2, ["parallel.tp=2"]), (4, ["parallel.tp=2", "parallel.zero=1"]),
+                         (4, ["parallel.tp=2", "parallel.zero=3", "parallel.dp=2"])):
+        reports = worlds(n).run(run, "ViT", overrides, ckpt if n == 2 else None)
+        _matches("ViT", reports, ref, f"n={n} {overrides}")
+        place = reports[0]["placements"]["encoder.layers.0.linear1.weight"]
+        assert place.global_shape == (32, 16) and place.shape == (16, 16), place  # half the hidden features
+        assert all(sum(c["tp"].values()) > 0 for r in reports for c in r["comm"]), "the plan's collectives"
+        if n == 2:
+            assert reports[0]["resumed"] == reports[0]["losses"][5:]
+    resumed = worlds(2).run(resume, "ViT", ["parallel.zero=1"], ckpt)
+    _matches("ViT", resumed, ref, "tp=2 checkpoint resumed at dp=2")
+    assert resumed[0]["eval"] == resumed[1]["eval"]
+
+
+def test_engine_options_on_a_plain_module(worlds):
+    """The ViT at dp = 2 under optimizer offload and compile (aot_eager) within 1e-5 of the plain loop;
+    a bf16 gradient wire halves the dp bytes of the fp32 run and bf16 compute follows the loop's losses
+    within 3e-2."""
+    ref = reference("ViT", 1)
+    for overrides in (["parallel.zero=1", "parallel.offload=optimizer"],
+                      ["train.compile=true", "debug.compile_backend=aot_eager"]):
+        reports = worlds(2).run(run, "ViT", overrides)
+        _matches("ViT", reports, ref, str(overrides))
+        assert (reports[0]["graphs"] > 0) == ("train.compile=true" in overrides), reports[0]["graphs"]
+    dense = worlds(2).run(run, "ViT", ["parallel.zero=0"])[0]
+    for overrides, tol in ((["compress.method=bf16"], 1e-2), (["precision.compute=bf16"], 3e-2)):
+        got = worlds(2).run(run, "ViT", overrides)[0]
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert abs(a - b) <= tol * abs(b), (overrides, got["losses"], ref["losses"])
+        if overrides == ["compress.method=bf16"]:
+            wire = [c["dp"]["all_reduce"] for c in got["comm"]]
+            assert wire == [c["dp"]["all_reduce"] // 2 for c in dense["comm"]], (wire, dense["comm"][0]["dp"])
+
+
+def test_engine_takes_a_peft_lora_config(worlds):
+    """prepare(..., lora=LoraConfig) trains peft's own LoRA model: against peft's model in the plain loop
+    within 1e-5 (adapters and frozen base) under dp = 2 and ZeRO-3; the optimizer holds only the
+    adapters' states (fp32 compute: the parameter is its own master, AdamW's 2 fp32 moments = 8 bytes
+    per element of this rank's share)."""
+    pytest.importorskip("peft")
+    from tests.engine_tasks import run_lora
+
+    ref = reference("ViT", 1, lora=True)
+    adapters = 2 * 4 * ((16 + 32) + (32 + 16))  # 2 layers x r (in + out) of linear1 and linear2
+    for zero in (0, 3):
+        reports = worlds(2).run(run_lora, "ViT", [f"parallel.zero={zero}"])
+        _matches("ViT+lora", reports, ref, f"lora zero={zero}")
+        for r in reports:
+            if zero == 0:
+                assert r["trainable"] == adapters
+            assert all("lora_" in name for name in r["updated"]), r["updated"]
+            assert r["optimizer_bytes"] == 8 * (adapters if zero == 0 else adapters // 2), r["optimizer_bytes"]
+
+
 def test_refusals(worlds):
     from threefold.errors import ConfigError
 
     import threefold
     from tests.engine_tasks import build
-    for bad, key in ((["parallel.tp=2"], "parallel.tp"), (["remat.policy=selective"], "remat.policy")):
+    for bad, key, plan in ((["parallel.tp=2"], "parallel.tp", None), (["remat.policy=selective"], "remat.policy", None),
+                           (["parallel.pp=2"], "parallel.pp", None), (["parallel.cp=2"], "parallel.cp", None),
+                           ([], "plan", {"encoder.layers.*.linear1": "columnwise"}),
+                           ([], "plan", {"encoder.nothing.*": "colwise"})):
         with pytest.raises(ConfigError, match=key):
-            threefold.prepare(build("ViT"), torch.nn.CrossEntropyLoss(), bad)
+            threefold.prepare(build("ViT"), torch.nn.CrossEntropyLoss(), bad, plan=plan)
+    with pytest.raises(ConfigError, match="lora"):
+        threefold.prepare(build("ViT"), torch.nn.CrossEntropyLoss(), lora={"r": 4})

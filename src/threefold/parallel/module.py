@@ -26,8 +26,17 @@ gradient - buckets launch in order at `finish()`, ZeRO-3 reduces unreached units
 pass - so nothing waits for a gradient that never comes (DDP's find_unused_parameters, without the
 extra graph walk).
 
-Refused in one line (ConfigError): tp, pp, ep (no plan), periodic sync, NVMe offload, hpZ,
-activation offload, remat policies other than none/full.
+    plan       tensor parallelism where the caller gives a plan (`tensor_plan`): a TensorPlan, or a
+               dict {submodule pattern: "colwise" | "rowwise"} as torch's parallelize_module takes -
+               a colwise Linear keeps its rank's output features (its input enters the tp group:
+               identity forward, all-reduce backward), a rowwise Linear its rank's input features
+               (partial products all-reduced forward). Everything else is replicated over tp and,
+               when the plan is right, gets the same gradient on every tp rank. Without a plan
+               tp > 1 is refused.
+
+Refused in one line (ConfigError): tp without a plan; pp, ep and cp (a plain module has no stage,
+expert or sequence plan: these run for the model families, `threefold train --model`); sequence
+parallelism; periodic sync, NVMe offload, hpZ, activation offload, remat policies other than none/full.
 """
 
 from __future__ import annotations
@@ -49,12 +58,32 @@ from .master import Piece
 from .model import ParallelModel
 from .precision import apply_precision
 from .remat import checkpointed
+from .tensor_plan import (ColumnParallel, RowParallel, TensorPlan, TensorPlanError, matching_modules,
+                          parallelize_tensor)
 from .units import unit_modules
 from .zero import ZeroReducer
 from .zero3 import Zero3
 
 LossOf = Callable[[nn.Module, object], torch.Tensor]  # (module, micro-batch) -> loss, divided by global_tokens
 Units = Sequence[type] | Sequence[str] | None  # module classes, submodule names, or None: the default cut
+Plan = TensorPlan | dict[str, str] | None  # tensor parallelism: a TensorPlan, or {pattern: "colwise" | "rowwise"}
+STYLES = {"colwise": ColumnParallel, "rowwise": RowParallel}
+
+
+def tensor_plan(plan: Plan) -> TensorPlan | None:
+    """A TensorPlan from the caller's `plan`: a dict's colwise layers are each their own region (their
+    input enters the tp group), its rowwise layers sum their partial products over tp."""
+    if plan is None or isinstance(plan, TensorPlan):
+        return plan
+    if not isinstance(plan, dict):
+        raise ConfigError("plan", f"give a TensorPlan or a dict {{pattern: 'colwise' | 'rowwise'}}, not "
+                          f"{type(plan).__name__}")
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError("plan", f"'{pattern}': style '{style}' is not one of {', '.join(STYLES)}")
+    return TensorPlan(layers={pattern: STYLES[style]() for pattern, style in plan.items()},
+                      regions=tuple(pattern for pattern, style in plan.items() if style == "colwise"),
+                      supports_sequence_parallel=False)
 
 
 def choose_units(model: nn.Module, units: Units, key: str = "units") -> list[tuple[str, nn.Module]]:
@@ -140,14 +169,19 @@ class ModuleParallel(ParallelModel):
         return named, places
 
 
-def refuse_unplanned(cfg: Config) -> None:
+def refuse_unplanned(cfg: Config, planned: bool = False) -> None:
     """One ConfigError for what a plain module cannot take (no plan) or what its path does not support yet."""
     p, r = cfg.parallel, cfg.remat
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)):
+    if p.tp > 1 and not planned:
+        raise ConfigError("parallel.tp", f"{p.tp} needs a tensor plan, which a plain nn.Module does not have; give "
+                          "plan={'pattern': 'colwise' | 'rowwise'} to threefold.prepare or use parallel.tp=1")
+    for key, value, what in (("parallel.pp", p.pp, "pipeline stages"), ("parallel.ep", p.ep, "expert layers"),
+                             ("parallel.cp", p.cp, "an attention to split by sequence")):
         if value > 1:
-            raise ConfigError(key, f"{value} needs a plan, which a plain nn.Module does not have; give a ModelSpec "
-                              f"(models/spec.py) or use {key}=1")
-    refused = (("train.sync_every", cfg.train.periodic, "periodic sync"),
+            raise ConfigError(key, f"{value} needs {what}, which a plain nn.Module does not declare; train a model "
+                              f"family (threefold train --model ...) or use {key}=1")
+    refused = (("parallel.sequence_parallel", p.sequence_parallel and p.tp > 1, "sequence parallelism"),
+               ("train.sync_every", cfg.train.periodic, "periodic sync"),
                ("parallel.offload", p.offload == "nvme", "offload=nvme"),
                ("parallel.zero_hpz", p.zero_hpz, "hpZ"),
                ("remat.offload", r.offload != "none", "activation offload"),
@@ -159,15 +193,28 @@ def refuse_unplanned(cfg: Config) -> None:
 
 
 def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, loss_of: LossOf,
-                       units: Units = None, remat: Units = None, buffers: str = "synced") -> ModuleParallel:
-    """The module on this rank's device under cfg's dp / ZeRO stage, precision, remat and compile."""
-    refuse_unplanned(cfg)
+                       units: Units = None, remat: Units = None, buffers: str = "synced",
+                       plan: Plan = None) -> ModuleParallel:
+    """The module on this rank's device under cfg's tp (by `plan`) / dp / ZeRO stage, precision, remat, compile."""
+    plan = tensor_plan(plan)
+    refuse_unplanned(cfg, plan is not None)
     if buffers not in ("synced", "local"):
         raise ConfigError("buffers", f"'{buffers}': choose synced (averaged over dp) or local")
     model.to(mesh.device)
-    with torch.no_grad():  # every replica starts from dp rank 0's values (parameters and buffers)
+    with torch.no_grad():  # every rank starts from rank 0's values (parameters and buffers), before tp cuts them
         for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, mesh.replica_axis, src=0)
+            for axis in (mesh.replica_axis, "tp"):
+                if mesh.size(axis) > 1:
+                    comm.broadcast(t.data, axis, src=0)
+    placements = {n: Placement.whole(n, tuple(q.shape)) for n, q in model.named_parameters()}
+    if plan is not None:  # at tp = 1 too: a pattern that names no module is a mistake at any size
+        try:
+            for pattern in (*plan.layers, *plan.regions):
+                matching_modules(model, pattern)
+            if mesh.size("tp") > 1:
+                placements = parallelize_tensor(model, mesh, comm, plan)
+        except TensorPlanError as e:
+            raise ConfigError("plan", str(e).removeprefix("tensor plan: ")) from None
     chosen = choose_units(model, units)
     # activation checkpointing: each region's forward recomputed in backward (hooks stay outside it)
     regions = []
@@ -177,7 +224,6 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
             module.forward = checkpointed(module.forward)
     precision = apply_precision(model, cfg.precision, mesh.device.type)
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    placements = {n: Placement.whole(n, tuple(q.shape)) for n, q in model.named_parameters()}
     stage, p = cfg.parallel.zero, cfg.parallel
     wire = precision.reduce_dtype
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire

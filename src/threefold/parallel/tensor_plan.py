@@ -28,7 +28,7 @@ def _pattern(pattern: str) -> re.Pattern:
                                        for part in pattern.split(".")) + "$")
 
 
-def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     rx = _pattern(pattern)
     found = [(name, m) for name, m in model.named_modules() if rx.match(name)]
     if not found:
@@ -213,10 +213,10 @@ def shard_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
     sp = sequence_parallel
     sharder = _Sharder(model, tp, rank)
     for pattern, style in plan.layers.items():
-        for name, module in _matching(model, pattern):
+        for name, module in matching_modules(model, pattern):
             _set_module(model, name, _build(style, name, module, sharder, comm, sp, plan))
     for pattern in plan.regions:
-        for name, module in _matching(model, pattern):
+        for name, module in matching_modules(model, pattern):
             region = SequenceRegion(comm, plan.seq_dim) if sp else None
             module.register_forward_pre_hook(_region_hook(comm, sp, plan.seq_dim, region), with_kwargs=True)
             if region is not None:  # its column-parallel linears save the shard (tensor.py SequenceRegion)
@@ -225,17 +225,17 @@ def shard_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
                     if isinstance(inner, ColumnParallelLinear):
                         inner.region = region
     for pattern in plan.partial + (plan.sequence if sp else ()):
-        for _, module in _matching(model, pattern):
+        for _, module in matching_modules(model, pattern):
             sharder.sum_over_tp(*module.parameters(recurse=False))
     if sp:
         for pattern, dim in plan.scatter_sequence.items():
-            for _, module in _matching(model, pattern):
+            for _, module in matching_modules(model, pattern):
                 module.register_forward_hook(_scatter_hook(comm, dim))
         for pattern, dim in plan.scatter_inputs.items():
-            for _, module in _matching(model, pattern):
+            for _, module in matching_modules(model, pattern):
                 module.register_forward_pre_hook(_scatter_input_hook(comm, dim))
     for pattern, values in list(plan.attributes.items()) + (list(plan.sequence_attributes.items()) if sp else []):
-        for _, module in _matching(model, pattern):
+        for _, module in matching_modules(model, pattern):
             for key, value in values.items():
                 setattr(module, key, value)
     _check_ties(model, sharder)
