@@ -97,14 +97,19 @@ class World:
                 pass
         self.close(force=True)
 
-    def close(self, force: bool = True) -> None:
+    def close(self, force: bool = True, grace_s: float = 5.0) -> None:
+        """Stop the ranks: `force` kills them; otherwise each is asked to leave the world and those
+        still running `grace_s` later (one shared wait, not one per rank) are killed."""
         if not self._procs:
             return
         if not force:
             for q in self._tasks:
                 q.put(None)
+            deadline = time.monotonic() + grace_s
+            for p in self._procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
-            if force:
+            if p.is_alive():
                 p.kill()
             p.join(timeout=10)
         self._procs = []
