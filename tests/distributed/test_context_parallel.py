@@ -37,6 +37,11 @@ def _cases():
     cases["llama dp2 cp2"] = (4, LLAMA + ["parallel.dp=2", "parallel.cp=2", "train.microbatches=1"], LLAMA)
     cases["llama cp2 zero3"] = (2, LLAMA + ["parallel.cp=2", "parallel.zero=3"], LLAMA)
     cases["llama cp2 saved"] = (2, LLAMA + ["parallel.cp=2", f"checkpoint.save_every={SAVED}"], LLAMA)
+    # tp splits the heads, cp the sequence of each tp rank's heads (4 ranks: cp outer, tp inner)
+    cases["llama cp2 tp2 ring"] = (4, LLAMA + ["parallel.cp=2", "parallel.tp=2"], LLAMA)
+    cases["gpt cp2 tp2 ulysses"] = (4, GPT + ["parallel.cp=2", "parallel.tp=2", "parallel.cp_method=ulysses"], GPT)
+    cases["llama cp2 tp2 sp allgather"] = (4, LLAMA + ["parallel.cp=2", "parallel.tp=2", "parallel.cp_method=allgather",
+                                                       "parallel.sequence_parallel=true"], LLAMA)
     # activation checkpointing recomputes each block's forward, its ring transfers included
     cases["llama cp2 ring remat"] = (2, LLAMA + ["parallel.cp=2", "remat.policy=full"], LLAMA)
     cases["gpt cp2 allgather remat"] = (2, GPT + ["parallel.cp=2", "parallel.cp_method=allgather",

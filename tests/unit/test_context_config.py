@@ -31,7 +31,10 @@ def test_cp_method_defaults_to_ring_and_takes_the_three_methods():
     (["parallel.cp=2", "model.preset=py:mymodel:build"], 2,
      "parallel.cp: model.preset=py:mymodel:build: a module of your own has no attention context parallelism can "
      "split; use threefold's own decoder or parallel.cp=1"),
-    (["parallel.cp=2", "parallel.tp=2"], 4, "parallel.tp: tp=2 with parallel.cp=2 is not wired yet; "
+    (["parallel.cp=2", "parallel.tp=2", "parallel.cp_method=ulysses", "model.preset=tiny-llama"], 4,
+     "parallel.cp_method: ulysses: 4 query heads and 2 key/value heads must both be divisible by parallel.cp x "
+     "parallel.tp = 4 (tp splits the heads first); use parallel.cp_method=ring or allgather, or a cp dividing both"),
+    (["parallel.cp=2", "parallel.pp=2"], 4, "parallel.pp: pp=2 with parallel.cp=2 is not wired yet; "
      "use parallel.cp=1 or drop it"),
     (["parallel.cp=2", "train.compile=true"], 2, "train.compile: train.compile=true with parallel.cp=2 is not "
      "wired yet; use parallel.cp=1 or drop it"),

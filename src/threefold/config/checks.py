@@ -407,9 +407,10 @@ def _validate_context(c: Sections) -> None:
     if t.seq_len % (2 * cp):
         raise ConfigError("train.seq_len", f"{t.seq_len} is not a multiple of 2 x parallel.cp = {2 * cp} (the zigzag "
                           f"chunks of context parallelism); choose train.seq_len divisible by {2 * cp}")
-    if p.cp_method == "ulysses" and (m.heads % cp or m.kv_heads % cp):
+    if p.cp_method == "ulysses" and (m.heads % (cp * p.tp) or m.kv_heads % (cp * p.tp)):
+        over = f"parallel.cp={cp}" if p.tp == 1 else f"parallel.cp x parallel.tp = {cp * p.tp} (tp splits the heads first)"
         raise ConfigError("parallel.cp_method", f"ulysses: {m.heads} query heads and {m.kv_heads} key/value heads "
-                          f"must both be divisible by parallel.cp={cp}; use parallel.cp_method=ring or allgather, "
+                          f"must both be divisible by {over}; use parallel.cp_method=ring or allgather, "
                           "or a cp dividing both")
     if m.preset.startswith("hf:"):
         raise ConfigError("parallel.cp", f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention "
@@ -421,7 +422,7 @@ def _validate_context(c: Sections) -> None:
     if m.experts > 0:
         raise ConfigError("parallel.cp", f"model.preset={m.preset}: mixture-of-experts routing under context "
                           "parallelism is not wired yet; use parallel.cp=1")
-    for key, on, what in [("parallel.tp", p.tp > 1, f"tp={p.tp}"), ("parallel.pp", p.pp > 1, f"pp={p.pp}"),
+    for key, on, what in [("parallel.pp", p.pp > 1, f"pp={p.pp}"),
                           ("parallel.ep", p.ep > 1, f"ep={p.ep}"), ("train.compile", t.compile, "train.compile=true"),
                           ("train.eval_every", t.eval_every > 0, f"train.eval_every={t.eval_every}"),
                           ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
