@@ -42,6 +42,13 @@ def _cases():
     cases["gpt cp2 tp2 ulysses"] = (4, GPT + ["parallel.cp=2", "parallel.tp=2", "parallel.cp_method=ulysses"], GPT)
     cases["llama cp2 tp2 sp allgather"] = (4, LLAMA + ["parallel.cp=2", "parallel.tp=2", "parallel.cp_method=allgather",
                                                        "parallel.sequence_parallel=true"], LLAMA)
+    # pipeline stages each split the sequence of every micro-batch over their cp group
+    for schedule, layers, extra in (("gpipe", 2, []), ("1f1b", 2, []), ("zb-h1", 2, []),
+                                    ("interleaved", 4, ["pipeline.virtual_stages=2"]),
+                                    ("zb-v", 4, []), ("dualpipev", 4, [])):  # 4 layers: two chunks per rank
+        deep = [f"model.layers={layers}", "train.microbatches=4"]
+        cases[f"llama cp2 pp2 {schedule}"] = (4, LLAMA + deep + extra + ["parallel.cp=2", "parallel.pp=2",
+                                                                         f"pipeline.schedule={schedule}"], LLAMA + deep)
     # activation checkpointing recomputes each block's forward, its ring transfers included
     cases["llama cp2 ring remat"] = (2, LLAMA + ["parallel.cp=2", "remat.policy=full"], LLAMA)
     cases["gpt cp2 allgather remat"] = (2, GPT + ["parallel.cp=2", "parallel.cp_method=allgather",

@@ -422,8 +422,10 @@ def _validate_context(c: Sections) -> None:
     if m.experts > 0:
         raise ConfigError("parallel.cp", f"model.preset={m.preset}: mixture-of-experts routing under context "
                           "parallelism is not wired yet; use parallel.cp=1")
-    for key, on, what in [("parallel.pp", p.pp > 1, f"pp={p.pp}"),
-                          ("parallel.ep", p.ep > 1, f"ep={p.ep}"), ("train.compile", t.compile, "train.compile=true"),
+    if not SCHEDULES[c.pipeline.schedule].synchronous and p.pp > 1:
+        raise ConfigError("pipeline.schedule", f"{c.pipeline.schedule} (weights updated without a flush) with "
+                          f"parallel.cp={cp} is not wired yet; choose a synchronous schedule or parallel.cp=1")
+    for key, on, what in [("parallel.ep", p.ep > 1, f"ep={p.ep}"), ("train.compile", t.compile, "train.compile=true"),
                           ("train.eval_every", t.eval_every > 0, f"train.eval_every={t.eval_every}"),
                           ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
                           ("remat.offload", c.remat.offload != "none", f"remat.offload={c.remat.offload}"),
