@@ -19,6 +19,7 @@ def train_layout(overrides: list[str], out: str) -> dict:
         records = trainer.run()
     mesh = trainer.mesh
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+            "val": [r["val_loss"] for r in records if "val_loss" in r],
             "mem": records[-1]["mem"] if records else None,
             "params": {n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()},
             "placements": dict(trainer.parallel.placements),

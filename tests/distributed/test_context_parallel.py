@@ -6,12 +6,15 @@ cp = 2 and 4, and cp = 2 with dp = 2 and with ZeRO-3; a cp = 2 run's checkpoint 
 on one process (cp = 1) gives the one-process losses of steps 4-6 and final parameters. Each world
 size runs all its cases in one call (tests/composition_tasks.py `train_many`)."""
 
+import random
+
 import pytest
 
 from threefold.checkpoint.format import step_dir_name
 
 from tests.case_runs import assert_parameters_match, assert_steps_match, case_dir, run_by_world_size
 from tests.composition_tasks import train_many
+from tests.data_helpers import write_prepared
 from tests.helpers import rel_err
 
 BASE = ["train.global_batch=4", "train.seq_len=16", "train.lr=1e-3", "train.eps=1e-6", "train.steps=6",
@@ -21,6 +24,8 @@ GPT = ["model.preset=tiny"] + BASE
 TOL = 1e-5
 BF16 = ["precision.compute=bf16"]
 BF16_TOL = 2e-2  # bf16 roundings in another order (the attention's sums split over ranks)
+DATA = "data.source={prepared}"  # a prepared directory with a validation split, written by the fixture
+EVAL = ["train.eval_every=3", "train.eval_batches=2", DATA]
 SAVED = 3  # the step whose checkpoint (written under cp = 2) resumes under cp = 1
 
 
@@ -49,6 +54,10 @@ def _cases():
         deep = [f"model.layers={layers}", "train.microbatches=4"]
         cases[f"llama cp2 pp2 {schedule}"] = (4, LLAMA + deep + extra + ["parallel.cp=2", "parallel.pp=2",
                                                                          f"pipeline.schedule={schedule}"], LLAMA + deep)
+    # evaluation splits its sequences as training does (EVAL: validation loss at steps 3 and 6)
+    cases["llama cp2 eval"] = (2, LLAMA + EVAL + ["parallel.cp=2"], LLAMA + EVAL)
+    cases["gpt cp2 pp2 eval"] = (4, GPT + EVAL + ["parallel.cp=2", "parallel.pp=2", "train.microbatches=2"],
+                                 GPT + EVAL + ["train.microbatches=2"])
     # activation checkpointing recomputes each block's forward, its ring transfers included
     cases["llama cp2 ring remat"] = (2, LLAMA + ["parallel.cp=2", "remat.policy=full"], LLAMA)
     cases["gpt cp2 allgather remat"] = (2, GPT + ["parallel.cp=2", "parallel.cp_method=allgather",
@@ -66,11 +75,20 @@ CASES = _cases()
 @pytest.fixture(scope="module")
 def runs(worlds, tmp_path_factory):
     root = tmp_path_factory.mktemp("context")
-    out = run_by_world_size(worlds, train_many, CASES, root)
+    rng = random.Random(0)
+    docs = [[rng.randrange(1, 256) for _ in range(rng.randrange(20, 90))] for _ in range(60)]
+    prepared = write_prepared(root / "prepared", docs[:50], docs[50:], vocab=256)
+
+    def concrete(overrides):
+        return [o.format(prepared=prepared) if o == DATA else o for o in overrides]
+
+    cases = {name: (n, concrete(ov), ref) for name, (n, ov, ref) in CASES.items()}
+    out = run_by_world_size(worlds, train_many, cases, root)
     refs = sorted({tuple(ref) for _, _, ref in CASES.values()})
     saved = case_dir(CASES, root, "llama cp2 saved")
     resume = (LLAMA + [f"checkpoint.resume={saved / 'checkpoints' / step_dir_name(SAVED)}"], str(root / "resumed"))
-    single = worlds(1).run(train_many, [(list(ref), str(root / f"ref{i}")) for i, ref in enumerate(refs)] + [resume])[0]
+    single = worlds(1).run(train_many, [(concrete(ref), str(root / f"ref{i}")) for i, ref in enumerate(refs)]
+                           + [resume])[0]
     out["refs"] = dict(zip(refs, single))
     out["resumed"] = single[-1]
     return out
@@ -95,3 +113,13 @@ def test_context_parallel_matches_one_process(runs, name):
         assert_parameters_match(name, results, ref, tol)
     else:  # bf16 updates of near-zero weights differ relatively; the loss trajectory is the check
         assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name.endswith("eval")])
+def test_validation_loss_under_cp_matches_one_process(runs, name):
+    results, ref = runs[name], runs["refs"][tuple(CASES[name][2])]
+    assert len(ref["val"]) == 2
+    for rank_result in results:  # every rank: the last stage's loss is reduced over pp, the shards over dp, cp
+        assert len(rank_result["val"]) == 2, rank_result["val"]
+        for got, want in zip(rank_result["val"], ref["val"]):
+            assert abs(got - want) <= TOL * abs(want), (name, rank_result["val"], ref["val"])

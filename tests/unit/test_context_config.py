@@ -39,8 +39,6 @@ def test_cp_method_defaults_to_ring_and_takes_the_three_methods():
      "choose a synchronous schedule or parallel.cp=1"),
     (["parallel.cp=2", "train.compile=true"], 2, "train.compile: train.compile=true with parallel.cp=2 is not "
      "wired yet; use parallel.cp=1 or drop it"),
-    (["parallel.cp=2", "train.eval_every=2"], 2, "train.eval_every: train.eval_every=2 with parallel.cp=2 is not "
-     "wired yet; use parallel.cp=1 or drop it"),
 ])
 def test_cp_refusals_are_one_line(overrides, world, message):
     with pytest.raises(ConfigError) as e:

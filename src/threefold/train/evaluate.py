@@ -22,6 +22,7 @@ from ..mesh import BATCH, PIPELINE, SEQUENCE
 from ..config import TrainConfig
 from ..data.sampler import Batch, Sampler
 from ..models.forwards import evaluating
+from .step import split_sequences
 
 
 class Evaluator:
@@ -41,7 +42,7 @@ class Evaluator:
         total = torch.zeros((), dtype=torch.float32, device=mesh.device)
         for k in range(cfg.eval_batches):
             mbs = self.sampler.microbatches(k, cfg.microbatches, mesh.rank("dp"), mesh.size("dp"), mesh.device)
-            total += self._loss_sum(mbs, tokens)
+            total += self._loss_sum(split_sequences(mbs, self.comm), tokens)  # cp > 1: this rank's zigzag part
         # tp ranks hold the same loss; only the last stage has one; the token shards (dp, cp) in one collective
         for over in (mesh.axes_where(PIPELINE), mesh.axes_where(BATCH, SEQUENCE)):
             self.comm.all_reduce_over(total, over, tag="metrics")

@@ -196,6 +196,16 @@ def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: flo
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
 
 
+def split_sequences(micro_batches: list[Batch], comm: Comm) -> list[Batch]:
+    """Under context parallelism (cp > 1) this rank's zigzag part of every micro-batch's sequences
+    (inputs and targets alike: each target stays with its input); the global token count is
+    unchanged, the loss is summed over the batch and sequence axes (dp, cp)."""
+    if comm.mesh.size("cp") == 1:
+        return micro_batches
+    return [Batch(split_micro_batch(mb.inputs, comm, "cp"), split_micro_batch(mb.targets, comm, "cp"))
+            for mb in micro_batches]
+
+
 class TrainStep:
     """forward/backward -> gradient sync -> norm and clip -> optimizer step, for one step.
 
@@ -218,13 +228,7 @@ class TrainStep:
         self.meter = parallel.meter
 
     def split_sequences(self, micro_batches: list[Batch]) -> list[Batch]:
-        """Under context parallelism (cp > 1) this rank's zigzag part of every micro-batch's sequences
-        (inputs and targets alike: each target stays with its input); the global token count is
-        unchanged, the loss is summed over the batch and sequence axes (dp, cp)."""
-        if self.comm.mesh.size("cp") == 1:
-            return micro_batches
-        return [Batch(split_micro_batch(mb.inputs, self.comm, "cp"), split_micro_batch(mb.targets, self.comm, "cp"))
-                for mb in micro_batches]
+        return split_sequences(micro_batches, self.comm)
 
     def drain(self) -> None:
         """Nothing is in flight between synchronous steps (pipedream-2bw's step drains its pipeline here)."""
