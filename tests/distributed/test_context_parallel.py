@@ -58,6 +58,9 @@ def _cases():
     cases["llama cp2 eval"] = (2, LLAMA + EVAL + ["parallel.cp=2"], LLAMA + EVAL)
     cases["gpt cp2 pp2 eval"] = (4, GPT + EVAL + ["parallel.cp=2", "parallel.pp=2", "train.microbatches=2"],
                                  GPT + EVAL + ["train.microbatches=2"])
+    # compiled blocks (aot_eager: no code generation) around the eager attention collectives
+    cases["llama cp2 compile"] = (2, LLAMA + ["parallel.cp=2", "train.compile=true", "debug.compile_backend=aot_eager"],
+                                  LLAMA)
     # activation checkpointing recomputes each block's forward, its ring transfers included
     cases["llama cp2 ring remat"] = (2, LLAMA + ["parallel.cp=2", "remat.policy=full"], LLAMA)
     cases["gpt cp2 allgather remat"] = (2, GPT + ["parallel.cp=2", "parallel.cp_method=allgather",

@@ -37,8 +37,8 @@ def test_cp_method_defaults_to_ring_and_takes_the_three_methods():
     (["parallel.cp=2", "parallel.pp=2", "pipeline.schedule=pipedream-2bw", "train.microbatches=2"], 4,
      "pipeline.schedule: pipedream-2bw (weights updated without a flush) with parallel.cp=2 is not wired yet; "
      "choose a synchronous schedule or parallel.cp=1"),
-    (["parallel.cp=2", "train.compile=true"], 2, "train.compile: train.compile=true with parallel.cp=2 is not "
-     "wired yet; use parallel.cp=1 or drop it"),
+    (["parallel.cp=2", "compress.method=powersgd"], 2, "compress.method: compress.method=powersgd with "
+     "parallel.cp=2 is not wired yet; use parallel.cp=1 or drop it"),
 ])
 def test_cp_refusals_are_one_line(overrides, world, message):
     with pytest.raises(ConfigError) as e:

@@ -19,8 +19,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "threefold"
 def test_cp_above_1_validates_and_refuses_what_is_not_wired_in_one_line():
     assert load_config(None, ["model.preset=tiny", "parallel.cp=2"]).validate(2).parallel.dp == 1
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["model.preset=tiny", "parallel.cp=2", "train.compile=true"]).validate(2)
-    assert str(e.value) == ("train.compile: train.compile=true with parallel.cp=2 is not wired yet; use parallel.cp=1 "
+        load_config(None, ["model.preset=tiny", "parallel.cp=2", "remat.offload=cpu"]).validate(2)
+    assert str(e.value) == ("remat.offload: remat.offload=cpu with parallel.cp=2 is not wired yet; use parallel.cp=1 "
                             "or drop it")
     assert "\n" not in e.value.line()
 

@@ -425,8 +425,7 @@ def _validate_context(c: Sections) -> None:
     if not SCHEDULES[c.pipeline.schedule].synchronous and p.pp > 1:
         raise ConfigError("pipeline.schedule", f"{c.pipeline.schedule} (weights updated without a flush) with "
                           f"parallel.cp={cp} is not wired yet; choose a synchronous schedule or parallel.cp=1")
-    for key, on, what in [("parallel.ep", p.ep > 1, f"ep={p.ep}"), ("train.compile", t.compile, "train.compile=true"),
-                          ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
+    for key, on, what in [("parallel.ep", p.ep > 1, f"ep={p.ep}"),                           ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
                           ("remat.offload", c.remat.offload != "none", f"remat.offload={c.remat.offload}"),
                           ("compress.method", c.compress.method != "none", f"compress.method={c.compress.method}"),
                           ("compress.hierarchical", c.compress.hierarchical, "compress.hierarchical=true"),
