@@ -285,6 +285,11 @@ def _validate_tensor_parallel(p: ParallelConfig, m: ModelConfig, t: TrainConfig)
                           f"parallelism splits it over; use a multiple of {p.tp}")
 
 
+def _asynchronous_pipeline(c: Sections) -> bool:
+    """A pipeline whose schedule updates weights without a flush (pipedream-2bw), read off its registration."""
+    return c.parallel.pp > 1 and not SCHEDULES[c.pipeline.schedule].synchronous
+
+
 def _validate_lora(c: Sections) -> None:
     """model.lora_*: the values, and what LoRA does not combine with (parallel/lora.py, docs/lora.md)."""
     m, p = c.model, c.parallel
@@ -312,7 +317,7 @@ def _validate_lora(c: Sections) -> None:
     if p.sequence_parallel and p.tp > 1:
         raise ConfigError("model.lora_rank", "LoRA adapters are not split for sequence parallelism; "
                           "set parallel.sequence_parallel=false")
-    if not SCHEDULES[c.pipeline.schedule].synchronous and p.pp > 1:
+    if _asynchronous_pipeline(c):
         raise ConfigError("model.lora_rank", f"LoRA is not implemented with pipeline.schedule="
                           f"{c.pipeline.schedule} (weights updated without a flush); choose another schedule")
 
@@ -422,10 +427,11 @@ def _validate_context(c: Sections) -> None:
     if m.experts > 0:
         raise ConfigError("parallel.cp", f"model.preset={m.preset}: mixture-of-experts routing under context "
                           "parallelism is not wired yet; use parallel.cp=1")
-    if not SCHEDULES[c.pipeline.schedule].synchronous and p.pp > 1:
+    if _asynchronous_pipeline(c):
         raise ConfigError("pipeline.schedule", f"{c.pipeline.schedule} (weights updated without a flush) with "
                           f"parallel.cp={cp} is not wired yet; choose a synchronous schedule or parallel.cp=1")
-    for key, on, what in [("parallel.ep", p.ep > 1, f"ep={p.ep}"),                           ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
+    for key, on, what in [("parallel.ep", p.ep > 1, f"ep={p.ep}"),
+                          ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
                           ("remat.offload", c.remat.offload != "none", f"remat.offload={c.remat.offload}"),
                           ("compress.method", c.compress.method != "none", f"compress.method={c.compress.method}"),
                           ("compress.hierarchical", c.compress.hierarchical, "compress.hierarchical=true"),
@@ -452,7 +458,7 @@ def _validate_pipeline(c: Sections) -> None:
         raise ConfigError("train.microbatches", problem)
     if pipe.split and pp > 1:
         parse_split(pipe.split, layers, stages)
-    if pp > 1 and not kind.synchronous:  # pipedream-2bw: updates without a flush
+    if _asynchronous_pipeline(c):  # pipedream-2bw: updates without a flush
         _validate_two_bw(c)
 
 
@@ -517,7 +523,7 @@ def _validate_activation_offload(c: Sections) -> None:
     if c.train.compile:
         raise ConfigError("remat.offload", "the offload's saved-tensor hooks run in Python, outside a compiled "
                           "graph; set train.compile=false or remat.offload=none")
-    if not SCHEDULES[c.pipeline.schedule].synchronous and c.parallel.pp > 1:  # pipedream-2bw
+    if _asynchronous_pipeline(c):  # pipedream-2bw
         raise ConfigError("remat.offload", "pipedream-2bw keeps stashed weight versions that the offload would "
                           "copy as activations; set remat.offload=none")
 

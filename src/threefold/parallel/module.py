@@ -50,7 +50,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import Config
 from ..errors import ConfigError
-from ..mesh import Mesh
+from ..mesh import TENSOR, Mesh
 from ..sharding import Placement
 from .comm_hook import make_comm_hook
 from .data import parallelize_data
@@ -58,6 +58,7 @@ from .master import Piece
 from .model import ParallelModel
 from .precision import apply_precision
 from .remat import checkpointed
+from .tensor import AXIS as TP_AXIS
 from .tensor_plan import (ColumnParallel, RowParallel, TensorPlan, TensorPlanError, matching_modules,
                           parallelize_tensor)
 from .units import unit_modules
@@ -203,16 +204,17 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
     model.to(mesh.device)
     with torch.no_grad():  # every rank starts from rank 0's values (parameters and buffers), before tp cuts them
         for t in list(model.parameters()) + list(model.buffers()):
-            for axis in (mesh.replica_axis, "tp"):
+            for axis in (mesh.replica_axis, *mesh.axes_where(TENSOR)):
                 if mesh.size(axis) > 1:
                     comm.broadcast(t.data, axis, src=0)
     placements = {n: Placement.whole(n, tuple(q.shape)) for n, q in model.named_parameters()}
-    if plan is not None:  # at tp = 1 too: a pattern that names no module is a mistake at any size
+    if plan is not None:
         try:
-            for pattern in (*plan.layers, *plan.regions):
-                matching_modules(model, pattern)
-            if mesh.size("tp") > 1:
-                placements = parallelize_tensor(model, mesh, comm, plan)
+            if mesh.size(TP_AXIS) > 1:
+                placements = parallelize_tensor(model, mesh, comm, plan)  # refuses a pattern that names no module
+            else:  # tp = 1 cuts nothing, but a pattern that names no module is a mistake at any size
+                for pattern in (*plan.layers, *plan.regions):
+                    matching_modules(model, pattern)
         except TensorPlanError as e:
             raise ConfigError("plan", str(e).removeprefix("tensor plan: ")) from None
     chosen = choose_units(model, units)
