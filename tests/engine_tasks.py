@@ -51,12 +51,16 @@ def run_lora(name: str, overrides: list[str]) -> dict:
     """10 steps of a peft LoRA model through `threefold.prepare(..., lora=LoraConfig)`."""
     e = _engine(name, overrides, 0, lora=True)
     records = _steps(e, 1, STEPS)
-    e.parallel.settle()
-    named, places = e.parallel.checkpoint_tensors()
-    return {"losses": [r["loss"] for r in records], "tensors": {k: v.detach().clone() for k, v in named},
-            "placements": places, "trainable": sum(p.numel() for p in e.module.parameters() if p.requires_grad),
+    return {"losses": [r["loss"] for r in records], **_state(e), "trainable": sum(p.numel() for p in e.module.parameters() if p.requires_grad),
             "optimizer_bytes": sum(t.numel() * t.element_size() for t in e.optimizer.state_tensors()),
             "updated": sorted({piece.name for piece in e.optimizer.pieces})}
+
+
+def _state(e) -> dict:
+    """This rank's checkpoint tensors (its pieces, cloned) and their placements."""
+    e.parallel.settle()
+    named, places = e.parallel.checkpoint_tensors()
+    return {"tensors": {k: v.detach().clone() for k, v in named}, "placements": places}
 
 
 def _steps(e, first: int, last: int) -> list[dict]:
@@ -73,21 +77,13 @@ def resume(name: str, overrides: list[str], ckpt: str) -> dict:
     e = _engine(name, overrides, 7)
     assert e.load(ckpt) == 5
     records = _steps(e, 6, STEPS)
-    e.parallel.settle()
-    named, places = e.parallel.checkpoint_tensors()
     x, y = batch(1)
-    return {"losses": [r["loss"] for r in records], "tensors": {k: v.detach().clone() for k, v in named},
-            "placements": places, "eval": e.eval_step((x[:4], y[:4]))}
+    return {"losses": [r["loss"] for r in records], **_state(e), "eval": e.eval_step((x[:4], y[:4]))}
 
 
 def run(name: str, overrides: list[str], ckpt: str | None = None) -> dict:
     """10 steps of `threefold.prepare`; with `ckpt`, also 5 steps, save, a fresh engine from another
     init loads it, 5 more: both runs' final tensors (this rank's pieces) and placements."""
-    def state(e) -> dict:
-        e.parallel.settle()
-        named, places = e.parallel.checkpoint_tensors()
-        return {"tensors": {k: v.detach().clone() for k, v in named}, "placements": places}
-
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
@@ -95,7 +91,7 @@ def run(name: str, overrides: list[str], ckpt: str | None = None) -> dict:
     records = _steps(e, 1, STEPS)
     report = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
               "comm": [r["comm"] for r in records], "graphs": counters["stats"]["unique_graphs"] - graphs,
-              **state(e)}
+              **_state(e)}
     if ckpt is not None:
         e = _engine(name, overrides, 0)
         _steps(e, 1, 5)
@@ -103,7 +99,7 @@ def run(name: str, overrides: list[str], ckpt: str | None = None) -> dict:
         e = _engine(name, overrides, 7)  # other initial values: everything must come from the checkpoint
         assert e.load(ckpt) == 5
         report["resumed"] = [r["loss"] for r in _steps(e, 6, STEPS)]
-        report["resumed_state"] = state(e)["tensors"]
+        report["resumed_state"] = _state(e)["tensors"]
     return report
 
 
