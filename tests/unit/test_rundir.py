@@ -143,6 +143,35 @@ def test_a_running_run_holds_its_directory_until_it_ends(tmp_path):
     assert claim(out, "checkpoint.resume=auto").run.id == cfg.run.id  # once it ended, it can be continued
 
 
+def test_the_holder_named_is_the_one_holding_the_lock_not_an_earlier_one(tmp_path):
+    """Between taking the lock and writing its host and pid, a new holder's lock file still holds
+    what an earlier holder left: a second run started in that moment waits for the new lines."""
+    import fcntl
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    out = tmp_path / "run"
+    rundir.lock_directory(out).release()
+    assert (out / ".lock").read_text() == ""  # a run that ended cleanly leaves no holder named
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = {"host": socket.gethostname(), "pid": int(gone.stdout), "started": "earlier"}
+    (out / ".lock").write_text(json.dumps(stale) + "\n")  # what a killed holder leaves
+    fd = os.open(out / ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the new holder, which has not written yet
+    new = {"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}
+    writes = threading.Timer(0.3, lambda: (os.ftruncate(fd, 0), os.pwrite(fd, (json.dumps(new) + "\n").encode(), 0)))
+    writes.start()
+    try:
+        with pytest.raises(UserError) as err:
+            rundir.lock_directory(out)
+    finally:
+        writes.join()
+        os.close(fd)
+    assert f"pid {os.getpid()}, since now" in str(err.value), str(err.value)
+
+
 def test_every_model_field_changes_the_function_but_the_documented_ones():
     """A field added to ModelConfig is compared by a resume unless it is listed, with its reason."""
     from dataclasses import fields

@@ -97,6 +97,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # still held: the next holder's lock file names only the next holder
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
@@ -153,16 +154,31 @@ def lock_directory(out: Path, overwrite: bool = False) -> RunLock:
 
 def _holder(fd: int, wait_s: float = 10.0) -> str:
     """`host H, pid P, since T` from a lock file another process holds (it writes them just after
-    taking the lock: wait a moment for them)."""
+    taking the lock: wait a moment for them). A holder that ended cleanly emptied the file; one that
+    was killed left its own lines there, which name a process of this host that no longer runs:
+    both are read again until the new holder has written its own."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             info = json.loads(os.pread(fd, 4096, 0).decode())
-            return f"host {info['host']}, pid {info['pid']}, since {info['started']}"
+            if info["host"] != socket.gethostname() or _running(int(info["pid"])):
+                return f"host {info['host']}, pid {info['pid']}, since {info['started']}"
         except (OSError, ValueError, KeyError, TypeError):
-            if time.monotonic() > deadline:
-                return "a process that has not written its host and pid"
-            time.sleep(0.01)
+            pass
+        if time.monotonic() > deadline:
+            return "a process that has not written its host and pid"
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 def _check_latest(root: Path) -> None:
