@@ -20,7 +20,7 @@ from threefold.checkpoint.format import step_dir_name
 BASE = ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=16", "train.lr=1e-3",
         "train.min_lr_ratio=1.0", "train.eps=1e-6", "train.grad_clip=0.5"]
 TOL = 1e-4
-STEPS = 6
+STEPS = 3
 
 # (dp, tp, pp), ZeRO stage, schedule options: every schedule family and activation checkpointing appear
 LAYOUTS = [

@@ -1,7 +1,7 @@
 """Expert parallelism against one process (gloo): (dp, ep) = (2,2), (4,4), (4,2), (2,2) + tp2 match the
 single-process run of the same mixture of experts, also under ZeRO-1, -2 and -3, with pp2 (and
 recomputed MoE blocks), sequence parallelism and activation checkpointing, within relative 1e-5 over
-10 steps (loss, router metrics, every parameter reassembled through the placements); with a capacity
+6 steps (loss, router metrics, every parameter reassembled through the placements); with a capacity
 that drops tokens the dropped count is the same under every layout; the ep axis's all-to-all bytes are
 exactly the routed rows that cross ranks x hidden x 4 bytes; a checkpoint saved under ep=4 resumes
 under ep=2 (at dp=4 and dp=2) and ep=1; bf16 / fp16 compute stays close to fp32.
@@ -18,8 +18,9 @@ from threefold.checkpoint.format import step_dir_name
 from threefold.observe.hang_report import build_report, format_report
 from threefold.observe.plots import plot_run, read_metrics
 
+STEPS, SAVED = 6, 3  # steps of every run; the step whose checkpoint (ep = 4) resumes under ep = 2 and 1
 BASE = ["model.preset=tiny-moe", "train.global_batch=8", "train.seq_len=16", "train.lr=1e-3",
-        "train.min_lr_ratio=1.0", "train.eps=1e-6", "train.steps=10"]
+        "train.min_lr_ratio=1.0", "train.eps=1e-6", f"train.steps={STEPS}"]
 DROP = ["model.expert_capacity=1.0"]
 PP2 = ["parallel.pp=2", "train.microbatches=2"]
 SP = ["parallel.sequence_parallel=true"]
@@ -35,10 +36,10 @@ def layout(dp, ep, tp=1):
 @pytest.fixture(scope="module")
 def runs(worlds, tmp_path_factory):
     root = tmp_path_factory.mktemp("experts")
-    saved = root / "saver" / "checkpoints" / step_dir_name(5)
+    saved = root / "saver" / "checkpoints" / step_dir_name(SAVED)
     resume = [f"checkpoint.resume={saved}"]
     four = {"(4,2)": (BASE + layout(4, 2), root / "c42"),
-            "(4,4)": (BASE + layout(4, 4) + ["checkpoint.save_every=5", "checkpoint.keep=0"], root / "saver"),
+            "(4,4)": (BASE + layout(4, 4) + [f"checkpoint.save_every={SAVED}", "checkpoint.keep=0"], root / "saver"),
             "(2,2)+tp2": (BASE + layout(2, 2, 2), root / "b"),
             "(4,2) drop": (BASE + layout(4, 2) + DROP, root / "c"),
             "(4,2) zero1": (BASE + layout(4, 2) + ["parallel.zero=1"], root / "z1"),
@@ -117,8 +118,8 @@ def test_all_to_all_bytes_are_the_rows_that_cross_ranks(runs, name):
 def test_checkpoint_saved_under_ep4_resumes_under_other_ep(runs, name):
     ref = runs["ref"][0]
     for r in runs[name]:
-        assert r["resumed_from"] == step_dir_name(5)
-        err = max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"][5:], strict=True))
+        assert r["resumed_from"] == step_dir_name(SAVED)
+        err = max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"][SAVED:], strict=True))
         assert err <= TOL, f"{name}: loss after resuming differs by {err:.2e}"
 
 
@@ -137,7 +138,7 @@ def test_half_precision_experts_stay_close_to_fp32(runs, precision, tol):
 def test_expert_load_plot_from_a_run(runs, tmp_path):
     """A run's own metrics.jsonl ((4,2) with tokens dropped) gives expert_load.png beside the other plots."""
     metrics = runs["root"] / "c" / "metrics.jsonl"
-    assert sum("moe" in r for r in read_metrics(metrics)) == 10
+    assert sum("moe" in r for r in read_metrics(metrics)) == STEPS
     written = {p.name: p for p in plot_run(metrics, tmp_path)}
     assert "expert_load.png" in written and written["expert_load.png"].stat().st_size > 1000
 
