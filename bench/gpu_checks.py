@@ -7,12 +7,16 @@
     python bench/gpu_checks.py merge OUT                      OUT/results/*.json + OUT/status.tsv -> OUT/results.json
 
 Each writes its figures as JSON (`--json`) and exits non-zero when its check fails, so gpu.sh records
-the failure in status.tsv and goes on. Nothing here needs pytest: the GPU machine has none.
+the failure in status.tsv and goes on. Nothing here needs pytest: the GPU machine has none. Only
+preflight and sync import torch (and summary on a CUDA run, for the device's name): summary, bitwise
+and merge read files, and start in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -24,16 +28,27 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_compare import device_peak, flops_per_token  # noqa: E402
 
 # stages whose figures results.json carries under these keys (gpu.sh writes OUT/results/<key>.json)
 RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "fp8_gemm", "fp8_train",
                "llama_compare")
+
+
+PEAKS = [("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12)]
+
+
+def device_peak(name: str) -> float | None:
+    """The device's dense bf16 peak (FLOP/s) from its name, None when unknown."""
+    return next((peak for key, peak in PEAKS if key in name), None)
+
+
+def flops_per_token(m, seq: int) -> int:
+    """6 N + 12 L h s: forward and backward of every weight, plus attention scores and values
+    (N from planner/workload.py, equal to models/decoder.py count_parameters without building the model)."""
+    from threefold.planner.workload import total_parameters
+
+    return 6 * total_parameters(m) + 12 * m.layers * m.hidden * seq
 
 
 def write(path: str, data: dict) -> None:
@@ -43,19 +58,37 @@ def write(path: str, data: dict) -> None:
 
 
 def device(smoke: bool) -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
 
 
 # ------------------------------------------------------------------ preflight
 
 
+def version(name: str) -> str | None:
+    """An importable package's version, from its metadata when it has some (then nothing is imported:
+    transformers alone takes a second); None when it is not there."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return getattr(__import__(name), "__version__", "unknown")
+        except ImportError:
+            return None
+
+
 def preflight(args) -> int:
+    import torch
+
     dev = device(args.smoke)
     found: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                    "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     if torch.cuda.is_available():
-        version = torch.cuda.nccl.version()  # a tuple (an int in older torch)
-        found["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        nccl = torch.cuda.nccl.version()  # a tuple (an int in older torch)
+        found["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     else:
         found["nccl"] = None
     smi = shutil.which("nvidia-smi")
@@ -66,24 +99,18 @@ def preflight(args) -> int:
         found["nvidia_smi"] = (run.stdout or run.stderr).strip()
     else:
         found["nvidia_smi"] = None
-    try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        found["triton"] = None
+    found["triton"] = version("triton")
     found["cc"] = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     header = Path(sysconfig.get_paths()["include"]) / "Python.h"
     found["python_h"] = str(header) if header.exists() else None
     for name in ("transformers", "pytest", "safetensors", "numpy"):
-        try:
-            found[name] = __import__(name).__version__
-        except ImportError:
-            found[name] = None
-    # one tiny inductor compile on the device: C++ (CPU) or triton (CUDA) code generation end to end
+        found[name] = version(name)
+    # one tiny inductor compile on the device: triton code generation end to end; --smoke: aot_eager, the
+    # compile path of the other smoke stages (a cold inductor C++ compile alone takes 15 s on 2 cores)
+    found["tiny_compile_backend"] = backend = "aot_eager" if args.smoke else "inductor"
     start = time.perf_counter()
     try:
-        fn = torch.compile(lambda x: (x.sin() * 2 + 1).sum(), backend="inductor", dynamic=False)
+        fn = torch.compile(lambda x: (x.sin() * 2 + 1).sum(), backend=backend, dynamic=False)
         x = torch.randn(64, device=dev)
         ok = torch.allclose(fn(x), (x.sin() * 2 + 1).sum())
         found["tiny_compile"] = "ok" if ok else "wrong result"
@@ -107,6 +134,8 @@ SYNC_CASES = {"dp": ["precision.compute=fp32"], "zero3": ["parallel.zero=3"], "b
 def syncs_per_step(overrides: list[str], out: str, dev: torch.device, steps: int = 3) -> float | str:
     """The blocking device-to-host waits torch's sync debug mode reports inside one step (its mean over
     `steps` steps after two warm-up steps); "n/a" off CUDA (the step runs, nothing is counted)."""
+    import torch
+
     from threefold.config import load_config
     from threefold.train.trainer import Trainer
 
@@ -170,7 +199,11 @@ def run_figures(run: Path, skip: int, peak_tflops: float | None) -> dict:
                "peak_memory_bytes": max(r["mem"]["peak"] for r in rows), "timed_steps": len(timed)}
     cfg = load_config(run / "config.toml")
     figures["flops_per_token"] = flops_per_token(cfg.model, cfg.train.seq_len)
-    name = torch.cuda.get_device_name() if cfg.run.device == "cuda" and torch.cuda.is_available() else "cpu"
+    name = "cpu"
+    if cfg.run.device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = peak_tflops * 1e12 if peak_tflops else device_peak(name)
     figures["mfu"] = figures["flops_per_token"] * tokens_per_s / peak if peak else None
     figures["peak_tflops"] = peak / 1e12 if peak else None
@@ -191,24 +224,34 @@ def summary(args) -> int:
     return 1 if failed else 0
 
 
+def safetensors_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """A .safetensors file's tensors as (dtype, shape, bytes), read without torch: an 8-byte little-endian
+    header length, the JSON header (offsets into the data that follows), the data."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header.pop("__metadata__", None)
+    body = data[8 + size:]
+    return {key: (t["dtype"], t["shape"], body[t["data_offsets"][0]:t["data_offsets"][1]])
+            for key, t in header.items()}
+
+
 def bitwise(args) -> int:
     """The checkpoint of step N of a run resumed from an async save equals the uninterrupted run's, tensor
-    for tensor, and the resumed steps' losses are the uninterrupted ones."""
-    from safetensors.torch import load_file
-
-    from threefold.checkpoint.format import step_dir_name
+    for tensor, byte for byte, and the resumed steps' losses are the uninterrupted ones."""
     from threefold.train.metrics import read_metrics
 
     whole, resumed = Path(args.whole), Path(args.resumed)
-    files = sorted((whole / "checkpoints" / step_dir_name(args.step)).glob("*.safetensors"))
+    step = f"step-{args.step:08d}"  # checkpoint/format.py step_dir_name (which imports torch)
+    files = sorted((whole / "checkpoints" / step).glob("*.safetensors"))
     differ, tensors = [], 0
     for f in files:
-        a, b = load_file(f), load_file(resumed / "checkpoints" / step_dir_name(args.step) / f.name)
+        a, b = safetensors_tensors(f), safetensors_tensors(resumed / "checkpoints" / step / f.name)
         if set(a) != set(b):
             differ.append(f"{f.name}: keys {sorted(set(a) ^ set(b))[:5]}")
-        for key in set(a) & set(b):
+        for key in sorted(set(a) & set(b)):
             tensors += 1
-            if a[key].dtype != b[key].dtype or a[key].shape != b[key].shape or not torch.equal(a[key], b[key]):
+            if a[key] != b[key]:
                 differ.append(f"{f.name}:{key}")
     losses = {r["step"]: r["loss"] for r in read_metrics(whole / "metrics.jsonl")}
     again = {r["step"]: r["loss"] for r in read_metrics(resumed / "metrics.jsonl")}

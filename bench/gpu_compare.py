@@ -44,7 +44,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_checks import device_peak, flops_per_token  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data import Sampler, load_tokens  # noqa: E402
 from threefold.models.decoder import build_model, count_parameters  # noqa: E402
@@ -55,16 +57,6 @@ LLAMA_1B = ["model.preset=llama-7b", "model.layers=16", "model.hidden=2048", "mo
             "model.ffn_hidden=8192", "model.vocab=128256", "model.rope_theta=500000.0", "model.tie_embeddings=true"]
 MODELS = {"gpt2-124m": ["model.preset=gpt2-124m"], "llama-1b": LLAMA_1B, "tiny": ["model.preset=tiny"],
           "tiny-llama": ["model.preset=tiny-llama"]}
-PEAKS = [("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12)]
-
-
-def device_peak(name: str) -> float | None:
-    return next((peak for key, peak in PEAKS if key in name), None)
-
-
-def flops_per_token(m, seq: int) -> int:
-    """6 N + 12 L h s: forward and backward of every weight, plus attention scores and values."""
-    return 6 * count_parameters(m) + 12 * m.layers * m.hidden * seq
 
 
 def sync(device: torch.device) -> None:
