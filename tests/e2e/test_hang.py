@@ -1,4 +1,6 @@
-"""A rank that skips a collective: the watchdog stops the world and the report names it."""
+"""A rank that skips a collective: the watchdog stops the world and the report names it. The world is
+(dp 2, cp 2), so the collective is the loss sum over the batch and sequence axes together (`dp+cp`)
+and every rank is placed by its dp and cp coordinates."""
 
 import json
 import os
@@ -23,7 +25,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-ARGS = ("--nproc", "4", "--model", "tiny", "--global-batch", "8", "--seq-len", "16", "--no-progress")
+ARGS = ("--nproc", "4", "--cp", "2", "--model", "tiny", "--global-batch", "8", "--seq-len", "16", "--no-progress")
 
 
 @pytest.mark.timeout(2400)  # its own limits scale with the machine's observed speed
@@ -50,10 +52,12 @@ def test_rank_skipping_a_collective_is_named_and_no_process_is_left(tmp_path):
     assert report["never_joined"] == [2] and report["missing"] == []
     (wait,) = report["waits"]
     assert wait["waiting"] == [0, 1, 3]
-    assert wait["op"] == "all_reduce.metrics" and wait["axis"] == "dp" and wait["callsite"].startswith("trainer.py:")
+    assert wait["op"] == "all_reduce.metrics" and wait["axis"] == "dp+cp" and wait["group"] == [0, 1, 2, 3] and wait["callsite"].startswith("trainer.py:")
     assert wait["in_flight_s"] >= timeout_s
     assert "in stall" in report["ranks"]["2"]["where"]  # where the rank that never joined is
+    assert report["ranks"]["2"]["coords"] == {"pp": 0, "dp": 1, "cp": 0, "tp": 0}
     # the launcher printed the report after the failure
-    assert "never joined: rank 2" in run.stderr and "ranks 0,1,3 wait in all_reduce.metrics on dp" in run.stderr
+    assert "never joined: rank 2" in run.stderr and "ranks 0,1,3 wait in all_reduce.metrics on dp+cp" in run.stderr
+    assert "rank 2 (pp=0 dp=1 cp=0 tp=0)" in run.stderr
     assert sorted(p.name for p in (tmp_path / "flight").glob("rank-*.json")) == [f"rank-{r}.json" for r in range(4)]
     assert _processes_mentioning(str(tmp_path)) == []  # every worker ended

@@ -95,6 +95,21 @@ def test_elastic_layout_keeps_tp_pp_and_the_global_batch():
     assert half.train.global_batch == 8 and half.validate(4) == half  # re-derived once
 
 
+def test_elastic_layout_keeps_cp_with_tp_and_pp():
+    from threefold.errors import ConfigError
+
+    cfg = elastic_config(parallel__elastic_world=16, parallel__cp=2, parallel__tp=2, parallel__pp=2,
+                         model__layers=2, train__global_batch=8, train__seq_len=16)
+    full, half = cfg.validate(16), cfg.validate(8)
+    assert (full.parallel.dp, full.parallel.cp, full.parallel.tp, full.parallel.pp) == (2, 2, 2, 2)
+    assert (half.parallel.dp, half.parallel.cp, half.parallel.tp, half.parallel.pp) == (1, 2, 2, 2)
+    assert half.train.microbatches == 2 * full.train.microbatches  # the micro-batch size stays
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(12)  # one replica is cp x tp x pp = 8 ranks
+    assert "(dp=2 cp=2 tp=2 pp=2 microbatches=" in str(e.value) and "cp=2 x tp=2 x pp=2 = 8 does not divide 12" \
+        in str(e.value)
+
+
 def test_elastic_layout_that_does_not_fit_names_the_smallest_world():
     from threefold.errors import ConfigError
 

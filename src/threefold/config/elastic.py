@@ -37,8 +37,9 @@ def rederive(c: C, world: int, check: Callable[[C, int], C]) -> C:
         smallest = smallest_world(full, check)
         fix = (f"no smaller world works; only {c.parallel.elastic_world} processes do" if smallest is None else
                f"the smallest world that works is {smallest} process{'es' if smallest > 1 else ''}")
+        cp = f" cp={full.parallel.cp}" if full.parallel.cp > 1 else ""
         raise NoLayout(str(e), f"the layout written for {c.parallel.elastic_world} processes "
-                       f"(dp={full.parallel.dp} tp={full.parallel.tp} pp={full.parallel.pp} microbatches="
+                       f"(dp={full.parallel.dp}{cp} tp={full.parallel.tp} pp={full.parallel.pp} microbatches="
                        f"{full.train.microbatches}) cannot be re-derived for the {world} processes left "
                        f"({e}); {fix}") from None
 
