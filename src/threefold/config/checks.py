@@ -131,6 +131,8 @@ def _validate(c: S, world_size: int) -> S:
             f"use a multiple of {dp * t.microbatches}")
     _validate_pipeline(c)
     m = _validate_data(c)
+    if c.data.pack:
+        _validate_packing(c)
     ck = c.checkpoint
     if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
@@ -191,6 +193,31 @@ def _validate_data(c: Sections) -> ModelConfig:
     if tokenizer is None or c.model.preset.startswith("hf:"):
         return c.model  # a Hugging Face model's vocabulary is its config.json's
     return replace(c.model, vocab=tokenizer.vocab_size)
+
+
+def _validate_packing(c: Sections) -> None:
+    """data.pack: whole documents need the boundaries a prepared directory records, and the document mask
+    needs threefold's own decoder; the layouts packing is not wired into yet are refused (docs/context.md)."""
+    from ..data.prepared import is_prepared
+
+    d, m, p = c.data, c.model, c.parallel
+    if not (d.sources or is_prepared(d.source)):
+        raise ConfigError("data.pack", f"packs whole documents, whose boundaries only a directory made by `threefold "
+                          f"data prepare` records, not '{d.source}'; train from one (--data DIR) or set data.pack=false")
+    if m.preset.startswith("hf:"):
+        raise ConfigError("data.pack", f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention "
+                          "seam to mask by document; use threefold's own decoder (model.preset=tiny, tiny-llama, ...) "
+                          "or data.pack=false")
+    if m.preset.startswith("py:"):
+        raise ConfigError("data.pack", f"model.preset={m.preset}: a module of your own has no attention to mask by "
+                          "document; use threefold's own decoder or data.pack=false")
+    for on, what, fix in [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
+                          (p.tp > 1, f"parallel.tp={p.tp}", "parallel.tp=1"),
+                          (m.experts > 0, f"mixture-of-experts routing (model.experts={m.experts})", "a dense model"),
+                          (c.train.compile, "train.compile=true", "train.compile=false"),
+                          (c.fault.rank >= 0 and c.fault.kind == "perturb", "fault.kind=perturb", "another fault.kind")]:
+        if on:
+            raise ConfigError("data.pack", f"packed rows with {what} are not wired yet; use {fix} or data.pack=false")
 
 
 def _check_model_tokenizer(data: TokenizerIdentity, model_dir: Path, data_dir: str) -> None:

@@ -261,6 +261,10 @@ class DataConfig:
     sources: str = ""  # a weighted mixture of prepared directories, "DIR:WEIGHT,DIR:WEIGHT"; replaces source
     skip_bad_documents: bool = False  # data prepare: skip documents that are not valid UTF-8 instead of stopping
     prefetch: int = 2  # steps whose batches are prepared ahead on a background thread; 0: in the step
+    # whole documents packed into rows of seq_len + 1 tokens (padding, no document split unless longer than a
+    # row): attention masked at document boundaries, positions restarting per document, the targets of
+    # padding and of each document's last token left out of the loss (prepared data only; docs/context.md)
+    pack: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,13 @@ which source sample g is stays a pure function of (seed, g): runs resume and res
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
 
 from ..errors import UserError
+from .packing import Packed, pack_documents
 from .prepared import Documents
 
 BLOCK = 1000
@@ -82,10 +84,69 @@ class EpochSampler:
         return np.concatenate(pieces).astype(np.int64)
 
 
+class PackedEpochs:
+    """Rows of seq_len + 1 tokens of whole documents, read from a split in epochs (module docstring)."""
+
+    def __init__(self, docs: Documents, seq_len: int, seed: int, salt: int = 0):
+        self.docs, self.seq_len, self.seed, self.salt = docs, seq_len, seed, salt
+        self.length = seq_len + 1
+        self.pad_id = docs.tokenizer.eot_id  # any id: padding is masked from attention and from the loss
+        if docs.tokens < 2:
+            raise UserError(f"data: '{docs.directory}' holds {docs.tokens} tokens; prepare more text")
+        self._starts = [0]  # the first global row of every epoch packed so far (and of the next)
+        self._lock = threading.Lock()  # the loader's thread reads rows while a checkpoint asks the state
+        self._epoch = lru_cache(maxsize=2)(self._plan)
+
+    def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(document, offset and length of every piece in packing order, each row's first piece (rows + 1
+        of them), the rows' reading order) of `epoch`."""
+        order = shuffled(self.docs.lengths.size, self.seed, self.salt, epoch, 0)
+        lengths, n = self.docs.lengths[order], self.length
+        counts = -(-lengths // n)  # pieces per document: one longer than a row is cut into rows
+        doc = np.repeat(order, counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        offset = (np.arange(doc.size) - first) * n
+        size = np.minimum(np.repeat(lengths, counts) - offset, n)
+        starts, used = [], n  # pack_documents' rule: a piece that does not fit starts the next row
+        for i, piece in enumerate(size.tolist()):
+            if used + piece > n:
+                starts.append(i)
+                used = 0
+            used += piece
+        starts.append(doc.size)
+        rows = shuffled(len(starts) - 1, self.seed, self.salt, epoch, 1)
+        return doc, offset, size, np.asarray(starts, dtype=np.int64), rows
+
+    def _locate(self, g: int) -> tuple[int, int]:
+        """(epoch, row of it) of global row g, packing the epochs before it as needed."""
+        with self._lock:
+            while self._starts[-1] <= g:
+                epoch = len(self._starts) - 1
+                self._starts.append(self._starts[-1] + self._epoch(epoch)[3].size - 1)
+            epoch = int(np.searchsorted(self._starts, g, side="right")) - 1
+        return epoch, g - self._starts[epoch]
+
+    def state(self, samples: int) -> dict:
+        """Where the reader stands after `samples` rows: epoch, rows of it already read, its rows."""
+        epoch, position = self._locate(samples)
+        return {"epoch": epoch, "position": position, "rows_in_epoch": self._starts[epoch + 1] - self._starts[epoch]}
+
+    def row(self, g: int) -> Packed:
+        epoch, p = self._locate(g)
+        doc, offset, size, starts, rows = self._epoch(epoch)
+        r = int(rows[p])
+        pieces = [self.docs.tokens_of(int(d), int(o), int(c))
+                  for d, o, c in zip(doc[starts[r]:starts[r + 1]], offset[starts[r]:starts[r + 1]],
+                                     size[starts[r]:starts[r + 1]])]
+        packed = pack_documents(pieces, self.length, self.pad_id)
+        assert packed.tokens.shape[0] == 1, "a planned row packs into one row"
+        return packed
+
+
 class Mixture:
     """Weighted interleaving of several samplers (see the module docstring)."""
 
-    def __init__(self, sources: list[EpochSampler], weights: list[float], seed: int):
+    def __init__(self, sources: list[EpochSampler] | list[PackedEpochs], weights: list[float], seed: int):
         self.sources, self.seed = sources, seed
         total = sum(weights)
         quotas = [w / total * BLOCK for w in weights]
@@ -117,6 +178,11 @@ class Mixture:
     def sample(self, g: int) -> np.ndarray:
         source, n = self.locate(g)
         return self.sources[source].sample(n)
+
+    def row(self, g: int) -> Packed:
+        """Mixture sample g of packed sources (`PackedEpochs`)."""
+        source, n = self.locate(g)
+        return self.sources[source].row(n)
 
     def drawn(self, samples: int) -> list[int]:
         """How many samples each source gave to the first `samples` of the mixture."""

@@ -29,11 +29,10 @@ class Loader:
         self._ahead: dict[int, Future] = {}
 
     def _host(self, step: int) -> list[Batch]:
-        batch = self.sampler.step_batch(step, self.dp_rank, self.dp_size)
-        inputs, targets = batch.inputs.chunk(self.microbatches), batch.targets.chunk(self.microbatches)
+        batches = self.sampler.step_batch(step, self.dp_rank, self.dp_size).chunk(self.microbatches)
         if self.pin:
-            return [Batch(i.contiguous().pin_memory(), t.contiguous().pin_memory()) for i, t in zip(inputs, targets)]
-        return [Batch(i, t) for i, t in zip(inputs, targets)]
+            return [b.map(lambda t: t.contiguous().pin_memory()) for b in batches]
+        return batches
 
     def get(self, step: int) -> tuple[list[Batch], float]:
         """The micro-batches of `step` (0-based) on the device, and the seconds spent waiting for them."""
@@ -47,8 +46,7 @@ class Loader:
             for old in [s for s in self._ahead if s < step]:  # a jump back (not in training)
                 self._ahead.pop(old).cancel()
             host = self._ahead.pop(step).result()
-        batches = [Batch(b.inputs.to(self.device, non_blocking=self.pin), b.targets.to(self.device, non_blocking=self.pin))
-                   for b in host]
+        batches = [b.map(lambda t: t.to(self.device, non_blocking=self.pin)) for b in host]
         return batches, time.perf_counter() - start
 
     def close(self) -> None:

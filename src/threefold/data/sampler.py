@@ -6,6 +6,11 @@ epochs of a prepared directory or a mixture of them (epochs.py). Step k (0-based
 samples k*B .. k*B+B-1 in that order, and a data-parallel rank takes its contiguous slice of
 them. So every layout sees the same global batch at every step, and resuming needs nothing
 but the step number.
+
+Packed (`data.pack`, `PackedSampler`): sample g is the g-th packed row of whole documents
+(epochs.py `PackedEpochs`, data/packing.py), and every batch carries a `Packing`: the document
+id and position of each input token and which targets count (not padding, not the first token
+of the next document).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
+from .packing import Packed
 
 _MASK = (1 << 64) - 1
 
@@ -28,9 +35,37 @@ def splitmix64(x: int) -> int:
 
 
 @dataclass(frozen=True)
+class Packing:
+    """What a batch of packed rows adds, per input token (each (b, s), like the inputs)."""
+
+    documents: torch.Tensor  # int64: the document id (0, 1, ... per row; padding one more id)
+    positions: torch.Tensor  # int64: the position in its document (0 at each document's first token)
+    counted: torch.Tensor  # bool: the target counts in the loss (not padding, not the next document's first)
+
+    def chunk(self, count: int) -> list["Packing"]:
+        return [Packing(*parts) for parts in zip(self.documents.chunk(count), self.positions.chunk(count),
+                                                 self.counted.chunk(count))]
+
+    def map(self, fn) -> "Packing":
+        """Every tensor through `fn` (a copy to the device, pinning, a split of the sequence)."""
+        return Packing(fn(self.documents), fn(self.positions), fn(self.counted))
+
+
+@dataclass(frozen=True)
 class Batch:
     inputs: torch.Tensor  # (b, s) int64
     targets: torch.Tensor  # (b, s) int64: inputs shifted by one
+    packing: Packing | None = None  # packed rows (data.pack): documents, positions, counted targets
+
+    def chunk(self, count: int) -> list["Batch"]:
+        """`count` micro-batches of the rows (torch's `chunk`: views)."""
+        inputs, targets = self.inputs.chunk(count), self.targets.chunk(count)
+        packings = self.packing.chunk(count) if self.packing is not None else [None] * len(inputs)
+        return [Batch(i, t, p) for i, t, p in zip(inputs, targets, packings)]
+
+    def map(self, fn) -> "Batch":
+        """Every tensor through `fn`."""
+        return Batch(fn(self.inputs), fn(self.targets), None if self.packing is None else self.packing.map(fn))
 
 
 class SampleSource(Protocol):
@@ -90,6 +125,27 @@ class Sampler:
 
     def microbatches(self, step: int, count: int, dp_rank: int = 0, dp_size: int = 1,
                      device: torch.device | str = "cpu") -> list[Batch]:
-        batch = self.step_batch(step, dp_rank, dp_size)
-        return [Batch(i.to(device), t.to(device))
-                for i, t in zip(batch.inputs.chunk(count), batch.targets.chunk(count))]
+        return [mb.map(lambda t: t.to(device)) for mb in self.step_batch(step, dp_rank, dp_size).chunk(count)]
+
+
+class PackedSource(Protocol):
+    def row(self, g: int) -> Packed:
+        """Global sample g: one packed row of seq_len + 1 tokens (whole documents, padding)."""
+
+    def state(self, samples: int) -> dict:
+        """The data position after `samples` samples, for checkpoints."""
+
+
+class PackedSampler(Sampler):
+    """Sample g = the g-th packed row of documents (`PackedSource`); batches carry their `Packing`."""
+
+    def __init__(self, source: PackedSource, seq_len: int, global_batch: int):
+        self.rows = source
+        self._setup(source, seq_len, global_batch)
+
+    def samples(self, first: int, count: int) -> Batch:
+        rows = [self.rows.row(g) for g in range(first, first + count)]
+        tokens, documents = torch.cat([r.tokens for r in rows]), torch.cat([r.documents for r in rows])
+        positions, real = torch.cat([r.positions for r in rows]), torch.cat([r.real for r in rows])
+        counted = real[:, 1:] & (documents[:, 1:] == documents[:, :-1])
+        return Batch(tokens[:, :-1], tokens[:, 1:], Packing(documents[:, :-1], positions[:, :-1], counted))

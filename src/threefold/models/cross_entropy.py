@@ -10,6 +10,11 @@ compute dtype), the targets and 4 bytes per token. No extra matmul: the head is 
 
 Columns from `valid` on (a vocabulary padded to `model.vocab_multiple`) are not part of the
 softmax and get zero gradient: the loss is the unpadded model's.
+
+A target equal to `IGNORE_INDEX` (-100, torch's `F.cross_entropy` default) adds nothing to the sum
+and its row gets zero gradient: packed rows (`data.pack`) mark so the targets of padding and of
+each document's last token. With no such target the sum and the gradient are bitwise those of
+the plain sum (the masks select nothing).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from .loss_pieces import chunk_rows
+
+IGNORE_INDEX = -100  # a target that does not count (torch's convention)
 
 
 class _SummedCrossEntropy(torch.autograd.Function):
@@ -27,15 +34,18 @@ class _SummedCrossEntropy(torch.autograd.Function):
         step = chunk_rows(n, valid, logits_nv.element_size())
         for i in range(0, n, step):
             lse[i:i + step] = torch.logsumexp(logits_nv[i:i + step, :valid].float(), dim=-1)
-        picked = logits_nv.gather(-1, targets_n.unsqueeze(-1)).squeeze(-1).float()
-        ctx.save_for_backward(logits_nv, targets_n, lse)
+        ignored = targets_n == IGNORE_INDEX
+        picked = logits_nv.gather(-1, targets_n.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1).float()
+        ctx.save_for_backward(logits_nv, targets_n, lse)  # the caller's targets: the ignored rows found again
         ctx.valid = valid
-        return (lse - picked).sum()
+        return (lse - picked).masked_fill_(ignored, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
-        return softmax_minus_one_hot(logits, targets, lse, ctx.valid, grad.float()), None, None
+        ignored = targets == IGNORE_INDEX
+        rows = grad.float().expand(targets.shape[0]).masked_fill(ignored, 0.0)  # ignored rows: no gradient
+        return softmax_minus_one_hot(logits, targets.masked_fill(ignored, 0), lse, ctx.valid, rows), None, None
 
 
 def softmax_minus_one_hot(logits_nv: torch.Tensor, local_targets_n: torch.Tensor, lse_n: torch.Tensor, valid: int,
@@ -62,6 +72,7 @@ def softmax_minus_one_hot(logits_nv: torch.Tensor, local_targets_n: torch.Tensor
 
 
 def summed_cross_entropy(logits_nv: torch.Tensor, targets_n: torch.Tensor, valid: int | None = None) -> torch.Tensor:
-    """Sum over rows of -log softmax(logits[:, :valid])[target], in fp32, the logits kept in their dtype."""
+    """Sum over rows of -log softmax(logits[:, :valid])[target], in fp32, the logits kept in their dtype;
+    rows whose target is IGNORE_INDEX add nothing."""
     valid = logits_nv.shape[-1] if valid is None else valid
     return _SummedCrossEntropy.apply(logits_nv, targets_n, valid)

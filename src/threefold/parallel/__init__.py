@@ -61,7 +61,7 @@ from .master import Piece
 from .materialise import materialise
 from .nvme import ScratchSettings, ShardStore
 from .model import GradSync, ParallelModel, accumulate
-from .context import install_context
+from .context import install_context, install_documents
 from .module import parallelize_module
 from .precision import apply_precision
 from .remat import apply_offload, apply_remat
@@ -116,7 +116,16 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     shards.install()
     # 2b. context parallelism: every attention gets the other cp ranks' keys and values, the positions
     # are the global ones of this rank's zigzag chunks (the trainer's step splits the micro-batches)
-    if mesh.size("cp") > 1 and not install_context(model, comm, "cp", cfg.parallel.cp_method, cfg.train.seq_len):
+    # packed rows (data.pack): one core masking by document, handed each micro-batch's ids and positions
+    # by the step (at cp = 1 over an axis of one rank: it sends nothing)
+    documents = None
+    if cfg.data.pack:
+        method = cfg.parallel.cp_method if mesh.size("cp") > 1 else "allgather"
+        documents = install_documents(model, comm, "cp", method, cfg.train.seq_len)
+        if documents is None:
+            raise ConfigError("data.pack", f"model.preset={cfg.model.preset} has no attention to mask by document; "
+                              "use threefold's own decoder or data.pack=false")
+    elif mesh.size("cp") > 1 and not install_context(model, comm, "cp", cfg.parallel.cp_method, cfg.train.seq_len):
         raise ConfigError("parallel.cp", f"model.preset={cfg.model.preset} has no attention context parallelism "
                           "can split; use parallel.cp=1")
     if spec.local_hooks is not None:
@@ -138,7 +147,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload != "none",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
                              routers=routers, activation_offload=activation_offload,
-                             scratch=scratch, replica_axis=mesh.replica_axis)
+                             scratch=scratch, replica_axis=mesh.replica_axis, documents=documents)
     if lora is not None:  # checkpoints hold the adapters and name the base (parallel/lora.py LoraBase)
         parallel.lora_base = LoraBase(spec.hf.source if spec.hf is not None else None, lora)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step

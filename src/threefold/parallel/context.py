@@ -384,6 +384,11 @@ class ContextCore:
     def rotary_positions(self, seq: int, device) -> torch.Tensor | None:
         return self.positions
 
+    def set_documents(self, docs: torch.Tensor, positions: torch.Tensor) -> None:
+        """The document ids and positions (b, s) of the local tokens of the next micro-batch (packed rows:
+        they change with every micro-batch; the global indices `index` stay)."""
+        self.docs, self.positions = docs, positions
+
     def __call__(self, q, k, v) -> torch.Tensor:
         return ATTENTION[self.method](q, k, v, self.comm, self.axis, self.index, self.docs)
 
@@ -408,6 +413,38 @@ def install_context(model: torch.nn.Module, comm: Comm, axis: str, method: str, 
         elif isinstance(module, Embedding):
             module.positions = index
     return wired
+
+
+class PackedDocuments:
+    """Packed rows (`data.pack`): the one `ContextCore` of every attention and the learned position
+    embeddings, handed each micro-batch's document ids and positions (`set`) before its forward."""
+
+    def __init__(self, core: ContextCore, embeddings: list[Embedding]):
+        self.core, self.embeddings = core, embeddings
+
+    def set(self, documents: torch.Tensor, positions: torch.Tensor) -> None:
+        """This micro-batch's ids and positions of the local tokens, (b, s) (under cp: split like the tokens)."""
+        self.core.set_documents(documents, positions)
+        for embedding in self.embeddings:
+            embedding.positions = positions
+
+
+def install_documents(model: torch.nn.Module, comm: Comm, axis: str, method: str,
+                      seq_len: int) -> PackedDocuments | None:
+    """Packed rows (parallel step 2b, `data.pack`): every block's attention gets one `ContextCore` of
+    `method` over `axis` at this rank's zigzag index of `seq_len`, masking by document, and the learned
+    position embedding is wired to the same per-token positions; `PackedDocuments.set` hands both each
+    micro-batch's ids and positions. On an axis of one rank (cp = 1) the core communicates nothing
+    (allgather there is SDPA under the causal + document mask). None: the model has no decoder attention."""
+    mesh = comm.mesh
+    index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
+    core = ContextCore(method, comm, axis, index)
+    attentions = [module for module in model.modules() if isinstance(module, Attention)]
+    for attention in attentions:
+        attention.attention_core = core
+    if not attentions:
+        return None
+    return PackedDocuments(core, [module for module in model.modules() if isinstance(module, Embedding)])
 
 
 def split_micro_batch(tokens: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:

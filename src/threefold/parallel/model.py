@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -77,6 +77,14 @@ class Periodic(Protocol):
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None: ...  # before the replica state changes
 
 
+class Documents(Protocol):
+    """Packed rows (`data.pack`, parallel/context.py `PackedDocuments`): the model's attention masks by
+    document and its positions restart per document; `set` hands it one micro-batch's (local) ids and
+    positions (b, s) before that micro-batch's forward."""
+
+    def set(self, documents: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+
 class HooklessSync:
     """The `GradSync` defaults of a sync with no compression hook and no per-rank state (ZeRO's
     stages, whose only compression is a 16-bit wire, and expert parallelism)."""
@@ -100,16 +108,20 @@ class HooklessSync:
             raise ValueError(f"{self.kind} keeps no per-rank state; got {sorted(state)}")
 
 
-def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float,
-               meter: SavedTensorMeter | None = None, loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, global_tokens: float | torch.Tensor,
+               meter: SavedTensorMeter | None = None, loss_scale: float | torch.Tensor = 1.0,
+               before: Callable[[Any], None] | None = None) -> torch.Tensor:
     """Forward and backward over the micro-batches; returns this rank's summed token loss.
 
     Each micro-batch's backward starts from `summed loss / global_tokens * loss_scale` (fp16's
     dynamic loss scale, a device tensor; the optimizer divides the gradients by it again).
+    `before(mb)` runs before each micro-batch's forward (packed rows: its document ids and positions).
     """
     scaled = isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0
     total = None
     for i, mb in enumerate(micro_batches):
+        if before is not None:
+            before(mb)
         with grad_sync.micro_batch(last=i == len(micro_batches) - 1):
             if meter is not None:
                 meter.reset()
@@ -148,6 +160,7 @@ class ParallelModel:
     replica_axis: str = "dp"  # the axis gradients are summed over (Mesh.replica_axis: dp, or dp+cp)
     shard_home: ShardStore | None = None  # nvme under ZeRO-3: the parameter shards' scratch file
     lora_base: object | None = None  # LoRA (parallel/lora.py LoraBase): the frozen base a checkpoint refers to
+    documents: Documents | None = None  # packed rows (data.pack): takes each micro-batch's document ids and positions
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:
@@ -174,15 +187,19 @@ class ParallelModel:
             self._meter = SavedTensorMeter(exclude=self.weight_tensors())
         return self._meter
 
-    def forward_backward(self, micro_batches: list, global_tokens: float,
-                         loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list, global_tokens: float | torch.Tensor,
+                         loss_scale: float | torch.Tensor = 1.0,
+                         before: Callable[[Any], None] | None = None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches (gradients accumulate, the sync runs inside);
-        returns this rank's summed token loss (0 on pipeline stages without the loss)."""
+        returns this rank's summed token loss (0 on pipeline stages without the loss). `before(mb)`:
+        run before each micro-batch's forward (not under a pipeline: config/checks.py refuses data.pack there)."""
         if self.pipeline is not None:
+            if before is not None:
+                raise ValueError("a pipeline schedule runs its micro-batches' forwards itself: no `before`")
             # dividing the token count by the loss scale (a power of two: exact) scales the loss
             # the schedule backpropagates, as plain accumulation does
             return self.pipeline.forward_backward(micro_batches, global_tokens / loss_scale)
-        return accumulate(self.module, micro_batches, self.grad_sync, global_tokens, self.meter, loss_scale)
+        return accumulate(self.module, micro_batches, self.grad_sync, global_tokens, self.meter, loss_scale, before)
 
     def make_optimizer(self, cfg: TrainConfig, compression: bool = True) -> ShardedOptimizer | NvmeOptimizer:
         """`cfg.optimizer` with fp32 masters over this rank's pieces (consumes the fp32 initial values);

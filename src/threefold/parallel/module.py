@@ -127,7 +127,9 @@ class ModuleParallel(ParallelModel):
     buffer_names: list[str] = field(default_factory=list)  # persistent buffers, saved in checkpoints
 
     def forward_backward(self, micro_batches: list, global_tokens: float,
-                         loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                         loss_scale: float | torch.Tensor = 1.0, before=None) -> torch.Tensor:
+        if before is not None:  # packed rows (data.pack) are refused for a plain module (refuse_unplanned)
+            raise ValueError("a plain module takes no per-micro-batch document ids")
         scaled = isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0
         total = None
         for i, mb in enumerate(micro_batches):
@@ -181,6 +183,9 @@ def refuse_unplanned(cfg: Config, planned: bool = False) -> None:
         if value > 1:
             raise ConfigError(key, f"{value} needs {what}, which a plain nn.Module does not declare; train a model "
                               f"family (threefold train --model ...) or use {key}=1")
+    if cfg.data.pack:  # the batches are the caller's, and a plain module has no attention seam to mask
+        raise ConfigError("data.pack", "packed rows need the document mask of threefold's own decoder, which a "
+                          "plain nn.Module does not have; set data.pack=false")
     refused = (("parallel.sequence_parallel", p.sequence_parallel and p.tp > 1, "sequence parallelism"),
                ("train.sync_every", cfg.train.periodic, "periodic sync"),
                ("parallel.offload", p.offload == "nvme", "offload=nvme"),

@@ -5,6 +5,12 @@ Each rank runs its micro-batches, dividing each micro-batch's summed loss by the
 token count before backward, so the gradients summed by the gradient sync are exactly the
 gradient of that mean. Then: global gradient norm, clipping, learning rate, optimizer update.
 
+Packed rows (`data.pack`): the targets that do not count (padding, each document's last token,
+whose target is the next document's first) become `IGNORE_INDEX` and add nothing; the count is
+that of the global batch's counted targets (this rank's, summed over the batch and sequence axes,
+dp and cp, in one collective: `all_reduce.tokens`), and before each micro-batch's forward the
+model gets its document ids and positions (`ParallelModel.documents`).
+
 No host synchronisation: the norm, the overflow flag, the loss scale and the loss stay on the
 device; one flag decides skip or step inside the optimizer's kernel (parallel/master.py), and
 the trainer reads the step's figures once (`StepResult.figures`, `start_read`): their copy to the
@@ -23,8 +29,10 @@ from torch import nn
 from ..comm import Comm
 from ..config import TrainConfig
 from ..data import Batch
-from ..mesh import PIPELINE, REPLICA, TENSOR
+from ..mesh import BATCH, PIPELINE, REPLICA, SEQUENCE, TENSOR
+from ..models.cross_entropy import IGNORE_INDEX
 from ..parallel import GradSync, ParallelModel, accumulate  # noqa: F401  (accumulate, GradSync: re-exported)
+from ..parallel.model import Documents
 from ..parallel.context import split_micro_batch
 from ..parallel.master import ShardedOptimizer
 from ..sharding import Placement
@@ -133,6 +141,9 @@ class StepResult:
     lr: float
     skipped: torch.Tensor  # bool: the update was skipped (non-finite gradients)
     loss_scale: torch.Tensor | float = 1.0  # the loss scale this step used (fp16: on the device)
+    # the targets the loss is the mean over: train.global_batch x train.seq_len, or (packed rows) the
+    # counted targets of the global batch, on the device
+    targets: torch.Tensor | float | None = None
 
     def figures(self) -> dict[str, Figure]:
         """What the metrics read of the step; callers add their own (the loss over the world, ...)."""
@@ -196,14 +207,41 @@ def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: flo
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
 
 
-def split_sequences(micro_batches: list[Batch], comm: Comm) -> list[Batch]:
+def split_sequences(micro_batches: list[Batch], comm: Comm, packed: bool = False) -> list[Batch]:
     """Under context parallelism (cp > 1) this rank's zigzag part of every micro-batch's sequences
-    (inputs and targets alike: each target stays with its input); the global token count is
-    unchanged, the loss is summed over the batch and sequence axes (dp, cp)."""
-    if comm.mesh.size("cp") == 1:
+    (inputs and targets alike: each target stays with its input; packed rows' document ids and
+    positions too); the global token count is unchanged, the loss is summed over the batch and
+    sequence axes (dp, cp). `packed` (data.pack: every micro-batch carries its `Packing`): the
+    targets that do not count become IGNORE_INDEX. Neither: the micro-batches as they are."""
+    cp = comm.mesh.size("cp")
+    if cp == 1 and not packed:
         return micro_batches
-    return [Batch(split_micro_batch(mb.inputs, comm, "cp"), split_micro_batch(mb.targets, comm, "cp"))
-            for mb in micro_batches]
+    out = []
+    for mb in micro_batches:
+        if packed:
+            if mb.packing is None:
+                raise ValueError("data.pack: a micro-batch carries no packing")
+            mb = Batch(mb.inputs, mb.targets.masked_fill(~mb.packing.counted, IGNORE_INDEX), mb.packing)
+        if cp > 1:
+            mb = mb.map(lambda t: split_micro_batch(t, comm, "cp"))
+        out.append(mb)
+    return out
+
+
+def counted_targets(micro_batches: list[Batch], comm: Comm, reduce: bool = True) -> torch.Tensor:
+    """The counted targets of packed micro-batches (int64, 0-dim): this rank's, summed over the batch and
+    sequence axes (dp, cp) in one collective (`all_reduce.tokens`) unless `reduce` is false."""
+    count = torch.stack([mb.packing.counted.sum() for mb in micro_batches]).sum()
+    if reduce:
+        comm.all_reduce_over(count, comm.mesh.axes_where(BATCH, SEQUENCE), tag="tokens")
+    return count
+
+
+def hand_documents(documents: Documents, mb: Batch) -> None:
+    """Give the model micro-batch `mb`'s document ids and positions (packed rows) before its forward."""
+    if mb.packing is None:
+        raise ValueError("the model masks by document (data.pack) but a micro-batch carries no packing")
+    documents.set(mb.packing.documents, mb.packing.positions)
 
 
 class TrainStep:
@@ -228,7 +266,7 @@ class TrainStep:
         self.meter = parallel.meter
 
     def split_sequences(self, micro_batches: list[Batch]) -> list[Batch]:
-        return split_sequences(micro_batches, self.comm)
+        return split_sequences(micro_batches, self.comm, self.parallel.documents is not None)
 
     def drain(self) -> None:
         """Nothing is in flight between synchronous steps (pipedream-2bw's step drains its pipeline here)."""
@@ -241,7 +279,11 @@ class TrainStep:
             self.parallel.periodic.begin_step(step)
         self.grad_sync.zero_grad()
         micro_batches = self.split_sequences(micro_batches)
-        loss_sum = self.parallel.forward_backward(micro_batches, global_tokens, scale)
+        documents, before, targets = self.parallel.documents, None, global_tokens
+        if documents is not None:  # packed rows: the counted targets, each micro-batch's ids and positions
+            targets = counted_targets(micro_batches, self.comm).clamp_min(1)
+            before = lambda mb: hand_documents(documents, mb)  # noqa: E731
+        loss_sum = self.parallel.forward_backward(micro_batches, targets, scale, before)
         self.grad_sync.finish()
         if self.parallel.after_sync is not None:
             self.parallel.after_sync()
@@ -255,4 +297,4 @@ class TrainStep:
         lr = lr_at(step, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step(found_inf)  # the update is skipped on the device where found_inf is set
-        return StepResult(loss_sum, norm, lr, found_inf, scale)
+        return StepResult(loss_sum, norm, lr, found_inf, scale, targets if documents is not None else None)

@@ -109,7 +109,7 @@ class Trainer:
         self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
             val_sampler, cfg.train, self.parallel.module, self.comm,
             self.parallel.forward_backward if self.parallel.pipeline is not None else None,
-            self.parallel.grad_sync.zero_grad)
+            self.parallel.grad_sync.zero_grad, self.parallel.documents)
         self.stop = stop if stop is not None else StopSignals()
         self.stopping = False  # the world agreed to stop at the step just finished
         self._saved_step = -1  # the step of the last save
@@ -278,8 +278,8 @@ class Trainer:
                 self.comm.all_reduce_over(reduced, over, tag="metrics")
             self.faults.step_end(step)
             # before anything of the next step; with the step's largest token id (lowest if negative)
-            figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids},
-                                 self.device)
+            figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids,
+                                  **({} if result.targets is None else {"targets": result.targets})}, self.device)
         self.step = step
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
@@ -320,11 +320,14 @@ class Trainer:
             self._bad_token(step, int(token_id))
         elapsed = self.clock.step_time(launched.start, launched.end, self._last_end)
         self._last_end = launched.end
-        record = {"step": step, "loss": loss_total / self.global_tokens, "grad_norm": grad_norm, "lr": result.lr,
+        targets = figures.get("targets", self.global_tokens)  # packed rows (data.pack): the counted targets
+        record = {"step": step, "loss": loss_total / targets, "grad_norm": grad_norm, "lr": result.lr,
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
                   "world_size": self.mesh.world_size, "microbatches": self.cfg.train.microbatches,
                   "step_time_s": elapsed, "data_wait_s": launched.data_wait_s, "skipped": bool(skipped),
                   "loss_scale": loss_scale, "mem": launched.mem}
+        if self.cfg.data.pack:
+            record["targets"] = int(targets)
         record.update(self.observer.step_end(step, result.loss_sum, grad_norm, launched.local_tokens))
         if launched.moe is not None:
             record["moe"] = launched.moe
