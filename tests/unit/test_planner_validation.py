@@ -50,6 +50,7 @@ def mcore(hidden, heads, layers):
 NEMOTRON4 = model("llama-405b", layers=96, hidden=18432, heads=96, kv_heads=8, ffn_hidden=73728, mlp="gelu",
                   vocab=256000, max_seq=4096)
 LLAMA3_70B = model("llama-70b", vocab=128256, max_seq=8192)
+LLAMA3_405B_128K = model("llama-405b", max_seq=131072)
 LLAMA3_8B = model("llama-7b", vocab=128256, max_seq=8192, kv_heads=8, ffn_hidden=14336)
 
 # (id, model, gpu, GPUs, global batch, seq, published knobs, metric, published value, known miss or None)
@@ -70,6 +71,11 @@ RUNS = [
      dict(tp=8, pp=16, schedule="interleaved"), "tflops", 430, None),
     ("Llama 3 405B, 16384 H100", model("llama-405b"), H100, 16384, 2048, 8192,
      dict(tp=8, pp=16, schedule="interleaved"), "tflops", 400, None),
+    # the same table's long-context row: 131,072-token sequences, tp 8, cp 16, pp 16 (dp 8: 16,384 GPUs / 2048;
+    # 16M tokens per batch = 128 sequences), all-gather context parallelism (section 3.3.2), 380 TFLOP/s
+    # (38% MFU). A documented miss: see LLAMA3_CAUSAL below and docs/planner.md
+    ("Llama 3 405B, 16384 H100, seq 131072", LLAMA3_405B_128K, H100, 16384, 128, 131072,
+     dict(tp=8, pp=16, cp=16, cp_method="allgather", schedule="interleaved"), "tflops", 380, 0.395),
     ("torchtitan Llama 3 70B, 64 A100", LLAMA3_70B, A100, 64, 64, 8192, dict(tp=1, pp=1, zero=3, remat="full"),
      "mfu", 0.517, None),
     ("torchtitan Llama 3 8B, 64 A100", LLAMA3_8B, A100, 64, 64, 8192, dict(tp=1, pp=1, zero=3, remat="selective"),
@@ -185,6 +191,33 @@ def test_validation_runs_within_15_percent(run):
         assert abs(err) <= 0.15, f"{name}: predicted {value:.3g} vs published {published} ({err:+.1%})"
     else:  # documented miss: the doc's figure must stay true
         assert err == pytest.approx(known_miss, abs=0.02), f"{name}: {err:+.1%}, the doc says {known_miss:+.1%}"
+
+
+# Why the 131k row misses (docs/planner.md): the column counts attention as the whole s x s product (4 s h per
+# token and layer, this file's convention and the planner's MFU), while a causal kernel executes half of it. At
+# 8,192 tokens attention is 8% of the counted FLOPs, at 131,072 it is 57%, so the counted figure rises with the
+# sequence (+39.5%) where Meta's falls (400 -> 380). Counted as executed (the causal half), the same predicted step
+# times give all three Llama 3 405B rows within 15% (8k: +7.5%, -0.5%; 131k: -0.5%): the published TFLOP/s are
+# consistent with a causal count, and the planner's time for the 131k layout with the published figure.
+LLAMA3_ROWS = [run for run in RUNS if run[0].startswith("Llama 3 405B")]
+
+
+def executed_tflops(run) -> float:
+    from threefold.planner.compute import (blocks_forward_flops_per_token, head_forward_flops_per_token,
+                                           recomputed_forward_flops_per_token)
+
+    name, m, gpu, gpus, batch, seq, *_ = run
+    _, best = predict(run)
+    st, share = best.strategy, 0.5  # the causal half of the s x s product
+    per_token = (3 * (blocks_forward_flops_per_token(m, seq, m.layers, 0, share) + head_forward_flops_per_token(m))
+                 + recomputed_forward_flops_per_token(m, seq, st.remat, m.layers, st.remat_every, share))
+    return per_token * batch * seq / (best.time.total_s * st.world_size) / 1e12
+
+
+@pytest.mark.parametrize("run", LLAMA3_ROWS, ids=[r[0] for r in LLAMA3_ROWS])
+def test_llama3_rows_agree_when_attention_is_counted_as_executed(run):
+    value = executed_tflops(run)
+    assert abs(value / run[8] - 1) <= 0.15, f"{run[0]}: {value:.3g} vs {run[8]}"
 
 
 if __name__ == "__main__":  # the table of docs/planner.md: python -m tests.unit.test_planner_validation

@@ -37,6 +37,14 @@ norm keeps its output and (16-bit) a 16-bit copy of the normalised tensor, the h
 are whole (gathered) before the library's fp32 loss, and the labels are shifted into a new
 int64 tensor (8*bs).
 
+Context parallelism (cp > 1, docs/context.md): s is the rank's 1/cp zigzag part of the sequence, and
+every item above is per local token, so it is 1/cp of the whole sequence's - except what the method
+keeps of other ranks: allgather's attention saves the all-gathered K and V (cp x the local ones);
+the ring's core saves its output in fp32 (4*bsh/t, its blocks are merged in fp32) beside the o
+projection's input copy (c*bsh/t). The rotary tables come from the core's global positions
+(`rotary_at`, not cached): each block computes and saves its own pair of the local s x d/2. The
+token rows are split copies (inputs and targets, 8*bs each), not views of the rank's rows.
+
 Checkpointing: `full` keeps each block's input (c*bsh, /t under SP); `selective` drops the
 attention core's internals (the log-sum-exp here - and the core's output where RoPE's copy feeds
 the o projection - the s^2 scores in the paper); `every-k`
@@ -65,10 +73,12 @@ class Shape:
     """One micro-batch on one rank: b sequences of s tokens, c bytes per element, tp t."""
 
     b: int
-    s: int
+    s: int  # tokens of a sequence on this rank (the whole sequence / cp)
     c: int
     t: int = 1
     sp: bool = False
+    cp: int = 1  # context parallelism: the sequence is cp x s tokens, split over cp ranks
+    cp_method: str = "ring"  # planner/context_comm.py METHODS (only read when cp > 1)
 
     @property
     def bs(self) -> int:
@@ -105,13 +115,19 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
     rope = m.position == "rope"
     mlp_consumers = 2 if m.mlp == "swiglu" else 1
     kv = kv_heads  # both give SDPA k and v unexpanded (grouped heads)
-    return {
+    items = {
         "norms": 2 * norm_items(m, x, hf) + linear_inputs(m, x, 3) + linear_inputs(m, x, mlp_consumers),
         "qkv": c * bs * d * (heads + 2 * kv),
         "attention_out": c * bs * heads * d * (2 if (rope and not hf) else 1),
         "attention_core": 4 * x.b * heads * x.s,  # log-sum-exp of flash attention
         "mlp": (4 if m.mlp == "swiglu" else 2) * c * bs * padded(m.ffn_hidden, t),
     }
+    if x.cp > 1 and x.cp_method == "allgather":  # SDPA keeps the gathered K, V of the whole sequence
+        items["qkv"] = c * bs * d * (heads + 2 * kv * x.cp)
+    elif x.cp > 1 and x.cp_method == "ring":  # the core's fp32 output; the o projection's input copy
+        items["attention_out"] = c * bs * heads * d
+        items["cp_core"] = 4 * bs * heads * d
+    return items
 
 
 def sparse_block_items(m: ModelConfig, x: Shape, ep: int = 1, hf: bool = False) -> dict[str, float]:
@@ -134,7 +150,9 @@ def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse:
     items = sparse_block_items(m, x, ep, hf) if sparse else block_items(m, x, hf)
     if policy == "selective":  # the core's log-sum-exp goes; so does its output when RoPE copies it for o
         items.pop("attention_core")
-        if m.position == "rope" and not hf:
+        if "cp_core" in items:  # the ring's fp32 output (the o projection's input stays)
+            items.pop("cp_core")
+        elif m.position == "rope" and not hf:
             items["attention_out"] /= 2
     return sum(items.values())
 
@@ -155,6 +173,8 @@ def blocks_bytes(m: ModelConfig, x: Shape, layers: range, policy: str, every: in
     """The saved bytes of a run of blocks under `policy` (none | selective | full | every-k)."""
     k = checkpointed_layers(layers, policy, every) if policy in ("full", "every-k") else 0
     tables = rope_tables(m, x, hf) if len(layers) > k else 0  # one cached pair, if a block outside remat saves it
+    if x.cp > 1:  # the core's positions: each block outside remat computes and saves its own pair
+        tables *= len(layers) - k
     if policy in ("full", "every-k"):
         kept = [i for i in layers if not is_checkpointed(i, policy, every)]
         sparse = sum(m.is_moe_block(i) for i in kept)
@@ -175,8 +195,8 @@ def embedding_bytes(m: ModelConfig, x: Shape, rank_rows: int, hf: bool = False) 
     """Token indices and positions saved by the embedding of one micro-batch."""
     if x.t > 1:
         ids = 9 * x.bs  # masked local ids (int64) and the out-of-slice mask (bool)
-    else:
-        ids = 8 * x.bs if hf else 8 * rank_rows * (x.s + 1)  # reference: a view of the rank's rows
+    else:  # reference: a view of the rank's rows (under cp the split inputs, a copy)
+        ids = 8 * x.bs if hf or x.cp > 1 else 8 * rank_rows * (x.s + 1)
     positions = 8 * x.s if m.position == "learned" else 0
     tables = 2 * x.c * x.s * m.head_dim if (hf and m.position == "rope") else 0
     return ids + positions + tables
@@ -190,12 +210,14 @@ def head_bytes(m: ModelConfig, x: Shape, rank_rows: int, with_rows: bool, hf: bo
     if hf:
         return norm + 4 * bs * m.vocab + 8 * bs + 4  # whole fp32 logits, shifted labels, the weight scalar
     rows = 8 * rank_rows * (x.s + 1)  # the rank's token rows, when a saved view is the first to reach them
+    if x.cp > 1:  # the split targets: a copy of the micro-batch's local part
+        rows, with_rows = 8 * bs, True
     if loss_in_pieces(m, x):  # checkpointed pieces (models/loss.py): only their inputs are kept, as views
         head_input = x.c * (x.bs // x.t if x.sp else x.bs) * m.hidden
         return norm_items(m, x, hf) + head_input + (rows if with_rows or x.t > 1 else 0)
     if x.t > 1:
         return norm + x.c * bs * padded(m.padded_vocab, x.t) + 13 * bs  # local logits, log-sum-exp, local ids, mask
-    targets = 8 * bs if x.b > 1 else (rows if with_rows else 0)
+    targets = 8 * bs if x.b > 1 or x.cp > 1 else (rows if with_rows else 0)
     return norm + x.c * bs * m.padded_vocab + 4 * bs + targets  # logits, log-sum-exp, targets
 
 

@@ -9,8 +9,9 @@ A message of B bytes over a link costs alpha + B / beta. Collectives over n rank
 all-reduce takes the cheaper of ring and tree (NCCL picks by size). beta is the GPU kind's link
 rate times its `link_efficiency`.
 
-Placement follows the mesh (mesh.py): axes ordered pp, dp, tp with tp innermost, so a tp group
-is `tp` consecutive ranks, a dp group has stride tp and the pp neighbours are tp*dp apart. A
+Placement follows the mesh (mesh.py): axes ordered pp, dp, cp, tp with tp innermost, so a tp group
+is `tp` consecutive ranks, a cp group has stride tp, a dp group stride tp*cp (the gradients' replica
+group, dp and cp flattened, is dp*cp ranks of stride tp) and the pp neighbours are tp*cp*dp apart. A
 group lies inside one node (NVLink/NVSwitch) when stride * size <= GPUs per node; otherwise its
 traffic crosses the InfiniBand network, which then bounds it (one NIC per GPU, as in DGX nodes).
 """
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 from .hardware import Gpu
 
-AXIS_STRIDE = {"tp": lambda tp, dp: 1, "dp": lambda tp, dp: tp, "pp": lambda tp, dp: tp * dp}
+# stride of each axis's groups in the (pp, dp, cp, tp) mesh; "replica" is dp and cp flattened (dp+cp)
+AXIS_STRIDE = {"tp": lambda tp, dp, cp: 1, "cp": lambda tp, dp, cp: tp, "dp": lambda tp, dp, cp: tp * cp,
+               "replica": lambda tp, dp, cp: tp, "pp": lambda tp, dp, cp: tp * cp * dp}
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,9 @@ def inter_link(gpu: Gpu) -> Link:
     return Link(gpu.infiniband, gpu.inter_bytes_per_s * gpu.link_efficiency, gpu.inter_latency_s)
 
 
-def axis_link(gpu: Gpu, axis: str, tp: int, dp: int, size: int) -> Link:
-    """The link that bounds a collective over `axis` of a (pp, dp, tp) mesh."""
-    stride = AXIS_STRIDE[axis](tp, dp)
+def axis_link(gpu: Gpu, axis: str, tp: int, dp: int, size: int, cp: int = 1) -> Link:
+    """The link that bounds a collective over `axis` of a (pp, dp, cp, tp) mesh."""
+    stride = AXIS_STRIDE[axis](tp, dp, cp)
     return intra_link(gpu) if stride * size <= gpu.gpus_per_node else inter_link(gpu)
 
 

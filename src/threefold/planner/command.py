@@ -20,13 +20,15 @@ from ..pipeline import schedules as pipeline_schedules
 from .activation_offload import offload_advice
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import NETWORKS, GiB, PRESETS, load_gpu, network, network_label, network_of, with_network
-from .search import PlanResult, search, shortfall, slower
+from .context_comm import METHODS as CP_METHODS
+from .search import PlanResult, search, shortfall, slower, train_overrides
 from .offload import HOST_GIB_PER_NODE, NVME_GBPS_PER_NODE, advise
 from .slow_links import advise as slow_link_advice
 from .workload import Workload, active_parameters, total_parameters
 
 FIXABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "microbatches": "microbatches",
-           "activation_checkpointing": "remat", "schedule": "schedule", "virtual_stages": "virtual_stages"}
+           "activation_checkpointing": "remat", "schedule": "schedule", "virtual_stages": "virtual_stages",
+           "cp": "cp", "max_cp": "max_cp", "cp_method": "cp_method"}
 DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step for the largest models (Llama 2 34B/70B, Touvron et al. 2023)
 # When --global-batch is not given: the batch the published runs of a model's size used, in tokens per step:
 # GPT-3's table 2.1 (Brown et al. 2020): 125M-760M 0.5M, 1.3B-2.7B 1M, 6.7B-13B 2M; 30B and up 4M (Llama 2).
@@ -67,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--network's rate)")
     for opt in ("dp", "tp", "pp", "ep", "zero", "microbatches", "virtual_stages"):
         p.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int, metavar="N", help=f"fix {opt}")
+    p.add_argument("--cp", type=int, metavar="N",
+                   help="fix context parallelism (parallel.cp): each sequence split over N ranks (docs/context.md); "
+                        "the search tries cp > 1 only from 16k-token sequences")
+    p.add_argument("--max-cp", dest="max_cp", type=int, metavar="N", help="bound the cp the search tries")
+    p.add_argument("--cp-method", dest="cp_method", choices=list(CP_METHODS),
+                   help="fix context parallelism's attention method (parallel.cp_method)")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "full", "every-k"], help="fix the policy")
     p.add_argument("--schedule", choices=list(pipeline_schedules.SCHEDULES), help="fix the pipeline schedule")
     p.add_argument("--explain", metavar="LAYOUT",
@@ -130,14 +138,18 @@ def _tokens(n: int) -> str:
 
 def _fixed(args) -> dict:
     fixed = {key: getattr(args, opt) for opt, key in FIXABLE.items() if getattr(args, opt) is not None}
-    for key in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
+    for key in ("dp", "tp", "pp", "ep", "microbatches", "virtual_stages", "cp", "max_cp"):
         if key in fixed and fixed[key] < 1:
             raise ConfigError("--" + key.replace("_", "-"), f"must be at least 1, got {fixed[key]}")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise ConfigError("--zero", f"unknown ZeRO stage {fixed['zero']}; choose 0, 1, 2 or 3")
+    if fixed.get("cp") == 1 and "cp_method" in fixed:
+        raise ConfigError("--cp-method", "has no effect at --cp 1 (no context parallelism); drop it or give --cp N > 1")
     layout = [fixed.get(k) for k in ("dp", "tp", "pp")]
-    if all(layout) and layout[0] * layout[1] * layout[2] != args.gpus:
-        raise ConfigError("--gpus", f"dp x tp x pp = {layout[0] * layout[1] * layout[2]} but --gpus is {args.gpus}; "
+    cp = fixed.get("cp", 1)
+    if all(layout) and layout[0] * layout[1] * layout[2] * cp != args.gpus:
+        names = "dp x cp x tp x pp" if cp > 1 else "dp x tp x pp"
+        raise ConfigError("--gpus", f"{names} = {layout[0] * layout[1] * layout[2] * cp} but --gpus is {args.gpus}; "
                           "make the product equal the GPU count")
     if "virtual_stages" in fixed and fixed["virtual_stages"] > 1 and "schedule" not in fixed:
         fixed["schedule"] = pipeline_schedules.VIRTUAL_SCHEDULE
@@ -262,7 +274,7 @@ def fp8_advice(w: Workload, st, gpu) -> dict:
     fp8_gains: the same rule as a run's `precision.fp8_linears=auto`), with each one's modelled speedup."""
     from .compute import block_linear_shapes, fp8_gains, fp8_speedup
 
-    rows = st.micro_batch_size(w) * w.seq_len
+    rows = st.micro_batch_size(w) * st.local_seq(w)
     layers = {name: {"m": m, "k": k, "n": n, "speedup": round(fp8_speedup(m, k, n, gpu), 3),
                      "fp8": fp8_gains(m, k, n, gpu)}
               for name, (m, k, n) in block_linear_shapes(w.model, rows, st.tp).items()}
@@ -289,14 +301,18 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
     if extra.get("assumed"):
         lines.append(extra["assumed"])
     lines.append("")
-    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>14} " \
+    # a cp column only when a row shown has context parallelism (other tables stay as they were)
+    with_cp = any(c.strategy.cp > 1 for c in r.candidates[:top])
+    cp_head = f" {'cp':>13}" if with_cp else ""
+    header = f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3}{cp_head} {'ep':>3} {'zero':>4} {'m':>5} {'ckpt':>9} {'schedule':>14} " \
              f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'tokens/s':>10} {'MFU':>5}"
     lines += [header, "-" * len(header)]
     for i, c in enumerate(r.candidates[:top], 1):
         st = c.strategy
         sched = st.schedule_label if st.pp > 1 else "-"
         step = f"{c.time.total_s:8.3g}" if c.time else f"{'-':>8}"
-        lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3} {st.ep:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
+        cp = (f" {(f'{st.cp} ' + st.cp_method) if st.cp > 1 else '1':>13}") if with_cp else ""
+        lines.append(f"{i:>3} {st.dp:>4} {st.tp:>3} {st.pp:>3}{cp} {st.ep:>3} {st.zero:>4} {st.microbatches:>5} {st.remat:>9} "
                      f"{sched:>14} {c.memory.total / GiB:>8.1f} {'yes' if c.fits else 'no':>4} {step} "
                      f"{c.tokens_per_s:>10,.0f} {c.mfu:>5.1%}")
     lines.append("")
@@ -305,6 +321,8 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
         lines.append(f"best: {best.strategy.label()} - {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%}, "
                      f"{best.memory.total / GiB:.1f} of {g.memory_bytes / GiB:.0f} GiB")
         lines += breakdown(best, g)
+        if best.strategy.cp > 1:  # the training keys that run this layout's context parallelism
+            lines.append(f"  train with --cp {best.strategy.cp} --set {train_overrides(best.strategy)[1]}")
         if "checkpoint" in extra:
             lines.append(extra["checkpoint"][1])
         if "fp8" in extra:

@@ -215,12 +215,14 @@ def block_linear_shapes(m: ModelConfig, rows: int, tp: int) -> dict[str, tuple[i
 
 @lru_cache(maxsize=8192)
 def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                          attention: str, gpu: Gpu, precision: str) -> tuple[float, float]:
+                          attention: str, gpu: Gpu, precision: str, cp: int = 1) -> tuple[float, float]:
     """(seconds, FLOPs) of one dense block's forward of a micro-batch on one tp rank, from the shapes of
     its matmuls: q/k/v and the attention output (column / row parallel, 1/tp of the width), the MLP's
     up (and gate) and down, the attention scores and weighted sum per head; plus its memory-bound
-    elementwise work."""
-    rows = micro_batch * seq_len  # tokens of the micro-batch: the GEMMs' M
+    elementwise work. Under context parallelism (`cp` > 1) the rank holds seq_len / cp tokens of each
+    sequence, whose queries attend to keys of the whole sequence: 1/cp of the causal work (the zigzag
+    split balances it)."""
+    rows = micro_batch * seq_len // cp  # tokens of the micro-batch on this rank: the GEMMs' M
     h, f = m.hidden, m.ffn_hidden
     kv = m.kv_heads * m.head_dim
     q_width = _ceil(m.attn_width, tp)
@@ -236,9 +238,10 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
     if attention == "flash":
         t += attn_flops / (gpu.flops(precision) * gpu.attention_efficiency)
     else:  # the s x s scores go through memory: two batched GEMMs and the softmax (+ its dropout) between
-        t += gemm_seconds(seq_len, seq_len, m.head_dim, gpu, precision, heads)
-        t += gemm_seconds(seq_len, m.head_dim, seq_len, gpu, precision, heads)
-        t += 4 * el * heads * seq_len * seq_len / gpu.hbm_bytes_per_s
+        local = seq_len // cp  # the rank's queries against every key
+        t += gemm_seconds(local, seq_len, m.head_dim, gpu, precision, heads)
+        t += gemm_seconds(local, m.head_dim, seq_len, gpu, precision, heads)
+        t += 4 * el * heads * local * seq_len / gpu.hbm_bytes_per_s
     # elementwise, read + write per token: 2 norms (2h each), 2 residual adds (3h each), the activation
     # (gelu 2f, swiglu 3f), rotary q and k (2 x their widths); norms and adds are sharded only under sp
     sharded = (3 if m.mlp == "swiglu" else 2) * f + (2 * (m.attn_width + kv) if m.position == "rope" else 0)
@@ -252,6 +255,7 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
 @lru_cache(maxsize=4096)
 def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, gpu: Gpu,
                          precision: str) -> float:
-    """The output projection of one micro-batch on one tp rank (vocabulary-parallel: 1/tp of the rows)."""
+    """The output projection of one micro-batch on one tp rank (vocabulary-parallel: 1/tp of the rows);
+    `seq_len`: the rank's tokens of a sequence."""
     rows = micro_batch * seq_len
     return gemm_seconds(rows, _ceil(m.padded_vocab, tp), m.hidden, gpu, precision) / gpu.compute_efficiency

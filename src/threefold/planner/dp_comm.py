@@ -11,6 +11,10 @@ every micro-batch (its gradients are sharded), each hidden behind that micro-bat
 ZeRO-3 also all-gathers each layer's parameters before its forward and its backward (prefetched,
 hidden behind compute when compute is longer).
 
+Context parallelism: the parameters are replicated over cp as over dp, so every gradient is reduced
+(and ZeRO shards) over dp x cp ranks in one collective over the flattened dp+cp group (mesh.py
+`replica_axis`, docs/context.md "In training"), whose ranks have stride tp.
+
 Mixture of experts: the routed experts' gradients go over edp = dp / ep ranks (1/ep of their
 bytes on each), the dense ones over dp; both on the same port, one after the other.
 
@@ -44,18 +48,22 @@ MEETING_BYTES = 4  # a local SGD / DiLoCo meeting all-reduces fp32 masters (or d
 
 
 def _groups(st: Strategy, dense: float, expert: float) -> list[tuple[float, int]]:
-    """(values, ranks) per reduction group: dense over dp, experts (when any) over edp."""
-    return [(dense, st.dp), (expert, st.edp)] if expert else [(dense, st.dp)]
+    """(values, ranks) per reduction group: dense over the replicas (dp, or dp x cp in one collective
+    under context parallelism), experts (when any) over edp."""
+    return [(dense, st.replicas), (expert, st.edp)] if expert else [(dense, st.replicas)]
 
 
 def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,
                   forward_s: float) -> tuple[float, float]:
     """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
-    if st.dp == 1:
+    if st.replicas == 1:
         return 0.0, 0.0
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     _, grad_bytes, _ = bytes_per_param(st.precision)
-    link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)  # an edp group spans the same nodes
+    if st.cp > 1:  # one collective over dp+cp: dp x cp ranks of stride tp (mesh.py replica_axis)
+        link = comm.axis_link(gpu, "replica", st.tp, st.dp, st.replicas, st.cp)
+    else:
+        link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)  # an edp group spans the same nodes
     dense_trainable, expert = count.trainable - count.expert, count.expert
     trainable = _groups(st, dense_trainable, expert)
     if st.sync_every > 1:  # periodic meetings: nothing per step, one fp32 all-reduce every H steps

@@ -2,7 +2,7 @@
 explicit layout is impossible, and the checkpoint-interval advice.
 
 A LAYOUT is the label the table prints, or any part of it: "dp=4 tp=4 pp=4 zero=1 m=256
-ckpt=selective zb-h1" (keys dp, tp, pp, ep, zero, m, ckpt, every, schedule, v; a bare schedule name,
+ckpt=selective zb-h1" (keys dp, tp, pp, cp, cp_method, ep, zero, m, ckpt, every, schedule, v; a bare schedule name,
 "interleavedx2" included; "sp" / "nosp" fix sequence parallelism on / off, "hpz" fixes ZeRO-3's hpZ on).
 Knobs it leaves out are searched as usual.
 """
@@ -14,13 +14,15 @@ import re
 from ..errors import ConfigError
 from ..pipeline import schedules as pipeline_schedules
 from .checkpoint_interval import Advice, advise
+from .context_comm import METHODS as CP_METHODS, ulysses_splits
 from .hardware import GiB, Gpu
 from .search import Candidate, components
 from .workload import Workload
 
 KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "m": "microbatches",
         "microbatches": "microbatches",
-        "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule"}
+        "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule",
+        "cp": "cp", "cp_method": "cp_method"}
 SCHEDULES = tuple(pipeline_schedules.SCHEDULES)  # the registry's names (pipeline/schedules.py)
 VIRTUAL = pipeline_schedules.VIRTUAL_SCHEDULE  # the one that takes virtual stages (interleaved)
 POLICIES = ("none", "selective", "full", "every-k")
@@ -53,7 +55,9 @@ def parse_layout(text: str) -> dict:
             raise ConfigError("--explain", f"ckpt={value}: choose one of {', '.join(POLICIES)}")
         if name == "schedule" and value not in SCHEDULES:
             raise ConfigError("--explain", f"schedule={value}: choose one of {', '.join(SCHEDULES)}")
-        if name not in ("remat", "schedule"):
+        if name == "cp_method" and value not in CP_METHODS:
+            raise ConfigError("--explain", f"cp_method={value}: choose one of {', '.join(CP_METHODS)}")
+        if name not in ("remat", "schedule", "cp_method"):
             if not value.isdigit():
                 raise ConfigError("--explain", f"{key}={value}: must be a whole number")
             value = int(value)
@@ -75,12 +79,18 @@ def breakdown(c: Candidate, gpu: Gpu) -> list[str]:
                  + " + ".join(f"{k} {v / GiB:.1f}" for k, v in parts if v > 0))
     st = c.strategy
     if st.zero == 3:
-        groups = f"parameters and gradients sharded over dp={st.dp}" + (f" (routed experts over {st.edp})"
-                                                                          if st.ep > 1 else "")
+        over = f"dp x cp = {st.replicas}" if st.cp > 1 else f"dp={st.dp}"
+        groups = f"parameters and gradients sharded over {over}" + (f" (routed experts over {st.edp})"
+                                                                    if st.ep > 1 else "")
         if st.hpz:
             groups += (f"; hpZ secondary weights over the {c.hpz_group} dp ranks of a node "
                        f"({c.hpz_bytes / GiB:.2f} GiB, in optimizer), the backward all-gather on {gpu.nvlink}")
         lines.append(f"  ZeRO-3: {groups}")
+    if st.cp > 1:
+        lines.append(f"  context parallelism: cp={st.cp} cp_method={st.cp_method} (parallel.cp, parallel.cp_method): "
+                     f"each sequence's {st.cp} zigzag parts on ranks {st.tp} apart, gradients reduced and ZeRO-sharded "
+                     f"over dp x cp = {st.replicas}; attention communication {_s(t.cp_comm_s)} exposed"
+                     + (f", {_s(t.cp_overlapped_s)} hidden behind the ring's block attention" if t.cp_overlapped_s else ""))
     if t.ep_overlapped_s > 0:
         lines.append(f"  expert-parallel all-to-all: {_s(t.ep_comm_s)} exposed, {_s(t.ep_overlapped_s)} hidden behind "
                      "the paired chunks' compute")
@@ -122,13 +132,31 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
             elif inside < 2 or dp % inside:
                 out.append(f"hpz needs 2 or more dp ranks on each node and dp={dp} a multiple of them "
                            f"({max(inside, 1)} a node with tp={tp})")
+    cp, method = fixed.get("cp", 1), fixed.get("cp_method")
+    if cp > 1:
+        if w.seq_len % (2 * cp):
+            out.append(f"cp={cp}: the sequence length {w.seq_len} is not a multiple of 2 x cp = {2 * cp} (the zigzag "
+                       "chunks)")
+        if method == "ulysses" and not ulysses_splits(m.heads, m.kv_heads, cp, tp or 1):
+            over = f"cp={cp}" if not tp or tp == 1 else f"cp x tp = {cp * tp}"
+            out.append(f"cp_method=ulysses: the {m.heads} heads and {m.kv_heads} kv heads are not both divisible by "
+                       f"{over}")
+        if m.experts:
+            out.append(f"cp={cp} with a mixture of experts is not wired in training yet")
+        if w.implementation != "threefold":
+            out.append(f"cp={cp} needs threefold's own decoder (its attention seam), not {w.implementation}")
+        if fixed.get("hpz") or fixed.get("ep", 1) > 1:
+            out.append(f"cp={cp} with hpz or ep is not wired in training yet")
+        if tp and pp and gpus % (tp * pp * cp):
+            out.append(f"cp x tp x pp = {tp * pp * cp} does not divide {gpus} GPUs")
     if tp and pp and gpus % (tp * pp):
         out.append(f"tp x pp = {tp * pp} does not divide {gpus} GPUs")
-    if (dp or (tp and pp and gpus % (tp * pp) == 0)) and w.global_batch % (dp or gpus // (tp * pp)):
-        out.append(f"dp={dp or gpus // (tp * pp)} does not divide the global batch {w.global_batch}")
+    rest = tp * pp * cp if tp and pp else 0  # dp is what tp x pp (x cp) leave
+    if (dp or (rest and gpus % rest == 0)) and w.global_batch % (dp or gpus // rest):
+        out.append(f"dp={dp or gpus // rest} does not divide the global batch {w.global_batch}")
     micro = fixed.get("microbatches")
-    if micro and (dp or (tp and pp)) and (w.global_batch // (dp or gpus // (tp * pp))) % micro:
-        out.append(f"microbatches={micro} does not divide the {w.global_batch // (dp or gpus // (tp * pp))} "
+    if micro and (dp or (tp and pp)) and (dp or gpus // rest) and (w.global_batch // (dp or gpus // rest)) % micro:
+        out.append(f"microbatches={micro} does not divide the {w.global_batch // (dp or gpus // rest)} "
                    "sequences of a data-parallel rank")
     if fixed.get("schedule") == VIRTUAL and pp and micro and micro % pp:
         out.append(f"{VIRTUAL} needs microbatches ({micro}) to be a multiple of pp ({pp})")

@@ -7,7 +7,8 @@ per parameter under mixed precision): per parameter the rank holds
     optim  12 bytes (fp32 master, Adam m, v)  or 8 (Adam m, v; the fp32 params are the master)
 ZeRO over N data-parallel ranks shards optim (stage >= 1), grads (>= 2) and params (3):
 16P, 4P + 12P/N, 2P + 14P/N and 16P/N bytes under mixed precision. Frozen parameters (the
-GPT key bias) have no gradient and no optimizer state.
+GPT key bias) have no gradient and no optimizer state. Under context parallelism the parameters
+are replicated over cp as over dp: ZeRO shards over the replica ranks dp x cp (docs/context.md).
 
 Activations: the itemised bytes of activations.py (each tensor autograd saves, as the models
 really save them) for every micro-batch a rank holds at its peak. Without a pipeline that is one
@@ -114,6 +115,10 @@ def compute_bytes(precision: str) -> int:
 
 
 def micro_shape(w: Workload, st: Strategy) -> Shape:
+    """One micro-batch on one rank: its sequences' local part (1/cp of each under context parallelism)."""
+    if st.cp > 1:
+        return Shape(st.micro_batch_size(w), st.local_seq(w), compute_bytes(st.precision), st.tp,
+                     st.sequence_parallel and st.tp > 1, st.cp, st.cp_method)
     return Shape(st.micro_batch_size(w), w.seq_len, compute_bytes(st.precision), st.tp,
                  st.sequence_parallel and st.tp > 1)
 
@@ -250,7 +255,7 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     """Memory of a rank at pipeline coordinate `stage`."""
     v = st.chunks
     count = rank_parameters(w.model, st.tp, st.pp, stage, v, st.ep, st.placement)
-    params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.dp, st.ep)
+    params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.replicas, st.ep)  # ZeRO over dp+cp
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
     acts = peak_activations(w, st, stage)
     host = peak_host_activations(w, st, stage)
@@ -280,8 +285,10 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
         else:
             transient += ((2 if loss_in_pieces(w.model, x) else 1) * x.c * tokens * vocab
                           + 8 * chunk_rows(int(tokens), int(vocab), int(x.c)) * vocab)
+    if st.cp > 1 and layers:
+        transient += context_transient(w.model, x)
     buffers = 0.0
-    if st.dp > 1:
+    if st.replicas > 1:
         buffers += 2 * st.bucket_mb * 2**20  # buckets in flight while the next ones fill
     if st.zero >= 3:
         per_layer = count.total / max(1, layers)
@@ -291,6 +298,20 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     used = params + grads + optim + acts + transient + buffers
     return MemoryBreakdown(params, grads, optim, acts, transient, buffers, ALLOCATOR_MARGIN * used + RESERVED_BYTES,
                            stage=stage, activations_host=host)
+
+
+def context_transient(m, x: Shape) -> float:
+    """What a context-parallel attention holds while it runs, beyond what it saves (one layer at a time):
+    the ring's second K,V block (the one in flight) and, in backward, the two fp32 dK,dV accumulators
+    (the one being added to and the one arriving); allgather's gradients of the gathered K,V (the whole
+    sequence, in the compute dtype, before the reduce-scatter); ulysses' head-sharded copies are the size
+    of the local q, k, v (counted by the block)."""
+    kv = 2 * x.b * max(1, m.kv_heads // x.t) * x.s * m.head_dim  # elements of one rank's K and V
+    if x.cp_method == "ring":
+        return kv * x.c + 2 * kv * 4
+    if x.cp_method == "allgather":
+        return x.cp * kv * x.c
+    return 0.0
 
 
 def dp_per_node(st: Strategy, gpu: Gpu) -> int:
@@ -315,7 +336,7 @@ def predict_memory(cfg: Config, world_size: int, gpu: Gpu | None = None, rank: i
     w, st = from_config(cfg, world_size, "cpu" if gpu is None else "cuda")
     if rank is None:
         return rank_memory(w, st, gpu or CPU).as_dict()
-    return stage_memory(w, st, rank // (st.dp * st.tp), gpu or CPU).as_dict()  # mesh order pp, dp, tp
+    return stage_memory(w, st, rank // (st.dp * st.cp * st.tp), gpu or CPU).as_dict()  # mesh order pp, dp, cp, tp
 
 
 # ------------------------------------------------------------------ the paper's formula

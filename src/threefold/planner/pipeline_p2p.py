@@ -37,8 +37,8 @@ _DEEPSPEED = ((2, 1), (2, 2))
 
 
 def boundary_bytes(w: Workload, st: Strategy) -> float:
-    """The (b, s, h) tensor between two stages, whole."""
-    return compute_bytes(st.precision) * st.micro_batch_size(w) * w.seq_len * w.model.hidden
+    """The (b, s, h) tensor between two stages, whole (s: the rank's 1/cp of each sequence under cp)."""
+    return compute_bytes(st.precision) * st.micro_batch_size(w) * st.local_seq(w) * w.model.hidden
 
 
 def p2p_seconds(w: Workload, st: Strategy, gpu: Gpu) -> tuple[float, float]:
@@ -49,7 +49,7 @@ def p2p_seconds(w: Workload, st: Strategy, gpu: Gpu) -> tuple[float, float]:
     if st.pp == 1:
         return 0.0, 0.0
     whole = boundary_bytes(w, st)
-    link = comm.axis_link(gpu, "pp", st.tp, st.dp, st.pp)
+    link = comm.axis_link(gpu, "pp", st.tp, st.dp, st.pp, st.cp)
     v = st.virtual
     if w.pipeline_p2p == "batched":
         one = comm.point_to_point(whole / (st.tp if st.sequence_parallel else 1), link)

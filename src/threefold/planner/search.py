@@ -3,7 +3,9 @@
 The space: tp over divisors of the GPU count that fit in a node and divide the heads (and kv
 heads, and the MLP width); pp over divisors of what is left, at most the layer count; dp the
 rest, dividing the global batch; for a mixture of experts ep over the divisors of dp that divide
-the expert count; ZeRO 0-3 (0 when dp = 1); micro-batch sizes 1-16; activation
+the expert count; context parallelism cp (`context_degrees`: at long sequences, divisors of what tp x pp
+leave whose zigzag split the sequence allows, each attention method that can split the heads); ZeRO 0-3
+(0 when dp x cp = 1: ZeRO shards over the replicas dp x cp); micro-batch sizes 1-16; activation
 checkpointing none / selective / every-k (one block in two) / full - the fastest that fits wins,
 so full recomputation is chosen only when nothing cheaper fits; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
 interleaved (every depth v that divides the blocks per rank, `interleaving_depths`). Any knob fixed by
@@ -16,7 +18,7 @@ hpZ for ZeRO-3 (`hpz_group`: the secondary weight partition over the dp ranks of
 group the runtime builds, parallel/hpz.py; tried with each checkpointing policy, kept when faster
 and fitting).
 
-The answer names the best strategy and, for every other (dp, tp, pp, ep, zero) family, its best
+The answer names the best strategy and, for every other (dp, tp, pp, ep, zero, cp) family, its best
 member with the reason it loses: memory short by how much, or slower by how much and where
 the time goes (bubble, tensor-parallel or data-parallel communication, recomputation).
 """
@@ -28,6 +30,7 @@ from itertools import product
 
 from ..pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES as KINDS
 from .compute import mfu
+from .context_comm import METHODS as CP_METHODS, ulysses_splits
 from .hardware import GiB, Gpu
 from .memory import MemoryBreakdown, dp_per_node, rank_memory, slow_link_state_bytes
 from .step_time import StepTime, step_time
@@ -71,7 +74,15 @@ class Candidate:
             # ZeRO-3's shard groups (additive): parameters and gradients over dp (edp for routed experts);
             # with hpZ a secondary copy of the weights over `hpz_group` dp ranks of one node
             "hpz": st.hpz, "hpz_group": self.hpz_group or None, "hpz_secondary_bytes": int(round(self.hpz_bytes)),
+            # context parallelism (only when cp > 1: other layouts keep the keys they always had), with the
+            # training keys that run it
+            **({"cp": st.cp, "cp_method": st.cp_method, "train_overrides": train_overrides(st)} if st.cp > 1 else {}),
         }
+
+
+def train_overrides(st: Strategy) -> list[str]:
+    """The `threefold train --set` keys of a layout's context parallelism (config/sections.py)."""
+    return [f"parallel.cp={st.cp}", f"parallel.cp_method={st.cp_method}"] if st.cp > 1 else []
 
 
 @dataclass
@@ -125,19 +136,19 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
         if gpus % tp:
             continue
         pps = [p for p in _divisors(gpus // tp) if p <= m.layers]
-        for pp in pps if "pp" not in fixed else [fixed["pp"]]:
-            if (gpus // tp) % pp:
-                continue
-            dp = gpus // (tp * pp)
+        for pp, cp in ((p, c) for p in (pps if "pp" not in fixed else [fixed["pp"]]) if (gpus // tp) % p == 0
+                       for c in context_degrees(w, gpus // (tp * p), tp, fixed)):
+            dp = gpus // (tp * pp * cp)
             if "dp" in fixed and fixed["dp"] != dp or w.global_batch % dp:
                 continue
             per_rank = w.global_batch // dp
-            zeros = fixed["zero"] if "zero" in fixed else (range(4) if dp > 1 else [0])
+            zeros = fixed["zero"] if "zero" in fixed else (range(4) if dp * cp > 1 else [0])
             eps = [e for e in _divisors(dp) if m.experts and m.experts % e == 0] or [1]
             eps = [e for e in eps if e == fixed["ep"]] if "ep" in fixed else eps
-            for zero, ep in product([zeros] if isinstance(zeros, int) else zeros, eps):
+            methods = context_methods(m, tp, cp, fixed)
+            for zero, ep, cp_method in product([zeros] if isinstance(zeros, int) else zeros, eps, methods):
                 hpz = fixed.get("hpz", False)
-                if hpz and not hpz_group(Strategy(dp=dp, tp=tp, pp=pp, zero=zero), gpu):
+                if hpz and not hpz_group(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp), gpu):
                     continue
                 if "microbatches" in fixed:
                     mbs = [fixed["microbatches"]] if per_rank % fixed["microbatches"] == 0 else []
@@ -158,12 +169,53 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                         if pp > 1 and (KINDS[schedule].check(pp, micro, v)
                                        or pp * KINDS[schedule].chunks_for(v) > m.layers):
                             continue
+                        if cp > 1 and not KINDS[schedule].synchronous:  # refused by the config (docs/context.md)
+                            continue
                         out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
                                             schedule=schedule, virtual_stages=v,
                                             sequence_parallel=fixed.get("sequence_parallel", tp > 1),
                                             precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep,
-                                            hpz=hpz))
+                                            hpz=hpz, **({"cp": cp, "cp_method": cp_method} if cp > 1 else {})))
     return out
+
+
+# Context parallelism is searched only where it can matter: sequences of CP_MIN_SEQ_LEN tokens or more
+# (the published runs that use it train 16k-1M tokens; below, a sequence's activations are rarely what
+# does not fit), and each rank keeping at least CP_MIN_LOCAL_SEQ tokens of it (the ring's hop hides behind
+# attention that shrinks as the local part squared; allgather's and ulysses' bytes per attention FLOP grow as
+# the local part shrinks). A cp the caller fixes (--cp) is evaluated at any length; --max-cp bounds the search.
+CP_MIN_SEQ_LEN = 16384
+CP_MIN_LOCAL_SEQ = 4096
+
+
+def context_degrees(w: Workload, rest: int, tp: int, fixed: dict) -> list[int]:
+    """The cp values to try with `rest` GPUs left for dp x cp: 1, and each divisor of `rest` whose zigzag
+    split the sequence allows (seq_len a multiple of 2 cp), for the layouts the config lets cp run
+    (the reference decoder, no mixture of experts, no ep, no hpZ: config/checks.py `_validate_context`)."""
+    if "cp" in fixed:
+        cp = fixed["cp"]
+        return [cp] if rest % cp == 0 and (cp == 1 or context_allowed(w, fixed) and w.seq_len % (2 * cp) == 0) else []
+    if w.seq_len < CP_MIN_SEQ_LEN or not context_allowed(w, fixed):
+        return [1]
+    bound = fixed.get("max_cp", rest)
+    return [c for c in _divisors(rest) if c == 1 or (c <= bound and w.seq_len % (2 * c) == 0
+                                                       and w.seq_len // c >= CP_MIN_LOCAL_SEQ)]
+
+
+def context_allowed(w: Workload, fixed: dict) -> bool:
+    """Whether cp > 1 can run with this workload and these fixed knobs (the config's refusals)."""
+    m = w.model
+    return (w.implementation == "threefold" and not m.experts and fixed.get("ep", 1) == 1
+            and not fixed.get("hpz", False))
+
+
+def context_methods(m, tp: int, cp: int, fixed: dict) -> list[str]:
+    """The attention methods of a cp layout: every one (ulysses only when cp x tp divides the heads and kv
+    heads), or the one fixed; one placeholder at cp = 1."""
+    if cp == 1:
+        return ["ring"]
+    methods = [fixed["cp_method"]] if "cp_method" in fixed else list(CP_METHODS)
+    return [x for x in methods if x != "ulysses" or ulysses_splits(m.heads, m.kv_heads, cp, tp)]
 
 
 def hpz_group(st: Strategy, gpu: Gpu) -> int:
@@ -171,7 +223,8 @@ def hpz_group(st: Strategy, gpu: Gpu) -> int:
     builds it (parallel/hpz.py, `dp_intra`); 0 where the runtime refuses hpZ (not ZeRO-3, every dp rank
     in one node, one dp rank per node, or dp groups that do not split evenly over nodes)."""
     inside = dp_per_node(st, gpu)
-    ok = st.zero == 3 and 2 <= inside < st.dp and st.dp % inside == 0 and gpu.gpus_per_node % st.tp == 0
+    ok = (st.zero == 3 and 2 <= inside < st.dp and st.dp % inside == 0 and gpu.gpus_per_node % st.tp == 0
+          and st.cp == 1)  # hpZ with cp is refused (docs/context.md)
     return inside if ok else 0
 
 
@@ -211,9 +264,11 @@ def shortfall(c: Candidate, gpu: Gpu) -> str:
 def components(t: StepTime) -> dict[str, float]:
     """The step time split into the terms of the "why" column (they add up to the step time)."""
     compute = t.pipeline_s - t.bubble_s - t.tp_comm_s - t.recompute_s - t.pp_comm_s - t.ep_comm_s
+    if t.cp_comm_s:
+        compute -= t.cp_comm_s
     return {"compute": compute, "recomputation": t.recompute_s, "pipeline bubble": t.bubble_s,
             "tensor-parallel communication": t.tp_comm_s, "pipeline communication": t.pp_comm_s,
-            "expert-parallel all-to-all": t.ep_comm_s,
+            "expert-parallel all-to-all": t.ep_comm_s, "context-parallel attention communication": t.cp_comm_s,
             "exposed data-parallel/ZeRO communication": t.dp_exposed_s, "optimizer update": t.optimizer_s}
 
 
@@ -241,7 +296,7 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
     for st in strategies:
         mem = rank_memory(w, st, gpu)
         fits = mem.total <= gpu.memory_bytes
-        key = (st.dp, st.tp, st.pp, st.ep, st.zero)
+        key = (st.dp, st.tp, st.pp, st.ep, st.zero, st.cp)
         held = families.get(key)
         if not fits:  # keep the smallest non-fitting member until a fitting one shows up
             if held is None or (not held.fits and mem.total < held.memory.total):
@@ -295,7 +350,7 @@ def _refine(w: Workload, best: Candidate, gpu: Gpu, fixed: dict) -> Candidate:
 
 def _no_layout_message(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None) -> str:
     return (f"no layout of {gpus} GPUs matches the constraints {fixed or {}} for {w.model.preset} with global batch "
-            f"{w.global_batch}: dp x tp x pp must equal {gpus}, tp must divide the heads ({w.model.heads}) and kv heads "
+            f"{w.global_batch}: dp x {'cp x ' if fixed and fixed.get('cp', 1) > 1 else ''}tp x pp must equal {gpus}, tp must divide the heads ({w.model.heads}) and kv heads "
             f"({w.model.kv_heads}) and be at most {gpu.gpus_per_node}, pp at most the layers ({w.model.layers}), and dp "
             "must divide the global batch")
 

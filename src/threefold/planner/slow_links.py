@@ -75,14 +75,18 @@ class SlowLinkAdvice:
 
 def _crosses_nodes(c: Candidate, gpu: Gpu) -> bool:
     st = c.strategy
+    if st.cp > 1:  # the gradients' group is dp x cp (one collective over dp+cp)
+        return st.replicas > 1 and comm.axis_link(gpu, "replica", st.tp, st.dp, st.replicas, st.cp).name == gpu.infiniband
     return st.dp > 1 and comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp).name == gpu.infiniband
 
 
 def _variants(c: Candidate, gpu: Gpu) -> list[tuple[int, str, object, str]]:
     """(risk order: ZeRO-3 options, then DiLoCo by period; name, strategy, risk) of the options for `c`."""
     st = replace(c.strategy, hpz=False)  # the search may have chosen hpZ: each option says whether it has it
+    if st.cp > 1 and st.zero != 3:  # periodic syncs under cp are refused by the config (docs/context.md)
+        return []
     if st.zero == 3:  # hpZ needs 2 or more dp ranks per node and more than one node (the runtime refuses otherwise)
-        hpz = 2 <= dp_per_node(st, gpu) < st.dp
+        hpz = 2 <= dp_per_node(st, gpu) < st.dp and st.cp == 1  # and no cp (refused with it)
         return [(order, name, replace(st, **changes), risk) for order, (name, changes, risk) in enumerate(ZERO3_OPTIONS)
                 if hpz or not changes.get("hpz")]
     if st.zero == 0:

@@ -24,6 +24,11 @@ Mixtures of experts (planner/moe.py): a sparse block's MLP work (replicated over
 sequence parallelism) and, under expert parallelism, its all-to-alls on the critical path - less
 what the schedule's overlapped pairs hide when the software overlaps them (`Workload.a2a_overlap`).
 
+Context parallelism (cp > 1): each rank computes 1/cp of every sequence's tokens (their matmuls, and
+their queries' attention on the whole sequence's keys: 1/cp of the causal work), and each block's
+attention communicates over the cp group per method, forward and backward (planner/context_comm.py:
+allgather's and ulysses' collectives exposed, the ring's hops overlapped with its block attention).
+
 Data-parallel and ZeRO traffic, and how much of it is exposed: planner/dp_comm.py (also local
 SGD / DiLoCo meetings, quantized ZeRO-3 communication and hpZ).
 The optimizer update is memory-bound: ~32 bytes per local parameter over HBM bandwidth.
@@ -38,6 +43,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from . import comm
+from .context_comm import attention_seconds, cp_link
 from .compute import (block_forward_seconds, blocks_forward_flops_per_token, executed_attention_share,
                       head_forward_flops_per_token, head_forward_seconds, recomputed_forward_flops_per_token,
                       step_flops)
@@ -68,9 +74,14 @@ class StepTime:
     simulated: bool  # pipeline makespan from the schedule simulator
     ep_comm_s: float = 0.0  # per step on the critical stage: expert-parallel all-to-all (dispatch, combine)
     ep_overlapped_s: float = 0.0  # per step: all-to-all hidden behind the paired chunk's compute (planner/moe.py)
+    cp_comm_s: float = 0.0  # per step on the critical stage: context-parallel attention communication, exposed
+    cp_overlapped_s: float = 0.0  # per step: the ring's transfers hidden behind its block attention
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not (self.cp_comm_s or self.cp_overlapped_s):  # layouts without cp: the fields they always had
+            del out["cp_comm_s"], out["cp_overlapped_s"]
+        return out
 
 
 # ------------------------------------------------------------------ the pipeline
@@ -134,7 +145,7 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     m, s = w.model, w.seq_len
     layers = stage_layers(m, st.pp, st.chunks, st.placement)[stage]
     sparse = _sparse_layers(w, st, stage)
-    tokens = st.micro_batch_size(w) * s
+    tokens = st.micro_batch_size(w) * st.local_seq(w)  # this rank's: 1/cp of each sequence, keys over all of it
     share = executed_attention_share(w.attention)  # what the attention kernel really computes
     fwd = blocks_forward_flops_per_token(m, s, layers, sparse, share)
     chunks = rank_chunks(m, st.pp, stage, st.chunks, st.placement)
@@ -145,18 +156,19 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     # the blocks' rate from the shapes of a dense block's matmuls on this tp rank (compute.py); a sparse
     # block's MLP FLOPs run at that rate too
     mb = st.micro_batch_size(w)
+    cp = (st.cp,) if st.cp > 1 else ()
     block_s, block_flops = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu,
-                                                 st.precision)
+                                                 st.precision, *cp)
     if st.precision == "fp8" and layers:  # the first and last block stay bf16 (precision.fp8_skip_first_last)
         kept = min(layers, int(first) + int(last))
-        bf16_s, _ = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu, "bf16")
+        bf16_s, _ = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu, "bf16", *cp)
         block_s = (kept * bf16_s + (layers - kept) * block_s) / layers
     rate = block_flops / block_s
     head = head_forward_flops_per_token(m) if last else 0.0
     replicated = sparse * sparse_mlp_flops_per_token(m, s) if st.tp > 1 and not st.sequence_parallel else 0.0
     f = tokens * ((fwd - head - replicated) / st.tp + replicated) / rate
     if last:
-        f += head_forward_seconds(m, mb, s, st.tp, gpu, st.precision)
+        f += head_forward_seconds(m, mb, st.local_seq(w), st.tp, gpu, st.precision)
     per_flop = f / (tokens * fwd)  # seconds per counted FLOP of this stage
     b = tokens * (2 * fwd + recompute) * per_flop
     redo = tokens * recompute * per_flop
@@ -183,7 +195,7 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
     """Tensor-parallel all-reduce seconds of one micro-batch's (forward, backward) on a stage."""
     if st.tp == 1:
         return 0.0, 0.0
-    nbytes = compute_bytes(st.precision) * st.micro_batch_size(w) * w.seq_len * w.model.hidden
+    nbytes = compute_bytes(st.precision) * st.micro_batch_size(w) * st.local_seq(w) * w.model.hidden
     link = comm.axis_link(gpu, "tp", st.tp, st.dp, st.tp)
     one = comm.ring_all_reduce(nbytes, st.tp, link)
     backward_count = 2 + (2 if st.remat == "full" else 0)
@@ -193,6 +205,27 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
     if st.sequence_parallel:  # each region's linears all-gather their saved shard again (parallel/tensor.py)
         regather = 2 * comm.all_gather(nbytes, st.tp, link)
     return 2 * layers * one, backward_count * layers * one + layers * regather
+
+
+def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, float, float]:
+    """Context-parallel seconds of one micro-batch on a stage: (forward, backward) on the critical path and
+    the ring's transfers hidden behind its block attention. Every block's attention sends the figures of
+    planner/context_comm.py once in forward and once in backward, and its forward ones again when the
+    backward recomputes the core (full, every-k's checkpointed blocks, selective)."""
+    if st.cp == 1 or not layers:
+        return 0.0, 0.0, 0.0
+    m = w.model
+    mb = st.micro_batch_size(w)
+    heads, kv_heads = m.heads // st.tp, max(1, m.kv_heads // st.tp)
+    # the call's attention compute (forward), what hides the ring's hops: its FLOPs at the kernel's rate
+    share = executed_attention_share(w.attention)
+    flops = share * 4.0 * w.seq_len * m.head_dim * heads * mb * st.local_seq(w)
+    attention_s = flops / (gpu.flops(st.precision) * gpu.attention_efficiency) / gpu.compute_efficiency
+    call = attention_seconds(st.cp_method, st.cp, mb, heads, kv_heads, st.local_seq(w), m.head_dim,
+                             compute_bytes(st.precision), cp_link(gpu, st.tp, st.cp), attention_s)
+    redo = {"full": 1.0, "selective": 1.0, "every-k": 1 / max(1, st.remat_every)}.get(st.remat, 0.0)
+    hidden = layers * ((1 + redo) * call.forward_hidden + call.backward_hidden)
+    return layers * call.forward, layers * (redo * call.forward + call.backward), hidden
 
 
 def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
@@ -209,21 +242,25 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
             ep_f, ep_b, hidden = overlapped_all_to_all(st.schedule, st.pp, st.microbatches, stage, f, b, ep_f, ep_b)
         p2p_f, p2p_b = p2p_seconds(w, st, gpu)
         fwd, bwd = f + tp_f + ep_f + p2p_f, b + tp_b + ep_b + p2p_b
-        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, p2p_f + p2p_b, ep_f + ep_b, hidden)
+        cp_f, cp_b, cp_hidden = _cp_comm(w, st, gpu, layers)
+        if st.cp > 1:
+            fwd, bwd = fwd + cp_f, bwd + cp_b
+        candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, p2p_f + p2p_b, ep_f + ep_b, hidden,
+                     cp_f + cp_b, cp_hidden)
         best = candidate if best is None or candidate[0] > best[0] else best
-    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep, hidden = best
+    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep, hidden, cp_comm, cp_hidden = best
     v = st.virtual
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
-    local = ((count.trainable - count.expert) / (st.dp if st.zero >= 1 else 1)
+    local = ((count.trainable - count.expert) / (st.replicas if st.zero >= 1 else 1)
              + count.expert / (st.edp if st.zero >= 1 else 1))
     optimizer = max(local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s, OPTIMIZER_OPS * gpu.op_overhead_s)
     total = makespan + dp_exposed + optimizer
     m = st.microbatches
     return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, optimizer, total,
-                    simulated, m * ep, m * hidden)
+                    simulated, m * ep, m * hidden, m * cp_comm, m * cp_hidden)
 
 
 def hardware_tflops_per_gpu(w: Workload, st: Strategy, seconds: float) -> float:

@@ -69,10 +69,24 @@ class Strategy:
     grad_comm: str = "none"  # ZeRO-3 gradient reduce-scatter: none | int8
     hpz: bool = False  # ZeRO-3: a secondary weight partition inside the node for the backward all-gather
     act_offload: tuple[int, ...] = ()  # remat.offload=cpu: global indices of the blocks whose saves go to the host
+    # context parallelism (docs/context.md): each sequence split over cp ranks (zigzag), parameters replicated
+    # over cp; the attention of `cp_method` (planner/context_comm.py METHODS) brings the other ranks' keys
+    cp: int = 1
+    cp_method: str = "ring"
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks one gradient is reduced over and ZeRO shards over: dp and cp together (mesh.py
+        `replica_axis`, one collective over dp+cp); dp alone at cp = 1."""
+        return self.dp * self.cp
+
+    def local_seq(self, w: "Workload") -> int:
+        """Tokens of one sequence on a rank: the whole sequence, or its 1/cp zigzag part."""
+        return w.seq_len // self.cp
 
     @property
     def chunks(self) -> int:
@@ -115,6 +129,8 @@ class Strategy:
     def label(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}", f"m={self.microbatches}",
                  f"ckpt={self.remat}"]
+        if self.cp > 1:
+            parts[3:3] = [f"cp={self.cp}", f"cp_method={self.cp_method}"]
         if self.pp > 1:
             parts.append(self.schedule_label)
         if self.sequence_parallel:
@@ -150,7 +166,7 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
                         precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb, ep=p.ep,
                         sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
                         weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz,
-                        act_offload=cfg.remat.offloaded(cfg.model.layers))
+                        act_offload=cfg.remat.offloaded(cfg.model.layers), cp=p.cp, cp_method=p.cp_method)
     return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len), strategy
 
 
