@@ -13,7 +13,7 @@ only in runs of `fault.layout` when one is given, and from the start of `fault.s
     lose_node        `fault.rank` is a node (the launcher's --node-rank): its first process SIGKILLs
                      that launcher, and the node's processes die with it; with `fault.hold_file`,
                      every process of a later attempt waits at the start of the step while that
-                     file exists
+                     file exists (and leaves at once on a stop signal)
     signal           send `fault.signal` (SIGTERM, SIGINT or SIGUSR1) to this process's launcher -
                      threefold's --nproc launcher, which forwards it, else the process itself - and
                      wait until it has reached this process (train/preempt.py), so the world stops
@@ -86,6 +86,11 @@ class FaultInjector:
             self._signal(kind == "signal" and os.environ.get(AGENT_PID) == str(os.getppid()))
         if self.holds and step == self.fault.step:
             while os.path.exists(self.fault.hold_file):
+                if self.stop is not None and self.stop.received:
+                    # told to stop while held (the elastic agent ends its workers when the membership
+                    # changes): leave at once, as an unhandled SIGTERM would, rather than make the agent
+                    # wait out its shutdown timeout for a step boundary this process never reaches
+                    os._exit(128 + signal.SIGTERM)
                 time.sleep(0.05)
         if self._now(step) and kind == "raise":
             raise RuntimeError(f"injected fault on rank {self.fault.rank} at step {step}")
