@@ -66,6 +66,15 @@ def _cases():
     cases["llama cp2 ring remat"] = (2, LLAMA + ["parallel.cp=2", "remat.policy=full"], LLAMA)
     cases["gpt cp2 allgather remat"] = (2, GPT + ["parallel.cp=2", "parallel.cp_method=allgather",
                                                   "remat.policy=selective"], GPT)
+    # mixture of experts (dropless): the routers see this rank's zigzag part of each sequence, their
+    # per-sequence statistics (balance and z-loss) summed over cp; the auxiliary loss counted once
+    moe = ["model.preset=tiny-moe"] + BASE
+    cases["moe cp2"] = (2, moe + ["parallel.cp=2"], moe)
+    cases["moe dp2 cp2 allgather"] = (4, moe + ["parallel.dp=2", "parallel.cp=2", "parallel.cp_method=allgather",
+                                                "train.microbatches=1"], moe)
+    cases["moe cp2 tp2"] = (4, moe + ["parallel.cp=2", "parallel.tp=2"], moe)
+    cases["moe cp2 pp2 1f1b"] = (4, moe + ["parallel.cp=2", "parallel.pp=2", "pipeline.schedule=1f1b",
+                                           "train.microbatches=4"], moe + ["train.microbatches=4"])
     # bf16 against one process in bf16, to BF16_TOL
     for method in ("ring", "allgather", "ulysses"):
         cases[f"llama cp2 {method} bf16"] = (2, LLAMA + BF16 + ["parallel.cp=2", f"parallel.cp_method={method}"],

@@ -25,9 +25,13 @@ def test_cp_method_defaults_to_ring_and_takes_the_three_methods():
     (["parallel.cp=4", "parallel.cp_method=ulysses"], 4,
      "parallel.cp_method: ulysses: 4 query heads and 2 key/value heads must both be divisible by parallel.cp=4; "
      "use parallel.cp_method=ring or allgather, or a cp dividing both"),
-    (["parallel.cp=2", "model.preset=tiny-moe"], 2,
-     "parallel.cp: model.preset=tiny-moe: mixture-of-experts routing under context parallelism is not wired yet; "
-     "use parallel.cp=1"),
+    (["parallel.cp=2", "model.preset=tiny-moe", "model.expert_capacity=1.25"], 2,
+     "model.expert_capacity: 1.25: under context parallelism routing is dropless (capacity is a matter of "
+     "positions, and each cp rank holds zigzag chunks); use model.expert_capacity=0 or parallel.cp=1"),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.preset=tiny-moe"], 4,
+     "parallel.sequence_parallel: model.preset=tiny-moe: mixture-of-experts routing with both sequence "
+     "parallelism and parallel.cp=2 (the sequence split over tp and cp) is not wired yet; use "
+     "parallel.sequence_parallel=false or parallel.cp=1"),
     (["parallel.cp=2", "model.preset=py:mymodel:build"], 2,
      "parallel.cp: model.preset=py:mymodel:build: a module of your own has no attention context parallelism can "
      "split; use threefold's own decoder or parallel.cp=1"),

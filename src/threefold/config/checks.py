@@ -451,9 +451,14 @@ def _validate_context(c: Sections) -> None:
     if m.preset.startswith("py:"):
         raise ConfigError("parallel.cp", f"model.preset={m.preset}: a module of your own has no attention context "
                           "parallelism can split; use threefold's own decoder or parallel.cp=1")
-    if m.experts > 0:
-        raise ConfigError("parallel.cp", f"model.preset={m.preset}: mixture-of-experts routing under context "
-                          "parallelism is not wired yet; use parallel.cp=1")
+    if m.experts > 0 and m.expert_capacity > 0:
+        raise ConfigError("model.expert_capacity", f"{m.expert_capacity:g}: under context parallelism routing is "
+                          "dropless (capacity is a matter of positions, and each cp rank holds zigzag chunks); use "
+                          "model.expert_capacity=0 or parallel.cp=1")
+    if m.experts > 0 and p.sequence_parallel and p.tp > 1:
+        raise ConfigError("parallel.sequence_parallel", f"model.preset={m.preset}: mixture-of-experts routing with "
+                          f"both sequence parallelism and parallel.cp={cp} (the sequence split over tp and cp) is "
+                          "not wired yet; use parallel.sequence_parallel=false or parallel.cp=1")
     if _asynchronous_pipeline(c):
         raise ConfigError("pipeline.schedule", f"{c.pipeline.schedule} (weights updated without a flush) with "
                           f"parallel.cp={cp} is not wired yet; choose a synchronous schedule or parallel.cp=1")

@@ -63,11 +63,16 @@ class ExpertDispatch(Protocol):
 
 
 class SequenceShards(Protocol):
-    """The ranks holding the other parts of every sequence, when a block sees only its own contiguous
-    part (sequence parallelism): rank `rank` of `size` holds positions [rank s, (rank + 1) s)."""
+    """The ranks holding the other parts of every sequence, when a block sees only its own part:
+    sequence parallelism (rank `rank` of `size` holds positions [rank s, (rank + 1) s)) or context
+    parallelism (zigzag chunks; dropless routing only, as capacity is a matter of positions).
+    `reports`: this holder's auxiliary loss value and tally count - every tp rank's under sequence
+    parallelism (the loss is not summed over tp), the first cp rank's only under context parallelism
+    (the loss is summed over cp); the others' auxiliary loss has value 0 and the gradient of their part."""
 
     rank: int
     size: int
+    reports: bool
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of `t` over the holders (forward); the gradient passes through unchanged (backward)."""
@@ -233,9 +238,12 @@ class MoE(nn.Module):
         balance = e * ((routed / (seq * self.top_k)) * (prob_sum / seq)).sum(-1)  # (b,)
         training = torch.is_grad_enabled() and not is_evaluating()
         self.aux_sum = seq * self.aux_weight * balance.sum() + self.z_weight * z.sum()
+        reports = self.sequence is None or self.sequence.reports
+        if not reports:  # another holder reports the value; this one differentiates its own part
+            self.aux_sum = self.aux_sum - self.aux_sum.detach()
         if not training:  # evaluation: the loss is the cross-entropy alone
             self.aux_sum = torch.zeros((), dtype=self.aux_sum.dtype, device=self.aux_sum.device)
-        elif not is_recomputing():  # a recomputation (activation checkpointing) was tallied the first time
+        elif reports and not is_recomputing():  # a recomputation (activation checkpointing) was tallied the first time
             self.tally.add(counts.detach(), dropped.detach(), balance.detach().sum(), b, z.detach().sum(), b * seq)
 
     def take_tally(self) -> RouterTally:

@@ -53,7 +53,7 @@ from ..models.spec import ModelSpec
 from .comm_hook import make_comm_hook
 from .compile import apply_compile, stage_compiler
 from .data import DataParallelReducer, parallelize_data
-from .expert import ExpertParallelSync, sequence_parallel_experts, shard_experts
+from .expert import ExpertParallelSync, context_parallel_experts, sequence_parallel_experts, shard_experts
 from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
 from .lora import LoraBase, add_adapters, check_supported, lora_settings, lora_spec
@@ -92,6 +92,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     expert_names = shard_experts(model, mesh, comm, placements)
     if routers and cfg.parallel.sequence_parallel and mesh.size("tp") > 1:
         shards.partial += sequence_parallel_experts(model, comm)
+    if routers and mesh.size("cp") > 1:  # the routers see this cp rank's zigzag part of each sequence
+        context_parallel_experts(model, comm)
     # 1c. LoRA: the whole model frozen, adapters beside the target linears, split as their (already sharded)
     # base layers; their initial values come from the seeded LoRA init (parallel/lora.py)
     lora = lora_settings(cfg.model, cfg.train.seed)

@@ -136,15 +136,18 @@ class ExpertParallelSync(HooklessSync):
         self.experts.register_update_pre_hook(hook)
 
 
-class TensorSequenceShards:
-    """The `SequenceShards` (models/moe.py) of sequence parallelism: the tp ranks hold the parts of
-    every sequence. `sum` is an all-reduce with an identity backward (each holder differentiates
-    the replicated auxiliary loss through its own part; the router's and experts' gradient parts
-    are then summed over tp like the norms'); `gather` all-gathers the capacity counts."""
+class AxisSequenceShards:
+    """The `SequenceShards` (models/moe.py) of one mesh axis whose ranks hold the parts of every
+    sequence: tp under sequence parallelism, cp under context parallelism. `sum` is an all-reduce
+    with an identity backward (each holder differentiates the auxiliary loss through its own part;
+    the router's and experts' gradient parts are then summed over the axis: tp like the norms', cp
+    by the gradient sync); `gather` all-gathers the capacity counts. `reports`: every holder when
+    the loss is not summed over the axis (tp), the first one only when it is (cp)."""
 
     def __init__(self, comm: Comm, axis: str = "tp"):
         self.comm, self.axis = comm, axis
         self.rank, self.size = comm.mesh.rank(axis), comm.mesh.size(axis)
+        self.reports = self.rank == 0 or axis not in comm.mesh.axes_where(BATCH, SEQUENCE)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return reduce_from_group(t, self.comm, self.axis)
@@ -163,9 +166,16 @@ def sequence_parallel_experts(model: nn.Module, comm: Comm) -> list[nn.Parameter
     this rank's tokens only) are to be summed over tp."""
     params = []
     for _, moe in moe_modules(model):
-        moe.sequence = TensorSequenceShards(comm)
+        moe.sequence = AxisSequenceShards(comm)
         params += [p for p in moe.parameters() if p.requires_grad]
     return params
+
+
+def context_parallel_experts(model: nn.Module, comm: Comm) -> None:
+    """Under context parallelism: every MoE block routes this cp rank's zigzag part of each sequence
+    (dropless: config/checks.py refuses a capacity) and sums the statistics of whole sequences over cp."""
+    for _, moe in moe_modules(model):
+        moe.sequence = AxisSequenceShards(comm, "cp")
 
 
 def router_metrics(module: nn.Module, comm: Comm, pipelined: bool = False) -> dict | None:
