@@ -83,15 +83,6 @@ def test_parameters_are_replicated_over_cp_and_zero_shards_over_dp_times_cp():
 # ------------------------------------------------------------------ communication
 
 
-def test_the_planners_bytes_are_the_runtimes_formula():
-    from threefold.parallel.context import theoretical_bytes  # the runtime's (imports torch)
-
-    for method in context_comm.METHODS:
-        for cp in (1, 2, 4, 16):
-            for args in ((2, 8, 4, 16, 8, 4, False), (1, 16, 1, 8192, 128, 2, True), (3, 6, 2, 10, 4, 2, False)):
-                assert context_comm.theoretical_bytes(method, cp, *args) == theoretical_bytes(method, cp, *args)
-
-
 def test_cp_groups_inside_a_node_when_tp_times_cp_fits_else_across():
     assert cp_link(H100, 2, 4).name == H100.nvlink and cp_link(H100, 8, 2).name == H100.infiniband
     # dp's groups stride over tp x cp; the gradients' dp+cp group is dp x cp ranks of stride tp

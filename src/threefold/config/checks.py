@@ -204,13 +204,7 @@ def _validate_packing(c: Sections) -> None:
     if not (d.sources or is_prepared(d.source)):
         raise ConfigError("data.pack", f"packs whole documents, whose boundaries only a directory made by `threefold "
                           f"data prepare` records, not '{d.source}'; train from one (--data DIR) or set data.pack=false")
-    if m.preset.startswith("hf:"):
-        raise ConfigError("data.pack", f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention "
-                          "seam to mask by document; use threefold's own decoder (model.preset=tiny, tiny-llama, ...) "
-                          "or data.pack=false")
-    if m.preset.startswith("py:"):
-        raise ConfigError("data.pack", f"model.preset={m.preset}: a module of your own has no attention to mask by "
-                          "document; use threefold's own decoder or data.pack=false")
+    _own_attention(m, "data.pack", "to mask by document", "data.pack=false")
     for on, what, fix in [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
                           (p.tp > 1, f"parallel.tp={p.tp}", "parallel.tp=1"),
                           (m.experts > 0, f"mixture-of-experts routing (model.experts={m.experts})", "a dense model"),
@@ -431,6 +425,17 @@ def _hf_family(preset: str) -> str:
         return ""
 
 
+def _own_attention(m: ModelConfig, key: str, need: str, off: str) -> None:
+    """Refuse (under `key`) a Hugging Face model or a module of one's own: only threefold's decoder has the
+    attention seam that `need`s it."""
+    if m.preset.startswith("hf:"):
+        raise ConfigError(key, f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention seam "
+                          f"{need}; use threefold's own decoder (model.preset=tiny, tiny-llama, ...) or {off}")
+    if m.preset.startswith("py:"):
+        raise ConfigError(key, f"model.preset={m.preset}: a module of your own has no attention {need}; use "
+                          f"threefold's own decoder or {off}")
+
+
 def _validate_context(c: Sections) -> None:
     """parallel.cp > 1: the sequence splits into 2 cp zigzag chunks; ulysses splits the heads over cp;
     the layouts context parallelism is not wired into yet are refused (docs/context.md)."""
@@ -444,13 +449,7 @@ def _validate_context(c: Sections) -> None:
         raise ConfigError("parallel.cp_method", f"ulysses: {m.heads} query heads and {m.kv_heads} key/value heads "
                           f"must both be divisible by {over}; use parallel.cp_method=ring or allgather, "
                           "or a cp dividing both")
-    if m.preset.startswith("hf:"):
-        raise ConfigError("parallel.cp", f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention "
-                          "seam context parallelism can split; use threefold's own decoder (model.preset=tiny, "
-                          "tiny-llama, ...) or parallel.cp=1")
-    if m.preset.startswith("py:"):
-        raise ConfigError("parallel.cp", f"model.preset={m.preset}: a module of your own has no attention context "
-                          "parallelism can split; use threefold's own decoder or parallel.cp=1")
+    _own_attention(m, "parallel.cp", "context parallelism can split", "parallel.cp=1")
     if m.experts > 0 and m.expert_capacity > 0:
         raise ConfigError("model.expert_capacity", f"{m.expert_capacity:g}: under context parallelism routing is "
                           "dropless (capacity is a matter of positions, and each cp rank holds zigzag chunks); use "

@@ -42,9 +42,9 @@ from ..comm.autograd import all_gather_from_group, gather_along
 from ..comm.collectives import Comm
 from ..errors import UserError
 from ..models.decoder import Attention, Embedding
+from ..planner.context_comm import theoretical_bytes  # noqa: F401  (the one formula; the runtime's tests read it here)
 
 METHODS = ("ring", "allgather", "ulysses")
-ACC_BYTES = 4  # the ring's dK / dV accumulators travel in fp32
 
 # ------------------------------------------------------------------ zigzag
 
@@ -450,26 +450,3 @@ def install_documents(model: torch.nn.Module, comm: Comm, axis: str, method: str
 def split_micro_batch(tokens: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     """This rank's zigzag part of a micro-batch's (b, S) inputs or targets along the sequence."""
     return zigzag_split(tokens, comm.mesh.size(axis), comm.mesh.rank(axis), dim=1)
-
-
-# ------------------------------------------------------------------ bytes
-
-
-def theoretical_bytes(method: str, cp: int, batch: int, heads: int, kv_heads: int, local_seq: int, head_dim: int,
-                      element: int, packed: bool) -> dict[str, dict[str, int]]:
-    """Bytes one rank sends for one attention call, {"forward": {op: bytes}, "backward": {op: bytes}},
-    in Comm's convention (docs/context.md). `element`: bytes per element of q, k, v."""
-    if cp == 1:
-        return {"forward": {}, "backward": {}}
-    mask = (cp - 1) * batch * local_seq * 8 * (2 if packed else 1)
-    kv = 2 * batch * kv_heads * local_seq * head_dim  # elements of one rank's K and V
-    if method == "ring":
-        return {"forward": {"all_gather.mask": mask, "send": (cp - 1) * kv * element, "recv": 0},
-                "backward": {"send": (cp - 1) * kv * (element + ACC_BYTES), "recv": 0}}
-    if method == "allgather":
-        return {"forward": {"all_gather.mask": mask, "all_gather": (cp - 1) * kv * element},
-                "backward": {"reduce_scatter": (cp - 1) * kv * element}}
-    if method == "ulysses":
-        moved = (cp - 1) * batch * local_seq * head_dim * (2 * heads + 2 * kv_heads) * element // cp
-        return {"forward": {"all_gather.mask": mask, "all_to_all": moved}, "backward": {"all_to_all": moved}}
-    raise ValueError(method)

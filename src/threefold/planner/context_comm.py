@@ -1,9 +1,8 @@
 """Context parallelism (cp) in the plan: the bytes of one attention call per method, and their time.
 
 `theoretical_bytes` is the one formula of docs/context.md "Bytes per attention call" (pure
-arithmetic, no torch: parallel/context.py's function of the same name is the one the runtime's
-tests check Comm's counts against; tests/unit/test_planner_context.py checks both give the same
-figures on a grid). Bytes one rank sends, in Comm's convention, for b sequences of s = S/cp local
+arithmetic, no torch): the planner charges it, and parallel/context.py re-exports it for the
+runtime's tests, which check Comm's counts against it on every rank. Bytes one rank sends, in Comm's convention, for b sequences of s = S/cp local
 tokens, head size d, e bytes per element, h and h_kv heads (per tp rank: tp splits the heads first),
 KV = 2 b h_kv s d and the mask gather M = (cp-1) b s 8 (x2 packed):
 
