@@ -29,30 +29,18 @@ def build_samplers(data: "DataConfig", seq_len: int, global_batch: int, seed: in
         from .sources import load_tokens
 
         return Sampler(load_tokens(data.source, vocab, seed), seq_len, global_batch, seed), None
-    if data.pack:
-        return (_packed(mixture, "train", seq_len, global_batch, seed, vocab),
-                _packed(mixture, "val", seq_len, global_batch, seed, vocab) if validation else None)
-    return (_prepared(mixture, "train", seq_len, global_batch, seed, vocab),
-            _prepared(mixture, "val", seq_len, global_batch, seed, vocab) if validation else None)
+    return (_prepared(mixture, "train", seq_len, global_batch, seed, vocab, data.pack),
+            _prepared(mixture, "val", seq_len, global_batch, seed, vocab, data.pack) if validation else None)
 
 
 def _prepared(mixture: list[tuple[str, float]], split: str, seq_len: int, global_batch: int, seed: int,
-              vocab: int) -> Sampler:
-    from .epochs import EpochSampler, Mixture
+              vocab: int, pack: bool) -> Sampler:
+    """Windows of the mixture's prepared splits (`EpochSampler`), or packed rows of their whole documents
+    (`PackedEpochs`, `PackedSampler`) with `pack`."""
+    from .epochs import EpochSampler, Mixture, PackedEpochs
     from .prepared import open_split
 
-    samplers = [EpochSampler(open_split(path, split, vocab), seq_len, seed, salt=i) for i, (path, _) in enumerate(mixture)]
-    if len(samplers) == 1:
-        return Sampler.from_source(samplers[0], seq_len, global_batch)
-    return Sampler.from_source(Mixture(samplers, [w for _, w in mixture], seed), seq_len, global_batch)
-
-
-def _packed(mixture: list[tuple[str, float]], split: str, seq_len: int, global_batch: int, seed: int,
-            vocab: int) -> PackedSampler:
-    from .epochs import Mixture, PackedEpochs
-    from .prepared import open_split
-
-    sources = [PackedEpochs(open_split(path, split, vocab), seq_len, seed, salt=i) for i, (path, _) in enumerate(mixture)]
-    if len(sources) == 1:
-        return PackedSampler(sources[0], seq_len, global_batch)
-    return PackedSampler(Mixture(sources, [w for _, w in mixture], seed), seq_len, global_batch)
+    epochs = PackedEpochs if pack else EpochSampler
+    sources = [epochs(open_split(path, split, vocab), seq_len, seed, salt=i) for i, (path, _) in enumerate(mixture)]
+    source = sources[0] if len(sources) == 1 else Mixture(sources, [w for _, w in mixture], seed)
+    return PackedSampler(source, seq_len, global_batch) if pack else Sampler.from_source(source, seq_len, global_batch)

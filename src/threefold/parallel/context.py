@@ -396,22 +396,32 @@ class ContextCore:
 # ------------------------------------------------------------------ training
 
 
+def _wire(model: torch.nn.Module, comm: Comm, axis: str, method: str,
+          seq_len: int) -> tuple[ContextCore, int, list[Embedding]]:
+    """One `ContextCore` of `method` over `axis`, at this rank's zigzag index of a `seq_len` sequence, in
+    every decoder attention of `model`: (the core, the attentions wired, the model's embeddings)."""
+    mesh = comm.mesh
+    index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
+    core = ContextCore(method, comm, axis, index)
+    wired, embeddings = 0, []
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attention_core = core
+            wired += 1
+        elif isinstance(module, Embedding):
+            embeddings.append(module)
+    return core, wired, embeddings
+
+
 def install_context(model: torch.nn.Module, comm: Comm, axis: str, method: str, seq_len: int) -> int:
     """Wire context parallelism into the reference decoder (parallel step 2b): every block's attention
     gets a `ContextCore` of `method` over `axis`, and the learned position embedding the global
     positions, both at this rank's zigzag index of a `seq_len` sequence (one document per
     sequence: the index is the same for every micro-batch, so one core serves the whole run).
     Returns the number of attentions wired (0: the model has none of the decoder's)."""
-    mesh = comm.mesh
-    index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
-    core = ContextCore(method, comm, axis, index)
-    wired = 0
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.attention_core = core
-            wired += 1
-        elif isinstance(module, Embedding):
-            module.positions = index
+    core, wired, embeddings = _wire(model, comm, axis, method, seq_len)
+    for embedding in embeddings:
+        embedding.positions = core.index
     return wired
 
 
@@ -436,15 +446,8 @@ def install_documents(model: torch.nn.Module, comm: Comm, axis: str, method: str
     position embedding is wired to the same per-token positions; `PackedDocuments.set` hands both each
     micro-batch's ids and positions. On an axis of one rank (cp = 1) the core communicates nothing
     (allgather there is SDPA under the causal + document mask). None: the model has no decoder attention."""
-    mesh = comm.mesh
-    index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
-    core = ContextCore(method, comm, axis, index)
-    attentions = [module for module in model.modules() if isinstance(module, Attention)]
-    for attention in attentions:
-        attention.attention_core = core
-    if not attentions:
-        return None
-    return PackedDocuments(core, [module for module in model.modules() if isinstance(module, Embedding)])
+    core, wired, embeddings = _wire(model, comm, axis, method, seq_len)
+    return PackedDocuments(core, embeddings) if wired else None
 
 
 def split_micro_batch(tokens: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
