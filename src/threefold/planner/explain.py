@@ -142,7 +142,8 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
             out.append(f"cp_method=ulysses: the {m.heads} heads and {m.kv_heads} kv heads are not both divisible by "
                        f"{over}")
         if m.experts:
-            out.append(f"cp={cp} with a mixture of experts is not wired in training yet")
+            out.append(f"cp={cp} with a mixture of experts is not modelled by the planner yet (training runs it "
+                       "dropless: docs/context.md)")
         if w.implementation != "threefold":
             out.append(f"cp={cp} needs threefold's own decoder (its attention seam), not {w.implementation}")
         if fixed.get("hpz") or fixed.get("ep", 1) > 1:

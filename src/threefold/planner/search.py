@@ -263,9 +263,7 @@ def shortfall(c: Candidate, gpu: Gpu) -> str:
 
 def components(t: StepTime) -> dict[str, float]:
     """The step time split into the terms of the "why" column (they add up to the step time)."""
-    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s - t.recompute_s - t.pp_comm_s - t.ep_comm_s
-    if t.cp_comm_s:
-        compute -= t.cp_comm_s
+    compute = t.pipeline_s - t.bubble_s - t.tp_comm_s - t.recompute_s - t.pp_comm_s - t.ep_comm_s - t.cp_comm_s
     return {"compute": compute, "recomputation": t.recompute_s, "pipeline bubble": t.bubble_s,
             "tensor-parallel communication": t.tp_comm_s, "pipeline communication": t.pp_comm_s,
             "expert-parallel all-to-all": t.ep_comm_s, "context-parallel attention communication": t.cp_comm_s,
