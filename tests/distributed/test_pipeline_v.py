@@ -1,9 +1,12 @@
 """The V schedules (zb-v, dualpipev) against one process (gloo, CPU): pp = 2 and 4, dense (`tiny`,
-8 layers) and a mixture of experts with ep = 2 (`tiny-moe`, dp = 2), also under NCCL's rules
+8 layers) and a mixture of experts with ep = 2 (`tiny-moe`, dp = 2, at pp = 2), also under NCCL's rules
 (`debug.comm_semantics=nccl`): per-step loss and gradient norm and every final parameter within
-relative 1e-5 over 4 steps. Each world size runs all its cases in one call (tests/expert_tasks.py).
+relative 1e-5 over 4 steps. The mixture at pp = 4 (a world of 8 processes, as long on 2 cores as the
+rest of the file together) is opt-in: THREEFOLD_SLOW=1. Each world size runs all its cases in one call (tests/expert_tasks.py).
 Under the V placement rank 0 holds the first and the last stage (embedding, head and loss).
 """
+
+import os
 
 import pytest
 
@@ -35,7 +38,8 @@ def _cases():
             # ep = 2 over dp = 2: each replica runs m micro-batches, the reference 2 m of the same size
             moe = MOE + ["parallel.dp=2", "parallel.ep=2"] + _pp(schedule, p, m)
             moe_ref = MOE + [f"train.microbatches={2 * m}"]
-            cases[f"{schedule} p{p} ep2"] = (2 * p, moe, moe_ref)
+            if p == 2 or os.environ.get("THREEFOLD_SLOW") == "1":
+                cases[f"{schedule} p{p} ep2"] = (2 * p, moe, moe_ref)
             if p == 2:
                 cases[f"{schedule} p{p} ep2 nccl"] = (2 * p, moe + NCCL, moe_ref)
     return cases
