@@ -22,7 +22,9 @@
 #   llama-compare  the ~1.2B Llama (Llama 3.2 1B's shape, threefold's reference decoder), last, when time is left
 # Files in $OUT (default runs/gpu-<UTC time>): gpu.log (everything printed), status.tsv (stage, exit
 # code or "skip", seconds, note), results.json (every figure), results/<stage>.json, the runs' directories.
-# --smoke runs every stage on CPU with tiny shapes (aot_eager compiles; the sync counts say "n/a").
+# --smoke runs every stage on CPU with tiny shapes (aot_eager compiles; the sync counts say "n/a"), and
+# the training stages in the calling process, without `--nproc 1`'s launcher (tests/e2e cover the launcher;
+# here it would double each stage's start-up).
 set -uo pipefail  # no -e: a failing stage is recorded and the next one runs
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -78,6 +80,7 @@ stage() {
 R=$OUT/results
 TRAIN=("$PY" -m threefold train --nproc 1 --no-progress --set run.plot=false --set run.collective_timeout_s=60)
 if [ "$SMOKE" = 1 ]; then
+    TRAIN=("$PY" -m threefold train --no-progress --set run.plot=false --set run.collective_timeout_s=60)
     FLAG=(--smoke)
     DEV=(--set run.device=cpu)
     TINY=(--model tiny --global-batch 4 --seq-len 32)

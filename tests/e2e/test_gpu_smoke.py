@@ -1,5 +1,5 @@
 """`bash bench/gpu.sh --smoke`: every stage of the one-GPU benchmark on CPU with tiny shapes, so the
-script cannot rot between the rare runs on a GPU: it ends 0 (about 110 s idle), every stage has its
+script cannot rot between the rare runs on a GPU: it ends 0 (about 80 s idle; the training stages without the launcher), every stage has its
 exit code in status.tsv (0 here; "skip" only for a stage the budget leaves out), everything
 printed is in gpu.log and every stage's figures are in results.json."""
 
@@ -41,7 +41,7 @@ def test_gpu_sh_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     # left the last stage out at load 8: 489 s beside the suite and two busy loops)
     run, seconds = run_smoke(out, "--budget", "3600", timeout=3600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    # about 110 s on an idle 2-core machine; the bound leaves room for one shared with other jobs
+    # about 80 s on an idle 2-core machine; the bound leaves room for one shared with other jobs
     assert seconds < 1800, f"--smoke took {seconds:.0f} s"
     codes = status(out)
     assert list(codes) == STAGES and all(rc == "0" for rc in codes.values()), codes
