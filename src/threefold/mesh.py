@@ -21,7 +21,13 @@ lanes take a joined name as they take an axis.
 Expert parallelism (`Layout.ep`) splits dp in two more axes: `ep`, runs of ep consecutive dp
 coordinates that share one copy of the experts and exchange tokens by all-to-all, and `edp`,
 the dp ranks at the same place of their runs, which hold the same experts and sum their
-gradients. With ep = 1, edp is dp.
+gradients. With ep = 1, edp is dp. Each (pp, cp, tp) coordinate has its own dp group and so its
+own ep and edp groups. Under cp the experts are replicated over cp too, so their gradients are
+summed over edp and cp together: `expert_replica_axes` is the replica axes with edp for dp
+(("edp", "cp")), `expert_replica_axis` their `axis_over` ("edp" at cp = 1, "cp" when edp has
+one member, else the joined "edp+cp", whose group - dp split into edp x ep, ep inner, the ep
+coordinate and the other axes outside, edp then cp flattened - the Mesh builds with the expert
+axes; it takes lanes like "dp+cp").
 
 A lane is a second process group over the same ranks as an axis (`add_lane`, `group(axis, lane)`):
 on NCCL every communicator runs its collectives on a CUDA stream of its own, in issue order, so
@@ -198,13 +204,17 @@ class Mesh:
         self._node_ranks: dict[str, list[int]] = {}
         self._expert_ranks: dict[str, list[int]] = {}
         self._lanes: dict[tuple[str, str], dist.ProcessGroup] = {}  # (axis, lane) -> the lane's group
-        if layout.cp > 1 and (layout.ep > 1 or node_size):  # they split dp alone, not all replica axes
-            raise ValueError(f"layout {layout}: expert parallelism and node axes do not compose with cp > 1 yet")
+        if layout.cp > 1 and node_size:  # they split dp alone, not all replica axes
+            raise ValueError(f"layout {layout}: node axes do not compose with cp > 1 yet")
         if layout.ep > 1:
             expert_groups, expert_ranks = _cached((device.type, shape, "ep", layout.ep),
                                                   lambda: self._build_expert_axes(layout.ep))
             self._groups.update(expert_groups)
             self._expert_ranks.update(expert_ranks)
+            joined = self.expert_replica_axis  # the experts' replica axes: edp+cp under cp
+            if JOIN in joined:
+                self._groups[joined] = _cached((device.type, shape, joined, layout.ep),
+                                               lambda: self._build_joined(joined.split(JOIN)))
         if node_size:
             node_groups, node_ranks = _cached((device.type, shape, node_size),
                                               lambda: self._build_node_axes(node_size))
@@ -238,7 +248,7 @@ class Mesh:
             return
         lists = self._axis_rank_lists(axis)
         key = (self.device.type, self.layout.shape,
-               self.layout.ep if axis in ("edp", "ep") else 1, axis, lane)
+               self.layout.ep if set(axis.split(JOIN)) & set(EXPERT_AXES) else 1, axis, lane)
         group = _cached(key, lambda: dist.new_subgroups_by_enumeration(lists)[0])
         self._lanes[(axis, lane)] = group
         if self.device.type == "cuda":  # a first collective that every member joins, before any use
@@ -273,11 +283,16 @@ class Mesh:
 
     def _joined_rank_lists(self, names: list[str]) -> list[list[int]]:
         """The global ranks of every group of the joined axes `names`: the grid's other axes
-        outside, the joined ones flattened in axis order (the later inner), so a group's ranks ascend."""
-        dims = [AXES.index(name) for name in names]
-        others = [d for d in range(len(AXES)) if d not in dims]
-        grid = self.device_mesh.mesh.permute(*others, *dims)
-        return grid.reshape(-1, math.prod(self.layout.shape[d] for d in dims)).tolist()
+        outside, the joined ones flattened in axis order (the later inner), so a group's ranks ascend.
+        With an expert axis among them (edp+cp) the grid's dp is split into edp x ep (ep inner)."""
+        axes, grid = AXES, self.device_mesh.mesh
+        if set(names) & set(EXPERT_AXES):
+            axes = tuple(a for name in AXES for a in (("edp", "ep") if name == "dp" else (name,)))
+            grid = grid.reshape(*(self.size(a) for a in axes))
+        dims = [axes.index(name) for name in names]
+        others = [d for d in range(len(axes)) if d not in dims]
+        grid = grid.permute(*others, *dims)
+        return grid.reshape(-1, math.prod(grid.shape[len(others):])).tolist()
 
     def _build_joined(self, names: list[str]) -> dist.ProcessGroup:
         """This rank's group of the joined axes `names` (every rank creates every group, in one order)."""
@@ -315,6 +330,18 @@ class Mesh:
     def replica_axis(self) -> str:
         """The axis gradient syncs run on: `axis_over(axes_where(REPLICA))` ("dp" at cp = 1, else "dp+cp")."""
         return self.axis_over(axes_where(REPLICA))
+
+    @property
+    def expert_replica_axes(self) -> tuple[str, ...]:
+        """The axes holding the same experts under expert parallelism: the replica axes with edp for dp
+        ("edp", "cp")."""
+        return tuple("edp" if axis == "dp" else axis for axis in axes_where(REPLICA))
+
+    @property
+    def expert_replica_axis(self) -> str:
+        """The axis the experts' gradient syncs run on: `axis_over(expert_replica_axes)` ("edp" at cp = 1,
+        "cp" when edp has one member, else "edp+cp"); without expert parallelism the replica axis."""
+        return self.axis_over(self.expert_replica_axes) if self.layout.ep > 1 else self.replica_axis
 
     def group_over(self, axes: tuple[str, ...] | list[str]) -> dist.ProcessGroup:
         """The one group of `axes` together (built with the Mesh for each role's axes)."""

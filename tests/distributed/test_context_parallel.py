@@ -1,9 +1,10 @@
 """Context parallelism wired into training (gloo, CPU): the sequence of every micro-batch zigzag-split
-over cp ranks, attention by ring / allgather / ulysses, against one process over 4 steps - per-step
+over cp ranks, attention by ring / allgather / ulysses, against one process over 6 steps - per-step
 loss and gradient norm and every final parameter within relative 1e-5 - on the reference decoder's
 Llama (RoPE at global positions) and GPT (learned positions at global positions) variants at
-cp = 2 and 4, and cp = 2 with dp = 2 and with ZeRO-3; a cp = 2 run's checkpoint of step 2 resumed
-on one process (cp = 1) gives the one-process losses of steps 3-4 and final parameters. Each world
+cp = 2 and 4, and cp = 2 with dp = 2, ZeRO-3, tp, pp, remat, compile, a mixture of experts (also
+with ep = 2: the experts' gradients summed over edp and cp in one group); a cp = 2 run's checkpoint of
+step 3 resumed on one process (cp = 1) gives the one-process losses of steps 4-6 and final parameters. Each world
 size runs all its cases in one call (tests/composition_tasks.py `train_many`)."""
 
 import random
@@ -17,7 +18,7 @@ from tests.composition_tasks import train_many
 from tests.data_helpers import write_prepared
 from tests.helpers import rel_err
 
-STEPS = 4
+STEPS = 6
 BASE = ["train.global_batch=4", "train.seq_len=16", "train.lr=1e-3", "train.eps=1e-6", f"train.steps={STEPS}",
         "train.microbatches=2"]
 LLAMA = ["model.preset=tiny-llama"] + BASE
@@ -27,7 +28,7 @@ BF16 = ["precision.compute=bf16"]
 BF16_TOL = 2e-2  # bf16 roundings in another order (the attention's sums split over ranks)
 DATA = "data.source={prepared}"  # a prepared directory with a validation split, written by the fixture
 EVAL = ["train.eval_every=2", "train.eval_batches=2", DATA]
-SAVED = 2  # the step whose checkpoint (written under cp = 2) resumes under cp = 1
+SAVED = 3  # the step whose checkpoint (written under cp = 2) resumes under cp = 1
 
 
 def _cases():
@@ -55,7 +56,7 @@ def _cases():
         deep = [f"model.layers={layers}", "train.microbatches=4"]
         cases[f"llama cp2 pp2 {schedule}"] = (4, LLAMA + deep + extra + ["parallel.cp=2", "parallel.pp=2",
                                                                          f"pipeline.schedule={schedule}"], LLAMA + deep)
-    # evaluation splits its sequences as training does (EVAL: validation loss at steps 2 and 4)
+    # evaluation splits its sequences as training does (EVAL: validation loss at steps 2, 4 and 6)
     cases["llama cp2 eval"] = (2, LLAMA + EVAL + ["parallel.cp=2"], LLAMA + EVAL)
     cases["gpt cp2 pp2 eval"] = (4, GPT + EVAL + ["parallel.cp=2", "parallel.pp=2", "train.microbatches=2"],
                                  GPT + EVAL + ["train.microbatches=2"])
@@ -75,6 +76,12 @@ def _cases():
     cases["moe cp2 tp2"] = (4, moe + ["parallel.cp=2", "parallel.tp=2"], moe)
     cases["moe cp2 pp2 1f1b"] = (4, moe + ["parallel.cp=2", "parallel.pp=2", "pipeline.schedule=1f1b",
                                            "train.microbatches=4"], moe + ["train.microbatches=4"])
+    # expert parallelism over dp (ep = 2): tokens cross ep by all-to-all within each cp coordinate, the
+    # experts (replicated over cp too) sum their gradients over edp and cp in one collective
+    ep = ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "train.microbatches=1"]
+    cases["moe dp2 cp2 ep2 ring"] = (4, moe + ep, moe)
+    cases["moe dp2 cp2 ep2 ulysses zero2"] = (4, moe + ep + ["parallel.cp_method=ulysses", "parallel.zero=2"], moe)
+    cases["moe dp2 cp2 ep2 allgather zero3"] = (4, moe + ep + ["parallel.cp_method=allgather", "parallel.zero=3"], moe)
     # bf16 against one process in bf16, to BF16_TOL
     for method in ("ring", "allgather", "ulysses"):
         cases[f"llama cp2 {method} bf16"] = (2, LLAMA + BF16 + ["parallel.cp=2", f"parallel.cp_method={method}"],
@@ -131,8 +138,8 @@ def test_context_parallel_matches_one_process(runs, name):
 @pytest.mark.parametrize("name", [name for name in CASES if name.endswith("eval")])
 def test_validation_loss_under_cp_matches_one_process(runs, name):
     results, ref = runs[name], runs["refs"][tuple(CASES[name][2])]
-    assert len(ref["val"]) == 2
+    assert len(ref["val"]) == 3
     for rank_result in results:  # every rank: the last stage's loss is reduced over pp, the shards over dp, cp
-        assert len(rank_result["val"]) == 2, rank_result["val"]
+        assert len(rank_result["val"]) == 3, rank_result["val"]
         for got, want in zip(rank_result["val"], ref["val"]):
             assert abs(got - want) <= TOL * abs(want), (name, rank_result["val"], ref["val"])

@@ -71,3 +71,52 @@ def test_at_cp_1_the_replica_axis_is_dp_and_bytes_keep_their_name(worlds):
         assert rep["ranks"]["dp"] == rep["group_over"] == [rank % 2, rank % 2 + 2]
         assert rep["records"] == [("all_reduce", "dp", tuple(rep["ranks"]["dp"]))]
         assert set(rep["bytes"]) == {"dp"}
+
+
+def expert_axes_report(layout: dict) -> dict:
+    import torch.distributed as dist
+
+    from threefold.comm import Comm
+    from threefold.mesh import GATHER, Layout, Mesh
+
+    m = Mesh(Layout(**layout), torch.device("cpu"))
+    comm = Comm(m)
+    axis = m.expert_replica_axis
+    out = {"axes": m.expert_replica_axes, "axis": axis, "size": m.size(axis), "coord": m.rank(axis),
+           "ranks": {a: m.ranks(a) for a in ("dp", "cp", "ep", "edp", axis)},
+           "coords": {a: m.rank(a) for a in ("dp", "cp", "ep", "edp")},
+           "group": dist.get_process_group_ranks(m.group(axis))}
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    comm.all_reduce(t, axis)
+    out["sum"] = t.item()
+    # ZeRO's pair over the experts' axis: chunk i to its coordinate i
+    n = m.size(axis)
+    piece = torch.empty(1)
+    comm.reduce_scatter(piece, torch.arange(float(n)) + 100 * dist.get_rank(), axis)
+    out["piece"] = piece.item()
+    m.add_lane(axis, GATHER)  # ZeRO-3's expert gathers
+    out["lane"] = dist.get_process_group_ranks(m.group(axis, GATHER))
+    return out
+
+
+def test_the_experts_are_summed_over_edp_and_cp_in_one_group(worlds):
+    # (dp 2, cp 2, ep 2): global rank 2 dp + cp; edp has one member, so the experts' axis is cp
+    for rank, rep in enumerate(worlds(4).run(expert_axes_report, {"dp": 2, "cp": 2, "ep": 2})):
+        c = rank % 2
+        assert rep["axes"] == ("edp", "cp") and rep["axis"] == "cp" and rep["size"] == 2
+        assert rep["ranks"]["ep"] == [c, c + 2] and rep["ranks"]["edp"] == [rank]  # ep: per cp coordinate
+        assert rep["ranks"]["cp"] == rep["group"] == rep["lane"] == [rank - c, rank - c + 1]
+        assert rep["sum"] == 2 * (rank - c) + 3.0
+        assert rep["piece"] == c * 2 + 100.0 * (2 * (rank - c) + 1)
+    # (dp 4, cp 2, ep 2): dp coordinate d = 2 edp + ep; the experts' group is edp x cp, one collective
+    for rank, rep in enumerate(worlds(8).run(expert_axes_report, {"dp": 4, "cp": 2, "ep": 2})):
+        d, c = divmod(rank, 2)
+        e, j = divmod(d, 2)
+        assert rep["axis"] == "edp+cp" and rep["size"] == 4
+        assert rep["coords"] == {"dp": d, "cp": c, "ep": j, "edp": e} and rep["coord"] == 2 * e + c
+        assert rep["ranks"]["ep"] == [4 * e + c, 4 * e + 2 + c]
+        assert rep["ranks"]["edp"] == [2 * j + c, 2 * j + 4 + c]
+        group = [2 * j, 2 * j + 1, 2 * j + 4, 2 * j + 5]
+        assert rep["ranks"]["edp+cp"] == rep["group"] == rep["lane"] == group
+        assert rep["sum"] == sum(r + 1.0 for r in group)
+        assert rep["piece"] == 4 * rep["coord"] + 100.0 * sum(group)

@@ -461,8 +461,7 @@ def _validate_context(c: Sections) -> None:
     if _asynchronous_pipeline(c):
         raise ConfigError("pipeline.schedule", f"{c.pipeline.schedule} (weights updated without a flush) with "
                           f"parallel.cp={cp} is not wired yet; choose a synchronous schedule or parallel.cp=1")
-    for key, on, what in [("parallel.ep", p.ep > 1, f"ep={p.ep}"),
-                          ("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
+    for key, on, what in [("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
                           ("remat.offload", c.remat.offload != "none", f"remat.offload={c.remat.offload}"),
                           ("compress.method", c.compress.method != "none", f"compress.method={c.compress.method}"),
                           ("compress.hierarchical", c.compress.hierarchical, "compress.hierarchical=true"),

@@ -15,7 +15,7 @@ the meta device, so no rank ever holds the whole model:
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
                              (or periodic: local SGD, DiLoCo, EASGD                (parallel/local_sgd.py))
-                             (with ep > 1: dense over dp, experts over edp        parallel/expert.py)
+                             (with ep > 1: dense over dp, experts over edp (+cp)  parallel/expert.py)
     6. compile               torch.compile per block and per other top-level module, or per
                              pipeline stage (`train.compile`)                      (parallel/compile.py)
 
@@ -178,28 +178,30 @@ LOSSY_WIRES = ("dgc", "onebit", "powersgd")  # dp gradient exchanges that are no
 
 def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, comm: Comm, cfg: Config, wire,
                  pipelined: bool):
-    """Step 5 with ep > 1: dense parameters over dp, experts over edp, each plain or ZeRO-1/2/3."""
+    """Step 5 with ep > 1: dense parameters over dp (dp+cp under cp), experts over edp (edp+cp under cp:
+    they are replicated over cp too), each plain or ZeRO-1/2/3."""
     stage, p = cfg.parallel.zero, cfg.parallel
     dense = [(n, q) for n, q in named if n not in expert_names]
     experts = [(n, q) for n, q in named if n in expert_names]
-    replicas = comm.mesh.axes_where(REPLICA)  # experts: over edp (the Mesh refuses ep with cp > 1)
-    replicated = {name: place.replicated(*(("edp",) if name in expert_names else replicas))
+    replicas, expert_axis = comm.mesh.axes_where(REPLICA), comm.mesh.expert_replica_axis
+    replicated = {name: place.replicated(*(comm.mesh.expert_replica_axes if name in expert_names else replicas))
                   for name, place in placements.items()}
-    if stage == 3:  # dense parameters sharded over dp, experts over edp: two ZeRO-3s on the one model
+    if stage == 3:  # dense parameters sharded over dp (+cp), experts over edp (+cp): two ZeRO-3s on the one model
         zero3 = {"wire_dtype": wire, "stage_passes": pipelined, "weight_comm": p.zero_weight_comm,
                  "grad_comm": p.zero_grad_comm}
         syncs = (Zero3(model, comm, **zero3, only={id(q) for _, q in dense}),
-                 Zero3(model, comm, axis="edp", **zero3, only={id(q) for _, q in experts}))
+                 Zero3(model, comm, axis=expert_axis, **zero3, only={id(q) for _, q in experts}))
         pieces = syncs[0].pieces(placements) + syncs[1].pieces(placements)
         return (ExpertParallelSync(*syncs, [q for _, q in experts]),
                 syncs[1].placements(syncs[0].placements(placements)), pieces, None)
     if stage == 0:
         syncs = (DataParallelReducer([q for _, q in dense], comm, p.bucket_mb),
-                 DataParallelReducer([q for _, q in experts], comm, p.bucket_mb, axis="edp"))
+                 DataParallelReducer([q for _, q in experts], comm, p.bucket_mb, axis=expert_axis))
         return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, _whole_pieces(named, replicated), None
-    # ZeRO-1/2: optimizer states sharded over dp (dense) and edp (experts); the expert sync reduces in finish()
+    # ZeRO-1/2: optimizer states sharded over dp (dense) and edp (experts), each with cp; the expert sync
+    # reduces in finish()
     syncs = (ZeroReducer(dense, comm, stage, p.bucket_mb, wire, defer=pipelined),
-             ZeroReducer(experts, comm, stage, p.bucket_mb, wire, axis="edp", defer=True))
+             ZeroReducer(experts, comm, stage, p.bucket_mb, wire, axis=expert_axis, defer=True))
     pieces = syncs[0].pieces(placements) + syncs[1].pieces(placements)
 
     def after_step():
@@ -240,7 +242,7 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
                   expert_names: set[str] = frozenset()):
     """Step 5: plain data parallelism (or its periodic form) or ZeRO 1-3
     -> (grad sync, placements, optimizer pieces, after_step, periodic sync).
-    Expert parameters spread over ep (`expert_names`) are summed over edp only."""
+    Expert parameters spread over ep (`expert_names`) are summed over edp only (edp and cp under cp)."""
     stage, p = cfg.parallel.zero, cfg.parallel
     wire = precision.reduce_dtype
     if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire

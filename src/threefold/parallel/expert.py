@@ -17,6 +17,13 @@ dp ranks holding the same experts) - the all-to-all already brought every token 
 to its expert (`ExpertParallelSync`: plain sums, or ZeRO-1/2 reduce-scatters with the
 optimizer states sharded over dp and edp respectively). The expert reductions run after the
 backward, in bucket order, so every rank issues them alike whatever experts its tokens used.
+
+Under context parallelism the experts are replicated over cp as well (every cp rank of an ep
+run holds the same experts and routes its zigzag part of the same sequences; the all-to-all
+stays on ep, whose groups are cut from the dp group of each (pp, cp, tp) coordinate): the dense
+parameters are summed over dp+cp as without experts, the experts over edp and cp together, in
+one collective over the Mesh's `expert_replica_axis` (the joined "edp+cp", or "cp" when edp has
+one member), on which ZeRO 1-3 shard the experts' states too.
 """
 
 from __future__ import annotations
@@ -93,7 +100,8 @@ def shard_experts(model: nn.Module, mesh: Mesh, comm: Comm, placements: dict[str
 
 class ExpertParallelSync(HooklessSync):
     """The `GradSync` of expert parallelism: one sync for the dense parameters over dp (plain DP or
-    ZeRO 1-2, as without experts), one for the expert parameters over edp (the same kind), which
+    ZeRO 1-2, as without experts), one for the expert parameters over edp (the same kind; both with
+    cp under context parallelism: `Mesh.replica_axis` and `Mesh.expert_replica_axis`), which
     reduces after the backward only (every rank issues its collectives alike, whichever experts
     its tokens reached). `parallelize()` builds both."""
 
@@ -126,7 +134,7 @@ class ExpertParallelSync(HooklessSync):
         return self.dense.weight_tensors() + self.experts.weight_tensors()
 
     def gather_for(self, params: list[nn.Parameter]) -> None:
-        """Whole weights for a hook-less backward (ZeRO-3: dense ones over dp, experts over edp)."""
+        """Whole weights for a hook-less backward (ZeRO-3: dense ones over dp, experts over edp; each with cp)."""
         self.dense.gather_for(params)
         self.experts.gather_for(params)
 
