@@ -29,6 +29,7 @@ LLAMA = ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=32"]
 PP = ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=32", "parallel.pp=2",
       "train.microbatches=4"]
 
+CP_METHODS = ("ring", "allgather", "ulysses")
 CASES = {  # world size -> {id: config overrides}
     1: {
         "tiny-dp1": ["model.preset=tiny", "train.global_batch=4", "train.seq_len=16"],
@@ -87,6 +88,9 @@ CASES = {  # world size -> {id: config overrides}
         "pp2-1f1b-loss-chunk": [*PP, "model.loss_chunk=16"],
         "pp2-zb-h1-offload": [*PP, "pipeline.schedule=zb-h1", "remat.offload=cpu", "remat.offload_blocks=0,3"],
         "tp2-sp-offload": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "remat.offload=cpu"],
+        # context parallelism: each rank holds 1/cp of every sequence (CP below: the 1/cp law)
+        **{f"cp2-{m}": [*TINY, "parallel.cp=2", f"parallel.cp_method={m}"] for m in CP_METHODS},
+        **{f"llama-cp2-{m}": [*LLAMA, "parallel.cp=2", f"parallel.cp_method={m}"] for m in CP_METHODS},
     },
     4: {
         "dp4": TINY,
@@ -96,6 +100,8 @@ CASES = {  # world size -> {id: config overrides}
         "tp2-sp-dp2-zero3": [*TINY, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"],
         "pp4-zb-h1-m8": ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=16",
                          "parallel.pp=4", "train.microbatches=8", "pipeline.schedule=zb-h1"],
+        **{f"cp4-{m}": [*TINY, "parallel.cp=4", f"parallel.cp_method={m}"] for m in CP_METHODS},
+        "llama-cp4-ring": [*LLAMA, "parallel.cp=4"],
     },
 }
 

@@ -46,10 +46,12 @@ def test_per_token_block_items_are_one_cp_th_of_the_whole_sequence(cp, tp, sp):
         for key in ("norms", "attention_core", "mlp"):
             assert part[key] * cp == whole[key], (method, key)
     ulysses = block_items(m, Shape(2, S // cp, 2, tp, sp, cp, "ulysses"))
-    assert {k: v * cp for k, v in ulysses.items()} == whole
+    assert {k: v * cp for k, v in ulysses.items() if k != "cp_mask"} == whole
+    assert ulysses["cp_mask"] == 2 * 2 * S * S  # SDPA's mask of the whole sequences, in the compute dtype
     kv, heads, d = m.kv_heads // tp, m.heads // tp, m.head_dim
     allgather = block_items(m, Shape(2, S // cp, 2, tp, sp, cp, "allgather"))
     assert allgather["qkv"] == 2 * 2 * (S // cp) * d * heads + 2 * 2 * S * d * 2 * kv  # local q, the whole K and V
+    assert allgather["cp_mask"] == 2 * 2 * (S // cp) * S  # the local queries' rows of the mask
     ring = block_items(m, Shape(2, S // cp, 2, tp, sp, cp, "ring"))
     assert ring["qkv"] * cp == whole["qkv"] and ring["cp_core"] == 4 * 2 * (S // cp) * heads * d
 
@@ -58,7 +60,7 @@ def test_per_token_block_items_are_one_cp_th_of_the_whole_sequence(cp, tp, sp):
 def test_a_stage_saves_one_cp_th_of_its_activations(cp):
     """Through the strategy (micro_shape, chunk_bytes): a middle pipeline stage's blocks under ulysses keep
     exactly 1/cp of the cp = 1 bytes, but for the rotary tables (one cached pair at cp = 1, one per block
-    of the local positions under cp)."""
+    of the local positions under cp) and the mask of the whole sequences SDPA saves (c b S^2 per block)."""
     w = Workload(LLAMA7B, 64, 32768)
     one = Strategy(dp=16, pp=4, microbatches=1, schedule="1f1b")
     split = replace(one, dp=16 // cp, cp=cp, cp_method="ulysses", microbatches=cp)  # the same micro-batch size
@@ -67,7 +69,8 @@ def test_a_stage_saves_one_cp_th_of_its_activations(cp):
     chunk = rank_chunks(LLAMA7B, 4, 1)[0]  # no embedding, no head
     blocks = len(chunk.layers)
     tables = 4 * LLAMA7B.head_dim
-    assert chunk_bytes(w, split, chunk) - blocks * tables * 32768 // cp == \
+    mask = 2 * 4 * 32768 ** 2  # bf16, 4 sequences of the micro-batch
+    assert chunk_bytes(w, split, chunk) - blocks * tables * 32768 // cp - blocks * mask == \
         (chunk_bytes(w, one, chunk) - tables * 32768) / cp
 
 

@@ -39,7 +39,10 @@ int64 tensor (8*bs).
 
 Context parallelism (cp > 1, docs/context.md): s is the rank's 1/cp zigzag part of the sequence, and
 every item above is per local token, so it is 1/cp of the whole sequence's - except what the method
-keeps of other ranks: allgather's attention saves the all-gathered K and V (cp x the local ones);
+keeps of other ranks: allgather's attention saves the all-gathered K and V (cp x the local ones)
+and SDPA its causal (+ document) mask in the compute dtype (c*b*s*cp s: s x cp s per sequence, not
+1/cp of anything); ulysses' SDPA saves the mask of whole sequences (c*b*(cp s)^2) and, without
+RoPE's copy, its head-sharded output beside the o projection's input (c*bsh/t);
 the ring's core saves its output in fp32 (4*bsh/t, its blocks are merged in fp32) beside the o
 projection's input copy (c*bsh/t). The rotary tables come from the core's global positions
 (`rotary_at`, not cached): each block computes and saves its own pair of the local s x d/2. The
@@ -124,6 +127,11 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
     }
     if x.cp > 1 and x.cp_method == "allgather":  # SDPA keeps the gathered K, V of the whole sequence
         items["qkv"] = c * bs * d * (heads + 2 * kv * x.cp)
+        items["cp_mask"] = c * bs * x.s * x.cp  # and its (s, cp s) mask, in the compute dtype
+    elif x.cp > 1 and x.cp_method == "ulysses":  # whole sequences of heads/cp heads: the (cp s)^2 mask
+        items["cp_mask"] = c * x.b * (x.s * x.cp) ** 2
+        if not (rope and not hf):  # SDPA's head-sharded output beside the o projection's input
+            items["attention_out"] += c * bs * heads * d
     elif x.cp > 1 and x.cp_method == "ring":  # the core's fp32 output; the o projection's input copy
         items["attention_out"] = c * bs * heads * d
         items["cp_core"] = 4 * bs * heads * d

@@ -145,9 +145,12 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
             out.append(f"cp={cp} with a mixture of experts is not modelled by the planner yet (training runs it "
                        "dropless: docs/context.md)")
         if w.implementation != "threefold":
-            out.append(f"cp={cp} needs threefold's own decoder (its attention seam), not {w.implementation}")
-        if fixed.get("hpz") or fixed.get("ep", 1) > 1:
-            out.append(f"cp={cp} with hpz or ep is not wired in training yet")
+            out.append(f"cp={cp} with {w.implementation} is not modelled by the planner yet (training runs it: "
+                       "the Hugging Face dense families' attention seam)")
+        if fixed.get("hpz"):
+            out.append(f"cp={cp} with hpz is not wired in training yet")
+        if fixed.get("ep", 1) > 1:
+            out.append(f"cp={cp} with ep is not modelled by the planner yet (training runs it)")
         if tp and pp and gpus % (tp * pp * cp):
             out.append(f"cp x tp x pp = {tp * pp * cp} does not divide {gpus} GPUs")
     if tp and pp and gpus % (tp * pp):
