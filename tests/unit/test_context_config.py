@@ -55,16 +55,79 @@ def test_cp_method_without_cp_has_no_effect_and_is_refused():
         _validate("parallel.cp_method=ulysses", world=1)
 
 
-def test_hf_family_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize("model_type, arch", [("gpt2", "GPT2LMHeadModel"), ("mixtral", "MixtralForCausalLM")])
+def test_hf_family_is_refused_naming_it(tmp_path, model_type, arch):
+    """GPT-2 (learned positions in its own module) and the mixtures of experts have no attention seam."""
+    with pytest.raises(ConfigError) as e:
+        _validate_context(_hf(tmp_path, {"model_type": model_type, "architectures": [arch]}, "parallel.cp=2"))
+    assert str(e.value) == (f"parallel.cp: the Hugging Face model hf:{tmp_path} ({arch}) has no attention seam "
+                            "context parallelism can split (the dense families Llama, Mistral, Qwen2 and Qwen3 have "
+                            "one); use one of them, threefold's own decoder or parallel.cp=1")
+
+
+def _hf(directory, raw: dict, *overrides: str):
+    """A config of threefold's decoder whose model.preset is then hf:`directory` (config.json `raw`)."""
     import dataclasses
     import json
 
-    from threefold.config.checks import _validate_context
+    (directory / "config.json").write_text(json.dumps(raw))
+    cfg = load_config(None, ["model.preset=tiny", "train.seq_len=16", *overrides])
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=f"hf:{directory}"))
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    cfg = load_config(None, ["model.preset=tiny", "train.seq_len=16", "parallel.cp=2"])
-    hf = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=f"hf:{tmp_path}"))
+
+def _validate_context(cfg):
+    from threefold.config.checks import _validate_context as validate
+
+    return validate(cfg)
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+
+@pytest.mark.parametrize("raw", [LLAMA, {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+                                 {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                                  "sliding_window": 4096},  # wider than the sequence: full causal
+                                 {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8,
+                                  "use_sliding_window": False}])
+def test_the_dense_hf_families_take_cp_and_packing(tmp_path, raw):
+    from threefold.config.checks import _validate_packing
+
+    _validate_context(_hf(tmp_path, raw, "parallel.cp=2"))
+    _validate_packing(_hf(tmp_path, raw, "data.pack=true", "data.sources=x:1"))
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8}, "parallel.cp=2"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8, "use_sliding_window": True,
+      "max_window_layers": 1, "num_hidden_layers": 2}, "parallel.cp=2"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "sliding_window": 8, "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention"]}, "data.pack=true"),
+])
+def test_a_sliding_window_narrower_than_the_sequence_is_refused(tmp_path, raw, key):
+    from threefold.config.checks import _validate_packing
+
+    arch, off = raw["architectures"][0], key.split("=")[0]
+    if key == "data.pack=true":
+        with pytest.raises(ConfigError) as e:
+            _validate_packing(_hf(tmp_path, raw, key, "data.sources=x:1"))
+        off_value = "data.pack=false"
+    else:
+        with pytest.raises(ConfigError) as e:
+            _validate_context(_hf(tmp_path, raw, key))
+        off_value = "parallel.cp=1"
+    assert str(e.value) == (f"{off}: the Hugging Face model hf:{tmp_path} ({arch}) has sliding-window attention (a "
+                            "window of 8 tokens, narrower than train.seq_len=16), which the attention seam does not "
+                            f"compute; use train.seq_len=8 or less, or {off_value}") and "\n" not in e.value.line()
+
+
+def test_packing_keeps_its_other_refusals_for_a_hf_llama(tmp_path):
+    from threefold.config.checks import _validate_packing
+
     with pytest.raises(ConfigError) as e:
-        _validate_context(hf)
-    assert str(e.value).startswith(f"parallel.cp: the Hugging Face model hf:{tmp_path} (LlamaForCausalLM) has no "
-                                   "attention seam context parallelism can split")
+        _validate_packing(_hf(tmp_path, LLAMA, "data.pack=true", "data.sources=x:1", "parallel.tp=2"))
+    assert str(e.value) == ("data.pack: packed rows with parallel.tp=2 are not wired yet; use parallel.tp=1 or "
+                            "data.pack=false")
+    with pytest.raises(ConfigError, match=r"data.pack: the Hugging Face model .*\(GPT2LMHeadModel\) has no attention "
+                                          "seam to mask by document"):
+        _validate_packing(_hf(tmp_path, {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+                              "data.pack=true", "data.sources=x:1"))

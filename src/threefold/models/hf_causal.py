@@ -21,6 +21,14 @@ whole sequence, so it holds under tensor and sequence parallelism, pipeline stag
 recomputation alike. The key-projection bias (Qwen2) is frozen, its gradient being identically
 zero.
 
+The attention seam (models/hf_attention.py): the library's attention modules call threefold's
+attention function (`config._attn_implementation = ATTENTION`), which is the library's SDPA path
+above unless the block has an `attention_core`; context parallelism and packed rows
+(parallel/context.py `_wire`) give every `HFBlock` one, whose positions the block feeds to the
+rotary embedding (the global zigzag ones; per document when packed) and which computes the
+attention over the cp ranks at the module's `scaling`. GPT-2 and the mixtures of experts have it
+refused (config/checks.py), and so is a sliding window narrower than the sequence.
+
 Tensor plan: exactly the reference decoder's - q by heads, k/v by key/value heads (or
 replicated when there are fewer than tp), o row-parallel, gate/up column, down row, the
 vocabulary split for the embedding, the head and the loss. Qwen3's per-head q/k norms are
@@ -41,6 +49,7 @@ from ..config.hf import DROPOUT, read_config_json
 from .plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
+from .hf_attention import ATTENTION, HFAttentionCore, register as register_attention
 from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
 
 HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
@@ -86,7 +95,9 @@ def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
 
 class HFBlock(nn.Module):
     """One library decoder layer, given the rotary position embeddings of the whole sequence (and the
-    banded mask of its sliding window, when it has one)."""
+    banded mask of its sliding window, when it has one). `attention_core` is the attention seam
+    (models/hf_attention.py): context parallelism and packed rows set one (parallel/context.py
+    `ContextCore`), which gives the rotary positions and replaces the library's attention."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, window: int | None = None):
         super().__init__()
@@ -94,13 +105,22 @@ class HFBlock(nn.Module):
         self.rotary = rotary
         self.window = window
         self.seq_parts = 1  # sequence parallelism: the input is one of seq_parts chunks of the sequence
+        self.attention_core: HFAttentionCore | None = None  # None: the library's SDPA path, positions 0 .. s-1
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         s = x_bsh.shape[1] * self.seq_parts
-        positions = torch.arange(s, device=x_bsh.device).unsqueeze(0)
-        mask = window_mask(s, self.window, x_bsh.device) if self.window is not None and s > self.window else None
+        core = self.attention_core
+        if core is None:
+            positions = torch.arange(s, device=x_bsh.device).unsqueeze(0)
+            mask = window_mask(s, self.window, x_bsh.device) if self.window is not None and s > self.window else None
+            return self.layer(x_bsh, position_embeddings=self.rotary(x_bsh, positions), position_ids=positions,
+                              attention_mask=mask)
+        local = core.rotary_positions(s, x_bsh.device)  # the global (or per-document) positions, (s,) or (b, s)
+        positions = torch.arange(s, device=x_bsh.device) if local is None else local.to(x_bsh.device)
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
         return self.layer(x_bsh, position_embeddings=self.rotary(x_bsh, positions), position_ids=positions,
-                          attention_mask=mask)
+                          attention_core=core)
 
 
 class HFCausalLM(nn.Module):
@@ -110,6 +130,8 @@ class HFCausalLM(nn.Module):
         super().__init__()
         import transformers
 
+        register_attention()  # the library's attention modules call threefold's seam (models/hf_attention.py),
+        config._attn_implementation = ATTENTION  # which is the library's SDPA path unless a block has a core
         library = transformers.AutoModelForCausalLM.from_config(config)
         with torch.device("cpu"):  # the rotary table is computed, not loaded: real values even under meta
             rotary_cls = type(library.model.rotary_emb)

@@ -42,6 +42,7 @@ from ..comm.autograd import all_gather_from_group, gather_along
 from ..comm.collectives import Comm
 from ..errors import UserError
 from ..models.decoder import Attention, Embedding
+from ..models.hf_causal import HFBlock
 from ..planner.context_comm import theoretical_bytes  # noqa: F401  (the one formula; the runtime's tests read it here)
 
 METHODS = ("ring", "allgather", "ulysses")
@@ -389,8 +390,9 @@ class ContextCore:
         they change with every micro-batch; the global indices `index` stay)."""
         self.docs, self.positions = docs, positions
 
-    def __call__(self, q, k, v) -> torch.Tensor:
-        return ATTENTION[self.method](q, k, v, self.comm, self.axis, self.index, self.docs)
+    def __call__(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        """`scale`: the softmax scale (None: head_dim ** -0.5); a Hugging Face attention passes its `scaling`."""
+        return ATTENTION[self.method](q, k, v, self.comm, self.axis, self.index, self.docs, scale)
 
 
 # ------------------------------------------------------------------ training
@@ -399,13 +401,14 @@ class ContextCore:
 def _wire(model: torch.nn.Module, comm: Comm, axis: str, method: str,
           seq_len: int) -> tuple[ContextCore, int, list[Embedding]]:
     """One `ContextCore` of `method` over `axis`, at this rank's zigzag index of a `seq_len` sequence, in
-    every decoder attention of `model`: (the core, the attentions wired, the model's embeddings)."""
+    every attention seam of `model` (the decoder's `Attention`, the Hugging Face dense families' `HFBlock`:
+    models/hf_attention.py): (the core, the attentions wired, the model's embeddings)."""
     mesh = comm.mesh
     index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
     core = ContextCore(method, comm, axis, index)
     wired, embeddings = 0, []
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, HFBlock)):
             module.attention_core = core
             wired += 1
         elif isinstance(module, Embedding):

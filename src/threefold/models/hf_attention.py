@@ -1,0 +1,61 @@
+"""The attention seam of the Hugging Face dense families (models/hf_causal.py): the library's attention
+modules call threefold's attention function, which runs the library's own SDPA path unless the block
+hands it a core.
+
+The library's attention (`LlamaAttention` and its Mistral, Qwen2 and Qwen3 kin) projects q, k and v,
+applies the rotary embedding the block gave it, and calls `ALL_ATTENTION_FUNCTIONS[config.
+_attn_implementation]` with q (b, heads, s, d), k and v (b, kv_heads, s, d) - kv heads not repeated -,
+its mask, `scaling` and the keyword arguments the decoder layer was called with; the function returns
+(b, s, heads, d). `register` adds `attention` to that table under `ATTENTION`, the name `HFCausalLM`
+sets in the library model's config. The block (`HFBlock`) passes its `attention_core` through the
+layer's keyword arguments:
+
+    no core (None)   `sdpa_attention_forward` itself, with the same arguments: bitwise the library's
+    a core           `core(q, k, v, scaling)` -> (b, heads, s, d), transposed to the library's layout;
+                     context parallelism's `ContextCore` (parallel/context.py), whose
+                     `rotary_positions` the block feeds to the rotary embedding instead of 0 .. s-1
+
+A core replaces the whole attention: it takes no mask and no dropout (the config refuses sliding
+windows narrower than the sequence under cp and data.pack, and every family trains without dropout).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+ATTENTION = "threefold"  # the name in transformers' AttentionInterface (config._attn_implementation)
+
+
+class HFAttentionCore(Protocol):
+    """What replaces a library attention once q, k, v are projected and rotated: the positions of the
+    local tokens for the rotary embedding, and the attention itself at the module's `scaling`."""
+
+    def rotary_positions(self, seq: int, device) -> torch.Tensor | None:
+        """The rotary positions of the `seq` local tokens, (s,) or (b, s); None: 0 .. seq-1."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Attention output (b, heads, s, d) of q (b, heads, s, d), k and v (b, kv_heads, s, d)."""
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              attention_core: HFAttentionCore | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The library's attention-function signature: the library's SDPA path, or `attention_core`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_core is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is not None or dropout:
+        raise ValueError("an attention core replaces the whole attention: it takes no mask and no dropout")
+    return attention_core(query, key, value, scaling).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """`attention` in transformers' global AttentionInterface under `ATTENTION` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
