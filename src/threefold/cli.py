@@ -21,7 +21,7 @@ COMMANDS = {
     "ckpt": ("threefold.checkpoint.command", "inspect, verify and export checkpoints"),
     "parity": ("threefold.train.parity", "run one job under several layouts and compare losses and weights"),
     "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
-    "data": ("threefold.data.command", "train a tokenizer and prepare token shards for training"),
+    "data": ("threefold.train.data_command", "train a tokenizer and prepare token shards for training"),
 }
 
 

@@ -14,7 +14,7 @@ from threefold.comm import Comm
 from threefold.data import Batch
 from threefold.mesh import Layout, Mesh
 from threefold.pipeline.runtime import PipelineRuntime
-from threefold.pipeline.schedules import build_schedule
+from threefold.schedules.registry import build_schedule
 from threefold.pipeline.simulate import Costs, simulate
 from threefold.pipeline.stage import Stage
 from threefold.pipeline.timeline import peak_in_flight

@@ -82,7 +82,7 @@ def test_dualpipev_hides_each_pairs_all_to_all_behind_the_other_side(runs):
     other thread computes, so the figure is not a race a loaded machine loses. Under
     debug.comm_semantics=nccl too, where a pair's two receives of one batch complete as one Work
     that both threads wait for (comm/collectives.py `_Shared`: one wait, the other thread waits for it)."""
-    from threefold.pipeline.schedules import build_schedule, paired_schedule
+    from threefold.schedules.registry import build_schedule, paired_schedule
 
     _, together = paired_schedule(build_schedule("dualpipev", 2, 4))
     hidden = 0.0

@@ -51,6 +51,9 @@ CASES = {  # world size -> {id: config overrides}
         "llama-offload-1-2-every-k": ["model.preset=tiny-llama", "model.layers=4", "train.global_batch=4",
                                       "train.seq_len=16", "remat.policy=every-k", "remat.offload=cpu",
                                       "remat.offload_blocks=1-2"],
+        # the cp = 1 runs of the cp cases (the same global batch and sequence: the 1/cp law below)
+        "cp1": TINY,
+        "llama-cp1": LLAMA,
     },
     2: {
         "dp2-m2": [*TINY, "train.microbatches=2"],
@@ -102,6 +105,7 @@ CASES = {  # world size -> {id: config overrides}
                          "parallel.pp=4", "train.microbatches=8", "pipeline.schedule=zb-h1"],
         **{f"cp4-{m}": [*TINY, "parallel.cp=4", f"parallel.cp_method={m}"] for m in CP_METHODS},
         "llama-cp4-ring": [*LLAMA, "parallel.cp=4"],
+        "llama-cp4-allgather": [*LLAMA, "parallel.cp=4", "parallel.cp_method=allgather"],
     },
 }
 
@@ -157,20 +161,94 @@ def _check(predicted: dict, counted: dict, where: str) -> None:
             assert err <= TOLERANCE, f"{where} {key}: predicted {predicted[key]} vs counted {value} ({err:.1%})"
 
 
+_COUNTED: dict[int, list[dict]] = {}  # world size -> per rank, {case: counted bytes}: one run per session
+
+
+def counted_bytes(worlds, size: int, out: str) -> list[dict]:
+    """Every rank's counted bytes of every case of world `size` (run once; the 1/cp law reads them again)."""
+    if size not in _COUNTED:
+        cases = CASES[size]
+        names = list(cases)
+        results = [{} for _ in range(size)]
+        for i in range(0, len(names), 6):  # a few cases per call: each call has the world's time limit
+            chunk = {n: cases[n] for n in names[i:i + 6]}
+            for rank, counted in enumerate(worlds(size).run(count_all, chunk, out)):
+                results[rank].update(counted)
+        _COUNTED[size] = results
+    return _COUNTED[size]
+
+
 @pytest.mark.parametrize("size", sorted(CASES))
 def test_predicted_memory_matches_counted_bytes(worlds, tmp_path, size):
     cases = CASES[size]
-    names = list(cases)
-    results = [{} for _ in range(size)]
-    for i in range(0, len(names), 6):  # a few cases per call: each call has the world's time limit
-        chunk = {n: cases[n] for n in names[i:i + 6]}
-        for rank, counted in enumerate(worlds(size).run(count_all, chunk, str(tmp_path))):
-            results[rank].update(counted)
+    results = counted_bytes(worlds, size, str(tmp_path))
     for rank, counted in enumerate(results):
         for name, overrides in cases.items():
             cfg = make_config([*overrides, "train.steps=1"], str(tmp_path))
             _check(predict_memory(cfg, size, rank=rank), counted[name], f"{name} rank {rank}:")
             assert counted[name]["activations"] > 0
+
+
+def cp_extra(m, method: str, cp: int, b: int, seq: int, c: int = 4) -> int:
+    """Bytes one block saves at cp beyond 1/cp of what it saves at cp = 1 (b sequences of S = `seq` tokens,
+    s = S/cp of each on the rank, a heads, g kv heads of size d, c bytes per element; the law's docstring)."""
+    s, a, g, d, rope = seq // cp, m.heads, m.kv_heads, m.head_dim, m.position == "rope"
+    if method == "ring":  # the core's fp32 output and the o projection's own input, for SDPA's output (+ RoPE's copy)
+        return 4 * b * s * a * d + c * b * s * a * d - c * b * s * a * d * (2 if rope else 1)
+    if method == "allgather":  # the other ranks' K and V, SDPA's mask of the local queries against the sequence
+        return c * b * (cp - 1) * s * 2 * g * d + c * b * s * seq
+    return c * b * seq * seq + (0 if rope else c * b * s * a * d)  # ulysses: the S x S mask; SDPA's own output
+
+
+def test_activations_per_rank_are_one_cp_th_of_cp1_plus_the_methods_extra(worlds, tmp_path):
+    """The 1/cp law, on the counted bytes and on the planner's: at cp = 2 and 4 (same global batch and
+    sequence, so the same b sequences of S tokens per micro-batch) every rank's activations are
+
+        A(cp) = (A(1) - 8 b) / cp  +  L x E(method, cp)  +  (L - 1) x 4 s d   (the last with RoPE)
+
+    with s = S/cp, L blocks, a heads, g kv heads of size d, c bytes per element (4: fp32 on the CPU):
+    every item a block saves, the embedding's ids and positions and the head's logits, log-sum-exp and
+    targets are per token, so 1/cp of cp = 1's; cp = 1's token rows are a view of the rank's rows of
+    S + 1 tokens (8 b bytes not per token; under cp the split inputs are a copy of s tokens); cp = 1
+    caches one pair of rotary tables (4 S d), each block under cp computes its own (4 s d); and per block
+    the method's extra E (docs/planner.md "Context parallelism"):
+
+        ring       4 b s a d  (the core merges its blocks in fp32 and saves its output)
+                   - c b s a d with RoPE (the o projection's input is a copy of the core's output either way,
+                   in place of SDPA's output and RoPE's copy); the blocks in flight are not saved
+        allgather  c b (cp - 1) s 2 g d  (the other ranks' K and V, gathered)  +  c b s S  (SDPA's mask)
+        ulysses    c b S^2  (SDPA's mask of whole sequences)  +  c b s a d without RoPE (SDPA's head-sharded
+                   output beside the o projection's input)
+    """
+    counted = {size: counted_bytes(worlds, size, str(tmp_path)) for size in (1, 2, 4)}
+    checked = 0
+    for prefix in ("", "llama-"):
+        one_name = f"{prefix}cp1"
+        cfg1 = make_config([*CASES[1][one_name], "train.steps=1"], str(tmp_path))
+        m, b, seq = cfg1.model, cfg1.train.global_batch, cfg1.train.seq_len
+        rope = m.position == "rope"
+        one = {"counted": counted[1][0][one_name]["activations"],
+               "predicted": predict_memory(cfg1, 1, rank=0)["activations"]}
+        for cp in (2, 4):
+            for method in CP_METHODS:
+                name = f"{prefix}cp{cp}-{method}"
+                if name not in CASES[cp]:
+                    continue
+                overrides = CASES[cp][name]
+                assert not any(o.startswith("model.kv_heads") for o in overrides), name  # cp1's shapes
+                tables = (m.layers - 1) * 4 * (seq // cp) * m.head_dim if rope else 0
+                extra = m.layers * cp_extra(m, method, cp, b, seq) + tables
+                cfg = make_config([*overrides, "train.steps=1"], str(tmp_path))
+                for rank in range(cp):
+                    figures = {"counted": counted[cp][rank][name]["activations"],
+                               "predicted": predict_memory(cfg, cp, rank=rank)["activations"]}
+                    for source, total in figures.items():
+                        per_token = total - extra  # the sequence-proportional terms at cp
+                        assert cp * per_token == one[source] - 8 * b, \
+                            (f"{name} rank {rank} {source}: {total} = {per_token} per token + {extra} extra; "
+                             f"cp=1: {one[source]} ({one[source] - 8 * b} per token), not {cp} x")
+                checked += 1
+    assert checked >= 10
 
 
 @pytest.mark.parametrize("size", sorted(HF_CASES))

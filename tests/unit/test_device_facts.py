@@ -15,7 +15,7 @@ from threefold.data import Batch
 from threefold.observe.hang import Watchdog
 from threefold.pipeline import runtime as pipeline_runtime
 from threefold.pipeline.runtime import CudaClock, HostClock, PipelineRuntime, clock_for
-from threefold.pipeline.schedules import build_schedule
+from threefold.schedules.registry import build_schedule
 from threefold.pipeline.stage import Stage
 from threefold.train.step import StepResult, TorchDevice, start_read
 

@@ -4,7 +4,7 @@ from tests.helpers import rel_err
 
 from threefold.config import load_config
 from threefold.models.decoder import build_model, count_parameters, init_parameters
-from threefold.models.presets import PRESETS, PUBLISHED_PARAMS
+from threefold.config.presets import PRESETS, PUBLISHED_PARAMS
 
 
 def model_cfg(*overrides):

@@ -10,7 +10,7 @@ from tests.helpers import rel_err
 from threefold.config import load_config
 from threefold.errors import ConfigError
 from threefold.models.decoder import build_model, count_parameters
-from threefold.models.presets import PUBLISHED_ACTIVE, PUBLISHED_PARAMS
+from threefold.config.presets import PUBLISHED_ACTIVE, PUBLISHED_PARAMS
 from threefold.planner.workload import active_parameters
 from threefold.planner.workload import total_parameters
 

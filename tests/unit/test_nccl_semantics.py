@@ -11,7 +11,7 @@ import torch
 from threefold.comm import collectives
 from threefold.comm.collectives import Comm
 from threefold.observe.hang import Watchdog, in_flight
-from threefold.pipeline.schedules import Schedule, ScheduleError, add_communication, build_schedule, compute_orders, \
+from threefold.schedules.registry import Schedule, ScheduleError, add_communication, build_schedule, compute_orders, \
     validate
 
 

@@ -7,7 +7,7 @@ import torch
 
 from threefold.data import Batch
 from threefold.pipeline.runtime import PipelineRuntime
-from threefold.pipeline.schedules import build_schedule
+from threefold.schedules.registry import build_schedule
 from threefold.pipeline.stage import Stage
 
 SHAPE = (2, 4, 8)

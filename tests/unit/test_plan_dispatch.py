@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from threefold.cli import main
 from threefold.config import ModelConfig
 from threefold.models.decoder import Block
-from threefold.models.presets import PRESETS
+from threefold.config.presets import PRESETS
 from threefold.planner.command import default_batch_tokens
 from threefold.planner.dispatch import PER_EXPERT_OPS, SPARSE_BLOCK_OPS, dense_block_ops
 from threefold.planner.hardware import PRESETS as GPUS

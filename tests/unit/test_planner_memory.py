@@ -5,7 +5,7 @@ import torch
 
 from threefold.config import load_config
 from threefold.models.decoder import build_model, count_parameters
-from threefold.models.presets import PRESETS, PUBLISHED_PARAMS
+from threefold.config.presets import PRESETS, PUBLISHED_PARAMS
 from threefold.observe.memory import SavedTensorMeter
 from threefold.planner.hardware import CPU, PRESETS as GPUS
 from threefold.planner.memory import (ALLOCATOR_MARGIN, in_flight, korthikanti_layer_bytes, model_state_bytes,
@@ -127,7 +127,7 @@ def test_gpu_prediction_adds_buffers_and_the_stated_margin_cpu_does_not():
 
 def _held_by_hand(name, p, m, v, rank):
     """The states after every forward, none dropped, then those no other state dominates."""
-    from threefold.pipeline import schedules
+    from threefold.schedules import registry as schedules
 
     counts, states = [0] * schedules.chunks_per_rank(name, v), set()
     for a in schedules.compute_orders(name, p, m, v)[rank]:
@@ -144,7 +144,7 @@ def test_held_states_shortcuts_are_exact():
     """The planner's held states (computed once for all ranks, from the states before each release,
     and from a shorter steady run when the states stop changing with m) equal the plain count over
     the whole schedule, for every registered schedule, including counts past the shortcut's base."""
-    from threefold.pipeline import schedules
+    from threefold.schedules import registry as schedules
     from threefold.planner.memory import held_states, steady_microbatches
 
     shortened = 0

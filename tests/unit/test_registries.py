@@ -67,7 +67,7 @@ def test_layout_world_size_and_axis_roles():
 
 def test_config_reads_the_family_registry():
     from threefold.config import hf
-    from threefold.models.families import FAMILIES
+    from threefold.config.families import FAMILIES
 
     assert hf.SUPPORTED == tuple(FAMILIES)
     assert hf.ARCHITECTURES == {f.model_type: arch for arch, f in FAMILIES.items()}
@@ -77,7 +77,7 @@ def test_config_reads_the_family_registry():
 
 
 def test_every_family_names_a_spec_function():
-    from threefold.models.families import FAMILIES
+    from threefold.config.families import FAMILIES
     from threefold.models.registry import PREFIXES, SPEC_MODULES
 
     assert {f.module for f in FAMILIES.values()} == set(SPEC_MODULES)
@@ -93,7 +93,7 @@ SCHEDULE_NAME = re.compile(r"""["'](gpipe|1f1b|zb-h1|zb-v|dualpipev|pipedream-2b
 
 
 def test_schedule_names_live_only_in_the_registry():
-    """config/ and planner/ read every schedule's name and properties from pipeline/schedules.py."""
+    """config/ and planner/ read every schedule's name and properties from schedules/registry.py."""
     spelled = [f"{p.relative_to(SRC)}:{i}" for folder in ("config", "planner") for p in (SRC / folder).rglob("*.py")
                for i, line in enumerate(p.read_text().splitlines(), 1)
                if SCHEDULE_NAME.search(line.split("#")[0]) or re.search(r'== "interleaved"', line)]
@@ -102,7 +102,7 @@ def test_schedule_names_live_only_in_the_registry():
 
 def test_the_registry_says_what_config_and_planner_ask():
     from threefold.config.sections import PipelineConfig
-    from threefold.pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, VIRTUAL_SCHEDULE
+    from threefold.schedules.registry import DEFAULT_SCHEDULE, SCHEDULES, VIRTUAL_SCHEDULE
     from threefold.planner.search import SEARCHED
 
     assert VIRTUAL_SCHEDULE == "interleaved" and SCHEDULES["interleaved"].needs_virtual_stages

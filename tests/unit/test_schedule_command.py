@@ -6,7 +6,7 @@ import pytest
 
 from threefold.cli import main
 from threefold.pipeline.draw import draw_timeline
-from threefold.pipeline.schedules import build_schedule
+from threefold.schedules.registry import build_schedule
 from threefold.pipeline.simulate import simulate
 
 

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from threefold.pipeline.schedules import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check,
+from threefold.schedules.registry import (SCHEDULES, Action, Schedule, ScheduleError, build_schedule, check,
                                           compute_orders, paired_schedule, validate)
 from threefold.pipeline.simulate import Costs, simulate
 

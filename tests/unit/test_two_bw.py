@@ -5,8 +5,8 @@ import pytest
 from threefold.config import load_config
 from threefold.errors import ConfigError
 from threefold.pipeline import two_bw
-from threefold.pipeline.actions import COMM, Action
-from threefold.pipeline.schedules import build_schedule, validate
+from threefold.schedules.actions import COMM, Action
+from threefold.schedules.registry import build_schedule, validate
 from threefold.pipeline.simulate import Costs, simulate
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from .sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
                               offload_block_set)
 from ..errors import ConfigError, UserError
-from ..pipeline.schedules import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
+from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
 from .moe_checks import validate_experts
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def _validate_packing(c: Sections) -> None:
     if not (d.sources or is_prepared(d.source)):
         raise ConfigError("data.pack", f"packs whole documents, whose boundaries only a directory made by `threefold "
                           f"data prepare` records, not '{d.source}'; train from one (--data DIR) or set data.pack=false")
-    _own_attention(m, "data.pack", "to mask by document", "data.pack=false")
+    _own_attention(m, "data.pack", "to mask by document", "data.pack=false", c.train.seq_len)
     for on, what, fix in [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
                           (p.tp > 1, f"parallel.tp={p.tp}", "parallel.tp=1"),
                           (m.experts > 0, f"mixture-of-experts routing (model.experts={m.experts})", "a dense model"),
@@ -415,22 +415,45 @@ def _validate_periodic(c: Sections, dp: int) -> None:
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")
 
 
-def _hf_family(preset: str) -> str:
-    """" (LlamaForCausalLM)": the architecture config.json of an hf:DIR names; "" when it cannot be read."""
-    from .hf import read_config_json
+def _hf_window(raw: dict) -> int | None:
+    """The sliding window of config.json's windowed layers (None: every layer full causal), as the library
+    decides it (models/hf_causal.py `attention_windows`): Qwen's only with use_sliding_window, from
+    max_window_layers on unless layer_types says which; Mistral's in every layer."""
+    window = raw.get("sliding_window") or None
+    if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    types = raw.get("layer_types")
+    if window is None or raw.get("model_type") == "llama":
+        return None
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    if raw.get("model_type") in ("qwen2", "qwen3"):
+        return window if raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0) else None
+    return window
 
-    try:
-        return f" ({read_config_json(Path(preset[3:]))['architectures'][0]})"
-    except UserError:
-        return ""
 
-
-def _own_attention(m: ModelConfig, key: str, need: str, off: str) -> None:
-    """Refuse (under `key`) a Hugging Face model or a module of one's own: only threefold's decoder has the
-    attention seam that `need`s it."""
+def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) -> None:
+    """Refuse (under `key`) a model without the attention seam that `need`s it: a module of one's own, and
+    of the Hugging Face families all but the dense Llama-shaped ones (models/hf_attention.py), whose
+    sliding windows narrower than the `seq_len` sequence are refused too (a core takes no banded mask)."""
     if m.preset.startswith("hf:"):
-        raise ConfigError(key, f"the Hugging Face model {m.preset}{_hf_family(m.preset)} has no attention seam "
-                          f"{need}; use threefold's own decoder (model.preset=tiny, tiny-llama, ...) or {off}")
+        from .families import FAMILIES
+        from .hf import read_config_json
+
+        try:
+            raw = read_config_json(Path(m.preset[3:]))
+        except UserError:
+            raw = {"architectures": [""]}
+        arch = raw["architectures"][0]
+        family = f"the Hugging Face model {m.preset}{f' ({arch})' if arch else ''}"
+        if arch not in FAMILIES or FAMILIES[arch].module != "hf_causal":
+            raise ConfigError(key, f"{family} has no attention seam {need} (the dense families Llama, Mistral, "
+                              f"Qwen2 and Qwen3 have one); use one of them, threefold's own decoder or {off}")
+        window = _hf_window(raw)
+        if window is not None and window < seq_len:
+            raise ConfigError(key, f"{family} has sliding-window attention (a window of {window} tokens, narrower "
+                              f"than train.seq_len={seq_len}), which the attention seam does not compute; use "
+                              f"train.seq_len={window} or less, or {off}")
     if m.preset.startswith("py:"):
         raise ConfigError(key, f"model.preset={m.preset}: a module of your own has no attention {need}; use "
                           f"threefold's own decoder or {off}")
@@ -449,7 +472,7 @@ def _validate_context(c: Sections) -> None:
         raise ConfigError("parallel.cp_method", f"ulysses: {m.heads} query heads and {m.kv_heads} key/value heads "
                           f"must both be divisible by {over}; use parallel.cp_method=ring or allgather, "
                           "or a cp dividing both")
-    _own_attention(m, "parallel.cp", "context parallelism can split", "parallel.cp=1")
+    _own_attention(m, "parallel.cp", "context parallelism can split", "parallel.cp=1", t.seq_len)
     if m.experts > 0 and m.expert_capacity > 0:
         raise ConfigError("model.expert_capacity", f"{m.expert_capacity:g}: under context parallelism routing is "
                           "dropless (capacity is a matter of positions, and each cp rank holds zigzag chunks); use "

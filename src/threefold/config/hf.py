@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.families import FAMILIES  # plain data: the one table of families (no torch)
+from .families import FAMILIES  # plain data: the one table of families (no torch)
 
-# all three read from the family registry (models/families.py)
+# all three read from the family registry (config/families.py)
 MOE = tuple(arch for arch, family in FAMILIES.items() if family.experts)
 # config.json's model_type -> the architecture threefold builds for it
 ARCHITECTURES = {family.model_type: arch for arch, family in FAMILIES.items()}

@@ -24,7 +24,7 @@ from .sections import (CheckpointConfig, CompressConfig, DataConfig, DebugConfig
                               ParallelConfig, PipelineConfig, PrecisionConfig, RematConfig, RunConfig, Sections,
                               TrainConfig)
 from ..errors import ConfigError
-from ..models.presets import PRESETS
+from .presets import PRESETS
 
 __all__ = ["CheckpointConfig", "CompressConfig", "Config", "DataConfig", "DebugConfig", "FaultConfig", "ModelConfig",
            "ParallelConfig", "PipelineConfig", "PrecisionConfig", "RematConfig", "RunConfig", "TrainConfig",

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..errors import ConfigError
-from ..pipeline import schedules as registry  # the schedule registry: plain data
+from ..schedules import registry  # the schedule registry: plain data
 
-SCHEDULE_NAMES = tuple(registry.SCHEDULES)  # pipeline.schedule's choices: the registry's (pipeline/schedules.py)
+SCHEDULE_NAMES = tuple(registry.SCHEDULES)  # pipeline.schedule's choices: the registry's (schedules/registry.py)
 
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -5,15 +5,20 @@ directories only (their index records every document's end; config/checks.py ref
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .sampler import PackedSampler, Sampler
 
-if TYPE_CHECKING:
-    from ..config import DataConfig
+
+class DataChoice(Protocol):
+    """What is read here of the [data] section (the config's DataConfig): the data, and packed rows or not."""
+
+    source: str
+    sources: str
+    pack: bool
 
 
-def build_samplers(data: "DataConfig", seq_len: int, global_batch: int, seed: int, vocab: int,
+def build_samplers(data: DataChoice, seq_len: int, global_batch: int, seed: int, vocab: int,
                    validation: bool = False) -> tuple[Sampler, Sampler | None]:
     """(training sampler, validation sampler when `validation` asks for one, else None)."""
     from .prepared import is_prepared, mixture_of

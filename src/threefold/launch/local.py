@@ -95,14 +95,14 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
 
     SIGTERM, SIGINT and SIGUSR1 go on to the workers, which save at the next step boundary and
     stop; then (or when the workers were signalled directly) this returns 3, PREEMPTED_EXIT, and
-    restarts nothing. A second SIGINT ends the workers and this process at once (train/preempt.py).
+    restarts nothing. A second SIGINT ends the workers and this process at once (signals.py).
     """
     started = time.time()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ..train.preempt import NOTE_ENV, PREEMPTED_EXIT, Forwarder, StopNote
+    from .signals import NOTE_ENV, PREEMPTED_EXIT, Forwarder, StopNote
 
     if nodes is not None:
         port = nodes.port

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from ..config import Config
 from ..config.elastic import check_node_counts
@@ -38,9 +39,11 @@ def print_node_warnings(cfg, per_node: int) -> None:
         print(f"threefold: warning: {text}", file=sys.stderr, flush=True)
 
 
-def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[str]) -> int:
+def launch_nodes(cfg, args: argparse.Namespace, nodes: Nodes, overrides: list[str],
+                 check_data: Callable[[Config], None]) -> int:
+    """Start this node's share of the job: `cfg` is validated for the largest world and its data checked
+    (`check_data`, handed in by `threefold train`: train/inputs.py) before any process starts."""
     from .local import launch_local
-    from ..train.inputs import check_data
 
     nproc = args.nproc or 1
     argv = worker_argv(args, overrides)

@@ -1,7 +1,7 @@
 """Which family a `model` config names: a preset of the reference decoder, or PREFIX:REST.
 
 `PREFIXES` maps a `model.preset` prefix to the function that builds the spec from the rest of the
-name (`hf:DIR`: a Hugging Face directory, its architecture's module from models/families.py); a
+name (`hf:DIR`: a Hugging Face directory, its architecture's module from config/families.py); a
 preset without one of them is the reference decoder's. Adding a prefix is one entry.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import ModelConfig
-from .families import FAMILIES
+from ..config.families import FAMILIES
 from .spec import ModelSpec
 
 HF_PREFIX = "hf:"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .draw import chrome_trace, draw_timeline
-from .schedules import DEFAULT_SCHEDULE, SCHEDULES, build_schedule, validate
+from ..schedules.registry import DEFAULT_SCHEDULE, SCHEDULES, build_schedule, validate
 from .simulate import Costs, simulate
 
 

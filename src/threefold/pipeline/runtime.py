@@ -58,7 +58,7 @@ from ..observe.memory import SavedTensorMeter
 from . import backward_split
 from . import overlap
 from .adapter import PipelineAdapter
-from .schedules import COMM, Schedule
+from ..schedules.actions import COMM, Schedule
 from .stage import RankModule, Stage
 from .timeline import COMPUTE_KINDS, Event
 

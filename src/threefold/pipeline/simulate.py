@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Action, Schedule
-from .replay import replay
+from ..schedules.actions import Action, Schedule
+from ..schedules.replay import replay
 from .timeline import Event, bubble_fractions, busy_time, makespan, peak_in_flight
 
 

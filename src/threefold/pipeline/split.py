@@ -18,7 +18,7 @@ from ..mesh import PAIR, Mesh
 from ..observe.memory import SavedTensorMeter
 from .adapter import DecoderAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
-from .schedules import Schedule, build_schedule, kind, pair_overlap_blockers, paired_schedule
+from ..schedules.registry import Schedule, build_schedule, kind, pair_overlap_blockers, paired_schedule
 from ..config.checks import parse_split
 from .stage import (RankModule, Stage, balance, global_names, materialise, measured_costs, parameter_costs,
                     stages_from_bounds)

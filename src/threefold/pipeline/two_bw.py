@@ -32,9 +32,9 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from .actions import COMM, Action, Schedule, ScheduleError
-from .posting import add_aligned_communication
-from .two_bw_timeline import NAME, SHOWN, UPDATE, check_request, shown_order, unrolled_orders  # noqa: F401
+from ..schedules.actions import COMM, Action, Schedule, ScheduleError
+from ..schedules.posting import add_aligned_communication
+from ..schedules.two_bw_timeline import NAME, SHOWN, UPDATE, check_request, shown_order, unrolled_orders  # noqa: F401
 
 
 @lru_cache(maxsize=64)

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from ..config import load_config
 from ..errors import ConfigError, UserError
-from ..pipeline import schedules as pipeline_schedules
+from ..schedules import registry as pipeline_schedules
 from .activation_offload import offload_advice
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
 from .hardware import NETWORKS, GiB, PRESETS, load_gpu, network, network_label, network_of, with_network

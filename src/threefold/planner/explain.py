@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from ..errors import ConfigError
-from ..pipeline import schedules as pipeline_schedules
+from ..schedules import registry as pipeline_schedules
 from .checkpoint_interval import Advice, advise
 from .context_comm import METHODS as CP_METHODS, ulysses_splits
 from .hardware import GiB, Gpu
@@ -23,7 +23,7 @@ KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "zero": "zero", "m": "mi
         "microbatches": "microbatches",
         "v": "virtual_stages", "every": "remat_every", "ckpt": "remat", "schedule": "schedule",
         "cp": "cp", "cp_method": "cp_method"}
-SCHEDULES = tuple(pipeline_schedules.SCHEDULES)  # the registry's names (pipeline/schedules.py)
+SCHEDULES = tuple(pipeline_schedules.SCHEDULES)  # the registry's names (schedules/registry.py)
 VIRTUAL = pipeline_schedules.VIRTUAL_SCHEDULE  # the one that takes virtual stages (interleaved)
 POLICIES = ("none", "selective", "full", "every-k")
 

@@ -13,7 +13,7 @@ are replicated over cp as over dp: ZeRO shards over the replica ranks dp x cp (d
 Activations: the itemised bytes of activations.py (each tensor autograd saves, as the models
 really save them) for every micro-batch a rank holds at its peak. Without a pipeline that is one
 micro-batch (each backward frees its activations before the next forward). With one, the rank's
-own list of actions in the schedule (pipeline.schedules.compute_orders: the lists the runtime
+own list of actions in the schedule (schedules.registry.compute_orders: the lists the runtime
 executes) is replayed: a forward adds its chunk's bytes, a full backward (B) or the weight half
 (W, which zb-h1 defers) frees them, the input half (I) frees nothing; the peak of that sum is
 what the rank holds (interleaved chunks, GPipe's m, zb-h1's deferred weight gradients included).
@@ -152,7 +152,7 @@ def steady_microbatches(schedule: str, p: int, m: int, v: int) -> int:
     changing with m (gpipe's do not: it holds every micro-batch). That is checked, not assumed: the
     count `base` and `base + p` (same remainder modulo p, so the schedule's checks agree) must give
     the same states; otherwise the whole `m` is computed."""
-    from ..pipeline import schedules
+    from ..schedules import registry as schedules
 
     base = 4 * p * max(v, 2) + m % p
     if m <= base + p or schedules.check(schedule, p, base, v) or schedules.check(schedule, p, base + p, v):
@@ -164,7 +164,7 @@ def steady_microbatches(schedule: str, p: int, m: int, v: int) -> int:
 @lru_cache(maxsize=1024)
 def _held_states_of_every_rank(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """`held_states` of every rank from one computation of the orders (they are made together)."""
-    from ..pipeline import schedules  # the lists the runtime runs (pure Python)
+    from ..schedules import registry as schedules  # the lists the runtime runs (pure Python)
 
     per_rank = []
     for order in schedules.compute_orders(schedule, p, m, v):  # the registry's order function
@@ -215,7 +215,7 @@ def chunk_host_bytes(w: Workload, st: Strategy, chunk: Chunk) -> float:
 def host_held_states(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
     """Micro-batches whose offloaded saves are in host memory, per chunk, after each forward of `rank`:
     as `held_states`, except that the input half of a split backward (I) already brings them back."""
-    from ..pipeline import schedules
+    from ..schedules import registry as schedules
 
     order = schedules.compute_orders(schedule, p, m, v)[rank]
     counts, states = [0] * schedules.chunks_per_rank(schedule, v), set()

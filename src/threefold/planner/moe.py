@@ -159,7 +159,7 @@ def all_to_all_seconds(rows: float, m: ModelConfig, c: int, ep: int, tp: int, gp
 @lru_cache(maxsize=1024)
 def overlapped_pairs(schedule: str, p: int, m: int, rank: int) -> int:
     """How many (forward, backward) pairs of different chunks `rank` runs overlapped (0: none)."""
-    from ..pipeline.schedules import SCHEDULES  # pure Python: the registry the runtime reads
+    from ..schedules.registry import SCHEDULES  # pure Python: the registry the runtime reads
 
     kind = SCHEDULES[schedule]
     if p <= 1 or kind.pairs is None or kind.check(p, m, 1):
@@ -177,7 +177,7 @@ def overlapped_all_to_all(schedule: str, p: int, m: int, rank: int, compute_f: f
     total = a2a_f + a2a_b
     if not pairs or total <= 0:
         return a2a_f, a2a_b, 0.0
-    from ..pipeline.schedules import SCHEDULES
+    from ..schedules.registry import SCHEDULES
 
     chunks = SCHEDULES[schedule].chunks_for(1)
     hidden = pairs * min(total, compute_f + compute_b) / chunks / m  # per micro-batch, on average

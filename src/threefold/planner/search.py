@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from ..pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES as KINDS
+from ..schedules.registry import DEFAULT_SCHEDULE, SCHEDULES as KINDS
 from .compute import mfu
 from .context_comm import METHODS as CP_METHODS, ulysses_splits
 from .hardware import GiB, Gpu
@@ -38,7 +38,7 @@ from .workload import Strategy, Workload, rank_parameters, total_parameters
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 REMAT_POLICIES = ("none", "selective", "every-k", "full")  # cheapest first; every-k checkpoints one block in 2
-# every synchronous schedule of the registry (pipeline/schedules.py); an asynchronous one changes the
+# every synchronous schedule of the registry (schedules/registry.py); an asynchronous one changes the
 # optimisation and is never chosen for the user
 SEARCHED = tuple(sorted((name for name, kind in KINDS.items() if kind.synchronous),
                         key=lambda n: KINDS[n].preference))  # ties go to the simpler (the registration's preference)

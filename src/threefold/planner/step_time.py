@@ -90,7 +90,7 @@ class StepTime:
 def _simulator():
     """The schedule simulator, when the pipeline package provides it."""
     try:
-        from ..pipeline.schedules import build_schedule
+        from ..schedules.registry import build_schedule
         from ..pipeline.simulate import Costs, simulate
     except ImportError:
         return None
@@ -112,7 +112,7 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: flo
     steady = m * (f + b)
     if p == 1:
         return steady
-    from ..pipeline.schedules import SCHEDULES
+    from ..schedules.registry import SCHEDULES
     kind = SCHEDULES[schedule]
     if kind.bubble_time is not None:  # the registration's bubble for general F, I, W (interleaved, zb-h1)
         return steady + kind.bubble_time(p, m, v, f, b, w)
@@ -123,7 +123,7 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: flo
 
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> tuple[float, bool]:
     """(makespan, whether the simulator computed it)."""
-    from ..pipeline.schedules import SCHEDULES
+    from ..schedules.registry import SCHEDULES
     v = v if SCHEDULES[schedule].needs_virtual_stages else 1
     chunks = SCHEDULES[schedule].chunks_for(v)
     if p > 1 and _simulator() is not None and 3 * p * m * chunks <= SIMULATE_MAX_ACTIONS:

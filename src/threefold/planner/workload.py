@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import Config, ModelConfig
-from ..pipeline.schedules import DEFAULT_SCHEDULE
+from ..schedules.registry import DEFAULT_SCHEDULE
 from .moe import expert_parameters, sparse_block_extra, sparse_block_rank_extra, sparse_blocks
 
 IMPLEMENTATIONS = ("threefold", "hf-llama")  # whose activations: the reference decoder or transformers' Llama
@@ -55,7 +55,7 @@ class Strategy:
     zero: int = 0
     microbatches: int = 1  # per data-parallel rank per step
     remat: str = "none"  # none | selective | full | every-k
-    schedule: str = DEFAULT_SCHEDULE  # a name of the registry, pipeline/schedules.py (only matters when pp > 1)
+    schedule: str = DEFAULT_SCHEDULE  # a name of the registry, schedules/registry.py (only matters when pp > 1)
     virtual_stages: int = 1
     sequence_parallel: bool = False
     precision: str = "bf16"  # fp32 | bf16 | fp16
@@ -90,24 +90,24 @@ class Strategy:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank, as the schedule's registration says (pipeline/schedules.py):
+        """Model chunks per pipeline rank, as the schedule's registration says (schedules/registry.py):
         the virtual stages of an interleaved pipeline, two for the V schedules, else 1."""
         if self.pp == 1:
             return 1
-        from ..pipeline.schedules import SCHEDULES  # pure Python: the registry the runtime reads
+        from ..schedules.registry import SCHEDULES  # pure Python: the registry the runtime reads
         return SCHEDULES[self.schedule].chunks_for(self.virtual_stages)
 
     @property
     def virtual(self) -> int:
         """`virtual_stages` as the schedule takes them: its own for a schedule that needs them
         (the registration's `needs_virtual_stages`: interleaved), else 1."""
-        from ..pipeline.schedules import SCHEDULES
+        from ..schedules.registry import SCHEDULES
         return self.virtual_stages if SCHEDULES[self.schedule].needs_virtual_stages else 1
 
     @property
     def schedule_label(self) -> str:
         """The schedule's name, with xV when it takes virtual stages ("interleavedx2")."""
-        from ..pipeline.schedules import SCHEDULES
+        from ..schedules.registry import SCHEDULES
         return self.schedule + (f"x{self.virtual_stages}" if SCHEDULES[self.schedule].needs_virtual_stages else "")
 
     @property
@@ -115,7 +115,7 @@ class Strategy:
         """Which rank holds which stage: "interleaved" (stage s on rank s % pp) or "v"."""
         if self.pp == 1:
             return "interleaved"
-        from ..pipeline.schedules import SCHEDULES
+        from ..schedules.registry import SCHEDULES
         return SCHEDULES[self.schedule].placement
 
     @property

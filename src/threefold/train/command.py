@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import Config, load_config
 from ..errors import UserError
-from ..models.presets import PRESETS
+from ..config.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
 OPTION_KEYS = {
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
     nodes = node_options(args)
     if nodes is not None:
-        return launch_nodes(cfg, args, nodes, overrides_from(args))
+        return launch_nodes(cfg, args, nodes, overrides_from(args), check_data)
     cfg = cfg.validate(args.nproc or 1)  # fail before starting any process
     check_data(cfg)
     cfg, lock = rundir.claim(cfg, args.overwrite)

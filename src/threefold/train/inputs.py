@@ -54,7 +54,7 @@ def warnings_for(cfg: Config) -> list[str]:
 
 def _pair_warnings(cfg: Config) -> list[str]:
     """A paired schedule (dualpipev) with ep > 1 under a setting that keeps its pairs sequential."""
-    from ..pipeline.schedules import kind, pair_overlap_blockers
+    from ..schedules.registry import kind, pair_overlap_blockers
 
     p = cfg.parallel
     if p.pp == 1 or p.ep == 1 or kind(cfg.pipeline.schedule).pairs is None:

@@ -1,4 +1,4 @@
-"""The vocabulary of pipeline schedules: actions and per-rank action lists (see schedules.py)."""
+"""The vocabulary of pipeline schedules: actions and per-rank action lists (see registry.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""`threefold data ...`: train a BPE tokenizer, prepare token shards.
+"""`threefold data ...`: train a BPE tokenizer, prepare token shards (the data package's work, data/).
 
-Heavy imports (tokenizers, pyarrow, datasets) happen inside the commands, so `--help` is fast.
+It sits here, above the config, because `data prepare --config TOML` reads the run's config; data/
+itself reads none (the config's checks read the prepared directories). Heavy imports (tokenizers,
+pyarrow, datasets) happen inside the commands, so `--help` is fast.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
-    from .documents import Skipped, documents, expand
-    from .tokenizer import TOKENIZER_FILE, train_bpe
+    from ..data.documents import Skipped, documents, expand
+    from ..data.tokenizer import TOKENIZER_FILE, train_bpe
 
     out = Path(args.out)
     if (out / TOKENIZER_FILE).exists():
@@ -57,7 +59,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from .prepare import PrepareOptions, prepare
+    from ..data.prepare import PrepareOptions, prepare
 
     if args.workers < 0:
         raise UserError(f"--workers: must be at least 0, got {args.workers}")

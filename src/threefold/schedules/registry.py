@@ -250,9 +250,9 @@ def _dualpipev(p: int, m: int, rank: int) -> tuple[list[Action], list[tuple[Acti
 
 
 def pipedream_2bw_order(p: int, m: int, rank: int) -> list[Action]:
-    """PipeDream-2BW (two_bw.py): 1F1B without flush; the order of two consecutive batches (batch
+    """PipeDream-2BW (pipeline/two_bw.py): 1F1B without flush; the order of two consecutive batches (batch
     1's micro-batch i is m + i), so the picture shows the next batch's forwards entering before the
-    previous batch's last backwards. The updates and the per-step segments are two_bw.py's."""
+    previous batch's last backwards. The updates and the per-step segments are pipeline/two_bw.py's."""
     check_request(p, m)
     return shown_order(p, m, rank)
 

@@ -1,6 +1,6 @@
 """PipeDream-2BW's timeline as data (pure Python, read by the schedule registry): 1F1B across
 batches without a flush, each stage's update U right after its last backward of a batch.
-The runtime side (weight versions, the per-step pieces) is two_bw.py."""
+The runtime side (weight versions, the per-step pieces) is pipeline/two_bw.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Aligned posting: point-to-point actions placed so that NCCL's rules cannot deadlock them.
 
-`schedules.add_communication` sends right after the producer and posts each receive as late
+`registry.add_communication` sends right after the producer and posts each receive as late
 as FIFO matching allows. Under NCCL's rules (one in-order stream per communicator, sends that
 block until the receive is posted; stream_replay.py) an early receive can hold up the sends
 queued behind it, and the interleaved schedule's crossing traffic between neighbours then
