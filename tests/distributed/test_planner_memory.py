@@ -9,8 +9,9 @@ All cases of one world size run in one call of that shared world (a step of a ti
 a fraction of a second; starting processes is what costs).
 
 Requirement: within 5% of every counted part (1% for the Hugging Face cases, where one missed
-tensor per layer is only ~3%). Today every case matches to the byte:
-PLANNER_MEMORY_TOLERANCE=0 checks that.
+tensor per layer is only ~3%). Today every case but one matches to the byte (moe-dp2-ep2-zero1: which
+rank receives how many routed rows depends on the data, within 3% per rank):
+PLANNER_MEMORY_TOLERANCE=0 checks that. The cp cases also check the 1/cp law against their cp = 1 runs.
 """
 
 import os
@@ -211,7 +212,7 @@ def test_activations_per_rank_are_one_cp_th_of_cp1_plus_the_methods_extra(worlds
     targets are per token, so 1/cp of cp = 1's; cp = 1's token rows are a view of the rank's rows of
     S + 1 tokens (8 b bytes not per token; under cp the split inputs are a copy of s tokens); cp = 1
     caches one pair of rotary tables (4 S d), each block under cp computes its own (4 s d); and per block
-    the method's extra E (docs/planner.md "Context parallelism"):
+    the method's extra E (docs/planner.md "Context parallelism: the 1/cp law"):
 
         ring       4 b s a d  (the core merges its blocks in fp32 and saves its output)
                    - c b s a d with RoPE (the o projection's input is a copy of the core's output either way,
@@ -225,7 +226,7 @@ def test_activations_per_rank_are_one_cp_th_of_cp1_plus_the_methods_extra(worlds
     for prefix in ("", "llama-"):
         one_name = f"{prefix}cp1"
         cfg1 = make_config([*CASES[1][one_name], "train.steps=1"], str(tmp_path))
-        m, b, seq = cfg1.model, cfg1.train.global_batch, cfg1.train.seq_len
+        m, b, seq = cfg1.model, cfg1.train.global_batch, cfg1.train.seq_len  # dp = 1, one micro-batch; fp32
         rope = m.position == "rope"
         one = {"counted": counted[1][0][one_name]["activations"],
                "predicted": predict_memory(cfg1, 1, rank=0)["activations"]}
