@@ -11,8 +11,11 @@ from threefold.pipeline.simulate import Costs, simulate
 
 
 def _grid():
+    """Every p up to 16 at m = p, p + 1, 2p + 1, 3p; m = 64 at p = 1 .. 5, 8 and 16 (its steady step
+    only repeats past 3p)."""
     for p in range(1, 17):
-        for m in sorted({p, p + 1, 2 * p + 1, 3 * p, 64} & set(range(p, 65))):
+        largest = {64} if p <= 5 or p in (8, 16) else set()
+        for m in sorted(({p, p + 1, 2 * p + 1, 3 * p} | largest) & set(range(p, 65))):
             yield p, m
 
 

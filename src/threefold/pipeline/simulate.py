@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..schedules.actions import Action, Schedule
 from ..schedules.replay import replay
-from .timeline import Event, bubble_fractions, busy_time, makespan, peak_in_flight
+from .timeline import Event, bubble_fractions, busy_times, makespan, peak_in_flight
 
 
 @dataclass(frozen=True)
@@ -67,5 +67,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None,
               for r, (actions, times) in enumerate(zip(schedule.ranks, run.times))
               for a, (start, end) in zip(actions, times)]
     p = schedule.pp
-    return Simulation(schedule, events, makespan(events), [busy_time(events, r) for r in range(p)],
-                      bubble_fractions(events, p), peak_in_flight(events, p))
+    busy = busy_times(events, p)
+    return Simulation(schedule, events, makespan(events), busy, bubble_fractions(events, p, busy),
+                      peak_in_flight(events, p))

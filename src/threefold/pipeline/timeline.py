@@ -27,11 +27,10 @@ def makespan(events: list[Event]) -> float:
     return max(e.end for e in events) - min(e.start for e in events)
 
 
-def busy_time(events: list[Event], rank: int) -> float:
-    """The time the rank computed: the union of its compute events (dualpipev's overlapped pairs
-    run two at once)."""
+def _union(intervals) -> float:
+    """The length of the union of (start, end) intervals."""
     total, reach = 0.0, None
-    for start, end in sorted((e.start, e.end) for e in events if e.rank == rank and e.kind in COMPUTE_KINDS):
+    for start, end in sorted(intervals):
         if reach is None or start > reach:
             total, reach = total + end - start, end
         elif end > reach:
@@ -39,12 +38,28 @@ def busy_time(events: list[Event], rank: int) -> float:
     return total
 
 
-def bubble_fractions(events: list[Event], pp: int) -> list[float]:
-    """Per rank: the share of the step's makespan the rank spent not computing."""
+def busy_time(events: list[Event], rank: int) -> float:
+    """The time the rank computed: the union of its compute events (dualpipev's overlapped pairs
+    run two at once)."""
+    return _union((e.start, e.end) for e in events if e.rank == rank and e.kind in COMPUTE_KINDS)
+
+
+def busy_times(events: list[Event], pp: int) -> list[float]:
+    """`busy_time` of every rank, in one pass over the events."""
+    per_rank: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    for e in events:
+        if e.kind in COMPUTE_KINDS:
+            per_rank[e.rank].append((e.start, e.end))
+    return [_union(intervals) for intervals in per_rank]
+
+
+def bubble_fractions(events: list[Event], pp: int, busy: list[float] | None = None) -> list[float]:
+    """Per rank: the share of the step's makespan the rank spent not computing (`busy`: the ranks'
+    `busy_times`, when known)."""
     total = makespan(events)
     if total <= 0:
         return [0.0] * pp
-    return [1.0 - busy_time(events, r) / total for r in range(pp)]
+    return [1.0 - b / total for b in (busy if busy is not None else busy_times(events, pp))]
 
 
 def peak_in_flight(events: list[Event], pp: int) -> list[int]:
@@ -54,10 +69,13 @@ def peak_in_flight(events: list[Event], pp: int) -> list[int]:
     backward is split), in the order the rank ran its actions.
     """
     split = {(e.stage, e.mb) for e in events if e.kind == "W"}
+    per_rank: list[list[Event]] = [[] for _ in range(pp)]
+    for e in events:
+        per_rank[e.rank].append(e)
     peaks = []
-    for r in range(pp):
+    for mine in per_rank:
         held = peak = 0
-        for e in sorted((e for e in events if e.rank == r), key=lambda e: (e.start, e.end)):
+        for e in sorted(mine, key=lambda e: (e.start, e.end)):
             if e.kind == "F":
                 held += 1
                 peak = max(peak, held)
