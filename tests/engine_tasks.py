@@ -6,8 +6,8 @@ from torch import nn
 
 from tests import engine_models
 
-STEPS, BATCH = 10, 8
-CONFIG = ["train.steps=10", "train.lr=3e-3", "train.eps=1e-6", "train.grad_clip=0.5", "train.weight_decay=0.1",
+STEPS, SAVED, BATCH = 6, 3, 8  # a resume loads the step-SAVED checkpoint
+CONFIG = [f"train.steps={STEPS}", "train.lr=3e-3", "train.eps=1e-6", "train.grad_clip=0.5", "train.weight_decay=0.1",
           "train.beta2=0.95", "parallel.bucket_mb=0.001"]  # small buckets: several per model
 UNITS = {"ConvBN": None, "ViT": [nn.TransformerEncoderLayer], "FrozenShared": ["a", "b", "head", "unused"]}
 # tensor parallelism of the ViT's MLPs, as torch's parallelize_module plans name it
@@ -48,7 +48,7 @@ def _engine(name: str, overrides: list[str], seed: int, lora: bool = False):
 
 
 def run_lora(name: str, overrides: list[str]) -> dict:
-    """10 steps of a peft LoRA model through `threefold.prepare(..., lora=LoraConfig)`."""
+    """STEPS steps of a peft LoRA model through `threefold.prepare(..., lora=LoraConfig)`."""
     e = _engine(name, overrides, 0, lora=True)
     records = _steps(e, 1, STEPS)
     return {"losses": [r["loss"] for r in records], **_state(e), "trainable": sum(p.numel() for p in e.module.parameters() if p.requires_grad),
@@ -73,17 +73,17 @@ def _steps(e, first: int, last: int) -> list[dict]:
 
 
 def resume(name: str, overrides: list[str], ckpt: str) -> dict:
-    """An engine of another init (and perhaps another layout) loads `ckpt` (step 5) and runs steps 6-10."""
+    """An engine of another init (and perhaps another layout) loads `ckpt` (step SAVED) and runs the rest."""
     e = _engine(name, overrides, 7)
-    assert e.load(ckpt) == 5
-    records = _steps(e, 6, STEPS)
+    assert e.load(ckpt) == SAVED
+    records = _steps(e, SAVED + 1, STEPS)
     x, y = batch(1)
     return {"losses": [r["loss"] for r in records], **_state(e), "eval": e.eval_step((x[:4], y[:4]))}
 
 
 def run(name: str, overrides: list[str], ckpt: str | None = None) -> dict:
-    """10 steps of `threefold.prepare`; with `ckpt`, also 5 steps, save, a fresh engine from another
-    init loads it, 5 more: both runs' final tensors (this rank's pieces) and placements."""
+    """STEPS steps of `threefold.prepare`; with `ckpt`, also SAVED steps, save, a fresh engine from another
+    init loads it, the rest: both runs' final tensors (this rank's pieces) and placements."""
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
@@ -94,11 +94,11 @@ def run(name: str, overrides: list[str], ckpt: str | None = None) -> dict:
               **_state(e)}
     if ckpt is not None:
         e = _engine(name, overrides, 0)
-        _steps(e, 1, 5)
+        _steps(e, 1, SAVED)
         e.save(ckpt)
         e = _engine(name, overrides, 7)  # other initial values: everything must come from the checkpoint
-        assert e.load(ckpt) == 5
-        report["resumed"] = [r["loss"] for r in _steps(e, 6, STEPS)]
+        assert e.load(ckpt) == SAVED
+        report["resumed"] = [r["loss"] for r in _steps(e, SAVED + 1, STEPS)]
         report["resumed_state"] = _state(e)["tensors"]
     return report
 
