@@ -15,7 +15,8 @@ from tests.helpers import make_config
 
 HIDDEN = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
-TRAIN = ["train.global_batch=8", "train.seq_len=16", "train.min_lr_ratio=1.0", "train.steps=10"]
+STEPS = 6
+TRAIN = ["train.global_batch=8", "train.seq_len=16", "train.min_lr_ratio=1.0", f"train.steps={STEPS}"]
 
 
 def save_tiny(family: str, out: Path, shard: str | None = None, **changes) -> Path:
