@@ -9,8 +9,9 @@ All cases of one world size run in one call of that shared world (a step of a ti
 a fraction of a second; starting processes is what costs).
 
 Requirement: within 5% of every counted part (1% for the Hugging Face cases, where one missed
-tensor per layer is only ~3%). Today every case but one matches to the byte (moe-dp2-ep2-zero1: which
-rank receives how many routed rows depends on the data, within 3% per rank):
+tensor per layer is only ~3%). Today every case but the expert-parallel ones matches to the byte
+(moe-dp2-ep2-zero1 and moe-dp2-cp2-ep2-zero1: which rank receives how many routed rows depends on the
+data, within 3% and 3.8% per rank; the ranks' mean is the prediction to the byte, `BALANCED`):
 PLANNER_MEMORY_TOLERANCE=0 checks that. The cp cases also check the 1/cp law against their cp = 1 runs.
 """
 
@@ -27,6 +28,7 @@ HF_TOLERANCE = min(TOLERANCE, 0.01)  # one (b, s, h) tensor per layer is ~3% of 
 
 TINY = ["model.preset=tiny", "train.global_batch=8", "train.seq_len=32"]
 LLAMA = ["model.preset=tiny-llama", "train.global_batch=8", "train.seq_len=32"]
+MOE = ["model.preset=tiny-moe", "train.global_batch=8", "train.seq_len=32"]
 PP = ["model.preset=tiny", "model.layers=4", "train.global_batch=8", "train.seq_len=32", "parallel.pp=2",
       "train.microbatches=4"]
 
@@ -95,6 +97,12 @@ CASES = {  # world size -> {id: config overrides}
         # context parallelism: each rank holds 1/cp of every sequence (CP below: the 1/cp law)
         **{f"cp2-{m}": [*TINY, "parallel.cp=2", f"parallel.cp_method={m}"] for m in CP_METHODS},
         **{f"llama-cp2-{m}": [*LLAMA, "parallel.cp=2", f"parallel.cp_method={m}"] for m in CP_METHODS},
+        # selective recomputation under cp: the recomputed core keeps none of the method's state
+        **{f"cp2-{m}-selective": [*TINY, "parallel.cp=2", f"parallel.cp_method={m}", "remat.policy=selective"]
+           for m in ("allgather", "ulysses")},
+        # a mixture of experts under cp: each rank routes its own zigzag part of every sequence
+        "moe-cp2-ring": [*MOE, "parallel.cp=2"],
+        "moe-cp2-ulysses-selective": [*MOE, "parallel.cp=2", "parallel.cp_method=ulysses", "remat.policy=selective"],
     },
     4: {
         "dp4": TINY,
@@ -107,6 +115,7 @@ CASES = {  # world size -> {id: config overrides}
         **{f"cp4-{m}": [*TINY, "parallel.cp=4", f"parallel.cp_method={m}"] for m in CP_METHODS},
         "llama-cp4-ring": [*LLAMA, "parallel.cp=4"],
         "llama-cp4-allgather": [*LLAMA, "parallel.cp=4", "parallel.cp_method=allgather"],
+        "moe-dp2-cp2-ep2-zero1": [*MOE, "parallel.cp=2", "parallel.ep=2", "parallel.zero=1"],  # EP: see BALANCED
     },
 }
 
@@ -155,11 +164,11 @@ def hf_saved_bytes(cases: list) -> list[int]:
     return out
 
 
-def _check(predicted: dict, counted: dict, where: str) -> None:
+def _check(predicted: dict, counted: dict, where: str, tolerance: float = TOLERANCE) -> None:
     for key, value in counted.items():
         if value:
             err = abs(predicted[key] / value - 1)
-            assert err <= TOLERANCE, f"{where} {key}: predicted {predicted[key]} vs counted {value} ({err:.1%})"
+            assert err <= tolerance, f"{where} {key}: predicted {predicted[key]} vs counted {value} ({err:.1%})"
 
 
 _COUNTED: dict[int, list[dict]] = {}  # world size -> per rank, {case: counted bytes}: one run per session
@@ -179,6 +188,14 @@ def counted_bytes(worlds, size: int, out: str) -> list[dict]:
     return _COUNTED[size]
 
 
+# Expert parallelism: which rank receives how many routed rows depends on the data, so a rank's activations
+# are within the tolerance (moe-dp2-ep2-zero1 2.9%, moe-dp2-cp2-ep2-zero1 3.8%: 552,320-596,096 counted
+# against 574,208), while the mean over the ranks holding the same tokens (an ep group receives what it
+# sends) is the prediction to the byte.
+BALANCED = {2: ["moe-dp2-ep2-zero1"], 4: ["moe-dp2-cp2-ep2-zero1"]}
+EP_TOLERANCE = 0.04  # their per-rank bound, also under PLANNER_MEMORY_TOLERANCE=0
+
+
 @pytest.mark.parametrize("size", sorted(CASES))
 def test_predicted_memory_matches_counted_bytes(worlds, tmp_path, size):
     cases = CASES[size]
@@ -186,8 +203,14 @@ def test_predicted_memory_matches_counted_bytes(worlds, tmp_path, size):
     for rank, counted in enumerate(results):
         for name, overrides in cases.items():
             cfg = make_config([*overrides, "train.steps=1"], str(tmp_path))
-            _check(predict_memory(cfg, size, rank=rank), counted[name], f"{name} rank {rank}:")
+            bound = max(TOLERANCE, EP_TOLERANCE) if name in BALANCED.get(size, []) else TOLERANCE
+            _check(predict_memory(cfg, size, rank=rank), counted[name], f"{name} rank {rank}:", bound)
             assert counted[name]["activations"] > 0
+    for name in BALANCED.get(size, []):
+        cfg = make_config([*cases[name], "train.steps=1"], str(tmp_path))
+        predicted = {predict_memory(cfg, size, rank=r)["activations"] for r in range(size)}
+        total = sum(counted[name]["activations"] for counted in results)
+        assert predicted == {total / size}, f"{name}: the ranks' mean {total / size} against {predicted}"
 
 
 def cp_extra(m, method: str, cp: int, b: int, seq: int, c: int = 4) -> int:

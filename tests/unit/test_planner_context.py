@@ -164,6 +164,13 @@ def test_short_sequences_do_not_search_cp_and_max_cp_bounds_it():
         {"ring", "allgather", "ulysses"}
 
 
+def test_a_fixed_pipedream_2bw_is_planned_with_cp():
+    """pipedream-2bw is never chosen for the user, but fixed it composes with cp as the config allows."""
+    long = Workload(LLAMA7B, 8, 131072)
+    plans = enumerate_strategies(long, 8, H100, {"tp": 1, "pp": 2, "schedule": "pipedream-2bw"})
+    assert {st.schedule for st in plans} == {"pipedream-2bw"} and {st.cp for st in plans} == {1, 2, 4}
+
+
 # ------------------------------------------------------------------ refusals
 
 
@@ -186,11 +193,99 @@ def test_ulysses_needs_heads_and_kv_heads_divisible_by_cp_times_tp():
                if st.cp_method == "ulysses" and st.cp > 1)
 
 
-def test_mixture_of_experts_and_other_software_refuse_cp():
-    moe = Workload(replace(load_config(None, ["model.preset=tiny-moe"]).model, max_seq=32768), 8, 32768)
-    assert {st.cp for st in enumerate_strategies(moe, 8, H100, {"tp": 1, "pp": 1})} == {1}
+MOE = model("tiny-moe", 32768)
+
+
+def test_a_mixture_of_experts_searches_cp_and_ep_together_routing_only_its_tokens():
+    """Dropless MoE under cp (docs/context.md): searched with ep, and with tp (sequence parallel or not);
+    nothing says 'not modelled'; a capacity is refused (the config's rule)."""
+    w = Workload(MOE, 8, 32768)
+    found = enumerate_strategies(w, 8, H100, {"pp": 1})
+    assert {st.cp for st in found} == {1, 2, 4, 8}
+    assert any(st.cp > 1 and st.ep > 1 for st in found)
+    assert any(st.cp > 1 and st.tp > 1 and st.sequence_parallel for st in found)
+    assert not any("not modelled" in p for p in layout_problems(w, 8, H100, {"cp": 2, "ep": 2, "dp": 4}))
+    capped = Workload(replace(MOE, expert_capacity=1.25), 8, 32768)
+    assert {st.cp for st in enumerate_strategies(capped, 8, H100, {"pp": 1})} == {1}
+    assert any("dropless" in p for p in layout_problems(capped, 8, H100, {"cp": 2}))
+
+
+def test_a_sparse_blocks_saves_are_one_cp_th_but_the_summed_balance():
+    """The router, dispatched rows and experts' activations of a sparse block are per local token, so
+    1/cp of the whole sequence's; the per-sequence balance, summed over cp, saves 4 b E more (8 b E)."""
+    from threefold.planner.activations import sparse_block_items
+
+    b, S, e = 2, 4096, MOE.experts
+    whole = sparse_block_items(MOE, Shape(b, S, 2))
+    for cp in (2, 4):
+        part = sparse_block_items(MOE, Shape(b, S // cp, 2, 1, False, cp, "ring"))
+        assert (part["mlp"] - 8 * b * e) * cp == whole["mlp"] - 4 * b * e
+
+
+def test_expert_all_to_all_moves_the_local_tokens_and_the_routing_statistics_are_all_reduced():
+    """Under (cp, ep) each rank's all-to-all carries its own 1/cp of every sequence's routed rows; each
+    sparse block all-reduces its routing statistics over cp once per forward (small, counted)."""
+    from threefold.planner import moe as planner_moe
+    from threefold.planner.step_time import _cp_comm, _ep_comm
+
+    w = Workload(replace(MOE, layers=4), 16, 32768)
+    one = Strategy(dp=4, ep=4, microbatches=2)
+    split = replace(one, cp=2)  # the same micro-batch of 2 sequences, half of each per rank
+    ep_one, ep_split = _ep_comm(w, one, H100, 0), _ep_comm(w, split, H100, 0)
+    rows = planner_moe.routed_rows(w.model, 2, 32768, 1, False)
+    a2a = planner_moe.all_to_all_seconds(rows / 2, w.model, 2, 4, 1, H100)
+    assert ep_split[0] == pytest.approx(2 * 4 * a2a) and ep_split[0] < ep_one[0]
+    nbytes = planner_moe.routing_statistics_bytes(w.model, 2)
+    assert nbytes == 4 * (2 * 2 * MOE.experts + 2 + MOE.experts + 1)
+    stats = axis_link(H100, "cp", 1, 4, 2)
+    from threefold.planner import comm as planner_comm
+    f_with, b_with, _ = _cp_comm(w, split, H100, 4, 4)
+    f_without, b_without, _ = _cp_comm(w, split, H100, 4, 0)
+    assert f_with - f_without == pytest.approx(4 * planner_comm.all_reduce(nbytes, 2, stats))
+    assert b_with == b_without  # its backward is the identity
+    from threefold.planner.dp_comm import _groups  # experts' gradients over edp x cp (expert_replica_axis)
+    assert _groups(split, 1.0, 2.0) == [(1.0, 8), (2.0, 2)] and _groups(one, 1.0, 2.0) == [(1.0, 4), (2.0, 1)]
+    full = replace(split, remat="full")  # a recomputed sparse block all-reduces again
+    assert _cp_comm(w, full, H100, 4, 4)[1] - _cp_comm(w, full, H100, 4, 0)[1] == pytest.approx(
+        4 * planner_comm.all_reduce(nbytes, 2, stats))
+
+
+def test_selective_recomputation_keeps_none_of_the_cores_cp_state():
+    """remat.policy=selective recomputes the attention core, which under cp is the method's whole attention:
+    the gathered K and V, the mask, ulysses' head-sharded output and the ring's fp32 output all go; what
+    stays is the core's input (the local q, k, v) and the o projection's input, 1/cp of cp = 1's."""
+    from threefold.planner.activations import block_bytes
+
+    m, S, b = LLAMA70B, 32768, 2
+    for tp, sp in ((1, False), (4, True)):
+        whole = block_bytes(m, Shape(b, S, 2, tp, sp), "selective")
+        for cp in (2, 4):
+            for method in ("ring", "allgather", "ulysses"):
+                part = block_bytes(m, Shape(b, S // cp, 2, tp, sp, cp, method), "selective")
+                assert part * cp == whole, (tp, cp, method)
+    # tiny at cp 2 (fp32, b 8, S 32; GPT: no RoPE): what the harness counts, 98,304 less than before
+    tiny = load_config(None, ["model.preset=tiny"]).model
+    for method in ("allgather", "ulysses"):
+        x = Shape(8, 16, 4, 1, False, 2, method)
+        assert block_bytes(tiny, x, "none") - block_bytes(tiny, x, "selective") == 49152 + 4 * 8 * 4 * 16
+
+
+def test_hugging_face_llama_plans_cp_with_the_decoders_terms():
+    """implementation=hf-llama under cp: its own items per local token, plus the method's terms of the core
+    (the attention runs through threefold's seam): the search tries cp, nothing says 'not modelled'."""
     hf = replace(Workload(LLAMA7B, 8, 131072), implementation="hf-llama")
-    assert enumerate_strategies(hf, 8, H100, {"cp": 2}) == []
+    found = enumerate_strategies(hf, 8, H100, {"cp": 2})
+    assert found and all(st.cp == 2 for st in found)
+    assert not any("not modelled" in p for p in layout_problems(hf, 8, H100, {"cp": 2}))
+    one = block_items(LLAMA7B, Shape(1, 131072, 2), hf=True)
+    allgather = block_items(LLAMA7B, Shape(1, 65536, 2, 1, False, 2, "allgather"), hf=True)
+    d, a = LLAMA7B.head_dim, LLAMA7B.heads
+    assert allgather["cp_mask"] == 2 * 65536 * 131072
+    assert allgather["qkv"] == 2 * 65536 * d * a + 2 * 131072 * d * 2 * a
+    for key in ("norms", "attention_core", "mlp", "attention_out"):
+        assert allgather[key] * 2 == one[key], key
+    mem = rank_memory(hf, Strategy(dp=4, cp=2, microbatches=2, zero=3, remat="full"), H100)
+    assert mem.total < rank_memory(hf, Strategy(dp=8, microbatches=1, zero=3, remat="full"), H100).total
 
 
 def test_the_command_fixes_cp_and_says_why_a_layout_cannot_exist(capsys):

@@ -94,3 +94,41 @@ def test_a_dense_model_is_not_offered_expert_parallelism():
     r = search(Workload(model("llama-7b"), 64, 2048), 16, H100)
     assert {c.strategy.ep for c in r.candidates} == {1}
     assert Strategy(ep=2, dp=4).edp == 2
+
+
+class _Identity(torch.autograd.Function):  # an all-reduce over a group of one: a new tensor, identity backward
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Holders:
+    """The `SequenceShards` of a sparse block that sees one of `size` parts of every sequence (cp or SP)."""
+
+    def __init__(self, size):
+        self.rank, self.size, self.reports = 0, size, True
+
+    def sum(self, t):
+        return _Identity.apply(t)
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 1), (4, 1), (1, 2)])
+def test_a_sparse_mlp_that_routes_its_part_of_each_sequence_saves_the_summed_balance_too(cp, tp):
+    """Under context parallelism (or sequence parallelism) the router sees the rank's part of every sequence
+    and sums the statistics over the holders (parallel/expert.py AxisSequenceShards): every item is the
+    part's, and the summed mean probability is saved for its gradient too (4 b E more)."""
+    m = model("tiny-moe")
+    moe = build_model(m, 0).blocks[0].mlp
+    moe.sequence = _Holders(cp * tp)
+    x = torch.randn(3, 16 // (cp * tp), m.hidden, requires_grad=True)
+    meter = SavedTensorMeter(exclude=[x, *moe.parameters()])
+    with meter.measure():
+        moe(x)
+    if cp > 1:
+        assert sparse_mlp_saved_bytes(m, 3, 16 // cp, 4, cp=cp) == meter.peak
+    else:
+        assert sparse_mlp_saved_bytes(m, 3, 16, 4, tp, True) == meter.peak

@@ -50,7 +50,10 @@ token rows are split copies (inputs and targets, 8*bs each), not views of the ra
 
 Checkpointing: `full` keeps each block's input (c*bsh, /t under SP); `selective` drops the
 attention core's internals (the log-sum-exp here - and the core's output where RoPE's copy feeds
-the o projection - the s^2 scores in the paper); `every-k`
+the o projection - the s^2 scores in the paper), keeping the core's inputs (the local q, k, v) and
+the o projection's input (c*bsh/t); under cp the core is the method's whole attention, so its
+gathered K and V, its mask, ulysses' head-sharded output and the ring's fp32 output all go (the
+recomputation in backward holds them again, one block at a time); `every-k`
 applies `full` to the blocks whose global index is a multiple of k.
 
 Activation offload (`remat.offload=cpu`, parallel/remat.py): an offloaded block's saves (under its
@@ -145,7 +148,7 @@ def sparse_block_items(m: ModelConfig, x: Shape, ep: int = 1, hf: bool = False) 
     consumers = 2 if m.mlp == "swiglu" else 1
     items["norms"] += (x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)
                        - linear_inputs(m, x, consumers))
-    items["mlp"] = sparse_mlp_saved_bytes(m, x.b, x.s, x.c, x.t, x.sp, ep)
+    items["mlp"] = sparse_mlp_saved_bytes(m, x.b, x.s, x.c, x.t, x.sp, ep, x.cp)
     return items
 
 
@@ -156,12 +159,12 @@ def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse:
     if policy == "full":
         return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
     items = sparse_block_items(m, x, ep, hf) if sparse else block_items(m, x, hf)
-    if policy == "selective":  # the core's log-sum-exp goes; so does its output when RoPE copies it for o
-        items.pop("attention_core")
-        if "cp_core" in items:  # the ring's fp32 output (the o projection's input stays)
-            items.pop("cp_core")
-        elif m.position == "rope" and not hf:
-            items["attention_out"] /= 2
+    if policy == "selective":  # the core (attn.core) is recomputed: of it only its inputs and o's input stay
+        for inside in ("attention_core", "cp_mask", "cp_core"):  # log-sum-exp; the cp mask; the ring's fp32 output
+            items.pop(inside, None)
+        heads, kv_heads = m.heads // x.t, max(1, m.kv_heads // x.t)
+        items["qkv"] = x.c * x.bs * m.head_dim * (heads + 2 * kv_heads)  # the local q, k, v (not gathered K, V)
+        items["attention_out"] = x.c * x.bs * heads * m.head_dim  # the o projection's input (not SDPA's output)
     return sum(items.values())
 
 

@@ -49,8 +49,8 @@ MEETING_BYTES = 4  # a local SGD / DiLoCo meeting all-reduces fp32 masters (or d
 
 def _groups(st: Strategy, dense: float, expert: float) -> list[tuple[float, int]]:
     """(values, ranks) per reduction group: dense over the replicas (dp, or dp x cp in one collective
-    under context parallelism), experts (when any) over edp."""
-    return [(dense, st.replicas), (expert, st.edp)] if expert else [(dense, st.replicas)]
+    under context parallelism), experts (when any) over edp (edp x cp under context parallelism)."""
+    return [(dense, st.replicas), (expert, st.expert_replicas)] if expert else [(dense, st.replicas)]
 
 
 def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,

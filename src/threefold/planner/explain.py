@@ -80,7 +80,7 @@ def breakdown(c: Candidate, gpu: Gpu) -> list[str]:
     st = c.strategy
     if st.zero == 3:
         over = f"dp x cp = {st.replicas}" if st.cp > 1 else f"dp={st.dp}"
-        groups = f"parameters and gradients sharded over {over}" + (f" (routed experts over {st.edp})"
+        groups = f"parameters and gradients sharded over {over}" + (f" (routed experts over {st.expert_replicas})"
                                                                     if st.ep > 1 else "")
         if st.hpz:
             groups += (f"; hpZ secondary weights over the {c.hpz_group} dp ranks of a node "
@@ -141,16 +141,11 @@ def layout_problems(w: Workload, gpus: int, gpu: Gpu, fixed: dict) -> list[str]:
             over = f"cp={cp}" if not tp or tp == 1 else f"cp x tp = {cp * tp}"
             out.append(f"cp_method=ulysses: the {m.heads} heads and {m.kv_heads} kv heads are not both divisible by "
                        f"{over}")
-        if m.experts:
-            out.append(f"cp={cp} with a mixture of experts is not modelled by the planner yet (training runs it "
-                       "dropless: docs/context.md)")
-        if w.implementation != "threefold":
-            out.append(f"cp={cp} with {w.implementation} is not modelled by the planner yet (training runs it: "
-                       "the Hugging Face dense families' attention seam)")
+        if m.experts and m.expert_capacity > 0:
+            out.append(f"cp={cp} with an expert capacity ({m.expert_capacity:g}) is refused: under cp routing is "
+                       "dropless (model.expert_capacity=0)")
         if fixed.get("hpz"):
             out.append(f"cp={cp} with hpz is not wired in training yet")
-        if fixed.get("ep", 1) > 1:
-            out.append(f"cp={cp} with ep is not modelled by the planner yet (training runs it)")
         if tp and pp and gpus % (tp * pp * cp):
             out.append(f"cp x tp x pp = {tp * pp * cp} does not divide {gpus} GPUs")
     if tp and pp and gpus % (tp * pp):

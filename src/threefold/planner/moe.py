@@ -29,8 +29,13 @@ the z-loss log-sum-exp 4*T; the gathered rows c*A*h with their index 8*A, the ex
 silu, up and product 4c*A*f (GELU: up, gelu 2c*A*f), the gate weights c*A with their index 8*A,
 the combined rows c*A*h, the scaled rows c*A*h and the index of the sum 8*A; under ep the
 arrived rows are regrouped by expert and back (two more int64 indices, 16*A); shared experts
-save as a dense MLP of their width. The load is assumed balanced (each rank receives A rows);
-a rank whose experts are more popular holds more.
+save as a dense MLP of their width. Under context parallelism (dropless) T and A are the rank's own:
+its 1/cp part of every sequence is what it routes, so every item is 1/cp of the whole sequence's but
+the per-sequence balance, which sums its parts over cp (`AxisSequenceShards`; over tp too under
+sequence parallelism, with or without cp) and then saves the summed mean probability for its
+gradient as well: 8*b*E. The all-to-all rows under ep are the local
+ones. The load is assumed balanced (each rank receives A rows); a rank whose experts are more
+popular holds more.
 
 Overlap of the all-to-all (`Workload.a2a_overlap`, `overlapped_all_to_all`): software that runs a
 paired forward and backward of two different chunks at once (DeepSeek-V3's DualPipe: "overlap the
@@ -124,18 +129,28 @@ def routed_rows(m: ModelConfig, b: int, s: int, tp: int, sp: bool) -> float:
 
 
 def sparse_mlp_saved_bytes(m: ModelConfig, b: int, s: int, c: int, tp: int = 1, sp: bool = False,
-                           ep: int = 1) -> float:
-    """Bytes a sparse block's MLP saves for backward (module docstring), its input excluded."""
+                           ep: int = 1, cp: int = 1) -> float:
+    """Bytes a sparse block's MLP saves for backward (module docstring), its input excluded; `s` is the
+    rank's tokens of a sequence (under context parallelism its 1/cp part: the router routes only those)."""
     tokens = b * s / (tp if sp and tp > 1 else 1)
     e, k, h = m.experts, m.experts_top_k, m.hidden
     a = routed_rows(m, b, s, tp, sp)
-    router = 8 * tokens * e + 8 * tokens * k + (4 * tokens * (k + 1) if k > 1 else 0) + 4 * b * e + 4 * tokens
+    summed = cp > 1 or (sp and tp > 1)  # the statistics summed over the holders of the sequence's parts
+    balance = 4 * b * e * (2 if summed else 1)  # f_e; summed, P_e is saved for its gradient too
+    router = 8 * tokens * e + 8 * tokens * k + (4 * tokens * (k + 1) if k > 1 else 0) + balance + 4 * tokens
     act = 4 if m.mlp == "swiglu" else 2
     dispatch = c * a * h + 8 * a + act * c * a * m.expert_width + c * a + 8 * a + 2 * c * a * h + 8 * a
     if ep > 1:
         dispatch += 16 * a
     shared = act * c * tokens * m.shared_experts * m.expert_width
     return router + dispatch + shared
+
+
+def routing_statistics_bytes(m: ModelConfig, b: int) -> float:
+    """Bytes a sparse block all-reduces over the ranks holding the parts of its b sequences (context
+    parallelism; models/moe.py `MoE._auxiliary`): per sequence and expert the assignments and summed
+    probabilities, per sequence the z-loss sum, per expert the count, and the dropped count (fp32)."""
+    return 4 * (2 * b * m.experts + b + m.experts + 1)
 
 
 # ------------------------------------------------------------------ all-to-all

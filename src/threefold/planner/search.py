@@ -169,8 +169,6 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                         if pp > 1 and (KINDS[schedule].check(pp, micro, v)
                                        or pp * KINDS[schedule].chunks_for(v) > m.layers):
                             continue
-                        if cp > 1 and not KINDS[schedule].synchronous:  # refused by the config (docs/context.md)
-                            continue
                         out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
                                             schedule=schedule, virtual_stages=v,
                                             sequence_parallel=fixed.get("sequence_parallel", tp > 1),
@@ -191,7 +189,7 @@ CP_MIN_LOCAL_SEQ = 4096
 def context_degrees(w: Workload, rest: int, tp: int, fixed: dict) -> list[int]:
     """The cp values to try with `rest` GPUs left for dp x cp: 1, and each divisor of `rest` whose zigzag
     split the sequence allows (seq_len a multiple of 2 cp), for the layouts the config lets cp run
-    (the reference decoder, no mixture of experts, no ep, no hpZ: config/checks.py `_validate_context`)."""
+    (`context_allowed`: config/checks.py `_validate_context`)."""
     if "cp" in fixed:
         cp = fixed["cp"]
         return [cp] if rest % cp == 0 and (cp == 1 or context_allowed(w, fixed) and w.seq_len % (2 * cp) == 0) else []
@@ -203,10 +201,13 @@ def context_degrees(w: Workload, rest: int, tp: int, fixed: dict) -> list[int]:
 
 
 def context_allowed(w: Workload, fixed: dict) -> bool:
-    """Whether cp > 1 can run with this workload and these fixed knobs (the config's refusals)."""
+    """Whether cp > 1 can run with this workload and these fixed knobs (the config's refusals): no hpZ,
+    and a mixture of experts routed dropless (threefold's decoder and the Hugging Face families threefold
+    builds all have the attention seam; their mixtures of experts route each rank's part of the sequence)."""
     m = w.model
-    return (w.implementation == "threefold" and not m.experts and fixed.get("ep", 1) == 1
-            and not fixed.get("hpz", False))
+    if m.experts and m.expert_capacity > 0:  # capacity is a matter of positions: refused under cp
+        return False
+    return not fixed.get("hpz", False)
 
 
 def context_methods(m, tp: int, cp: int, fixed: dict) -> list[str]:

@@ -27,7 +27,9 @@ what the schedule's overlapped pairs hide when the software overlaps them (`Work
 Context parallelism (cp > 1): each rank computes 1/cp of every sequence's tokens (their matmuls, and
 their queries' attention on the whole sequence's keys: 1/cp of the causal work), and each block's
 attention communicates over the cp group per method, forward and backward (planner/context_comm.py:
-allgather's and ulysses' collectives exposed, the ring's hops overlapped with its block attention).
+allgather's and ulysses' collectives exposed, the ring's hops overlapped with its block attention). A
+mixture of experts routes the rank's own tokens (its expert work and its ep all-to-all rows are 1/cp of
+the whole sequence's) and each sparse block all-reduces its routing statistics over cp (small, exposed).
 
 Data-parallel and ZeRO traffic, and how much of it is exposed: planner/dp_comm.py (also local
 SGD / DiLoCo meetings, quantized ZeRO-3 communication and hpZ).
@@ -51,7 +53,8 @@ from .dispatch import OPTIMIZER_OPS, stage_ops
 from .dp_comm import data_parallel
 from .hardware import Gpu
 from .memory import compute_bytes
-from .moe import all_to_all_seconds, overlapped_all_to_all, routed_rows, sparse_mlp_flops_per_token
+from .moe import (all_to_all_seconds, overlapped_all_to_all, routed_rows, routing_statistics_bytes,
+                  sparse_mlp_flops_per_token)
 from .pipeline_p2p import p2p_seconds
 from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
 
@@ -185,7 +188,8 @@ def _ep_comm(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, fl
     sparse = _sparse_layers(w, st, stage)
     if st.ep == 1 or not sparse:
         return 0.0, 0.0
-    rows = routed_rows(w.model, st.micro_batch_size(w), w.seq_len, st.tp, st.sequence_parallel)
+    # the rank's own tokens: under cp its 1/cp part of each sequence (it routes only those)
+    rows = routed_rows(w.model, st.micro_batch_size(w), st.local_seq(w), st.tp, st.sequence_parallel)
     one = all_to_all_seconds(rows, w.model, compute_bytes(st.precision), st.ep, st.tp, gpu)
     redo = {"full": 1.0, "every-k": 1 / max(1, st.remat_every)}.get(st.remat, 0.0)
     return 2 * sparse * one, (2 + 2 * redo) * sparse * one
@@ -207,11 +211,13 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
     return 2 * layers * one, backward_count * layers * one + layers * regather
 
 
-def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, float, float]:
+def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int, sparse: int = 0) -> tuple[float, float, float]:
     """Context-parallel seconds of one micro-batch on a stage: (forward, backward) on the critical path and
     the ring's transfers hidden behind its block attention. Every block's attention sends the figures of
     planner/context_comm.py once in forward and once in backward, and its forward ones again when the
-    backward recomputes the core (full, every-k's checkpointed blocks, selective)."""
+    backward recomputes the core (full, every-k's checkpointed blocks, selective). Each of the `sparse`
+    blocks (a mixture of experts) also all-reduces its routing statistics over cp in forward (identity
+    backward; again when the block is recomputed: full, every-k), exposed."""
     if st.cp == 1 or not layers:
         return 0.0, 0.0, 0.0
     m = w.model
@@ -225,7 +231,12 @@ def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
                              compute_bytes(st.precision), cp_link(gpu, st.tp, st.cp), attention_s)
     redo = {"full": 1.0, "selective": 1.0, "every-k": 1 / max(1, st.remat_every)}.get(st.remat, 0.0)
     hidden = layers * ((1 + redo) * call.forward_hidden + call.backward_hidden)
-    return layers * call.forward, layers * (redo * call.forward + call.backward), hidden
+    stats = 0.0
+    if sparse:  # parallel/expert.py AxisSequenceShards.sum: one small all-reduce per sparse block
+        stats = comm.all_reduce(routing_statistics_bytes(m, mb), st.cp, cp_link(gpu, st.tp, st.cp))
+    block_redo = {"full": 1.0, "every-k": 1 / max(1, st.remat_every)}.get(st.remat, 0.0)  # the whole block again
+    return (layers * call.forward + sparse * stats,
+            layers * (redo * call.forward + call.backward) + block_redo * sparse * stats, hidden)
 
 
 def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
@@ -242,7 +253,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
             ep_f, ep_b, hidden = overlapped_all_to_all(st.schedule, st.pp, st.microbatches, stage, f, b, ep_f, ep_b)
         p2p_f, p2p_b = p2p_seconds(w, st, gpu)
         fwd, bwd = f + tp_f + ep_f + p2p_f, b + tp_b + ep_b + p2p_b
-        cp_f, cp_b, cp_hidden = _cp_comm(w, st, gpu, layers)
+        cp_f, cp_b, cp_hidden = _cp_comm(w, st, gpu, layers, _sparse_layers(w, st, stage))
         if st.cp > 1:
             fwd, bwd = fwd + cp_f, bwd + cp_b
         candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, p2p_f + p2p_b, ep_f + ep_b, hidden,
@@ -255,7 +266,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     local = ((count.trainable - count.expert) / (st.replicas if st.zero >= 1 else 1)
-             + count.expert / (st.edp if st.zero >= 1 else 1))
+             + count.expert / (st.expert_replicas if st.zero >= 1 else 1))
     optimizer = max(local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s, OPTIMIZER_OPS * gpu.op_overhead_s)
     total = makespan + dp_exposed + optimizer
     m = st.microbatches

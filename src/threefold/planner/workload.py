@@ -123,6 +123,12 @@ class Strategy:
         """The dp ranks holding the same experts (dp / ep)."""
         return self.dp // self.ep
 
+    @property
+    def expert_replicas(self) -> int:
+        """The ranks one routed expert's gradient is reduced and ZeRO-sharded over: edp, and under context
+        parallelism edp x cp in one collective (mesh.py `expert_replica_axis`, docs/context.md)."""
+        return self.edp * self.cp
+
     def micro_batch_size(self, w: Workload) -> int:
         return w.global_batch // (self.dp * self.microbatches)
 
