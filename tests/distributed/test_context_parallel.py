@@ -3,7 +3,10 @@ over cp ranks, attention by ring / allgather / ulysses, against one process over
 loss and gradient norm and every final parameter within relative 1e-5 - on the reference decoder's
 Llama (RoPE at global positions) and GPT (learned positions at global positions) variants at
 cp = 2 and 4, and cp = 2 with dp = 2, ZeRO-3, tp, pp, remat, compile, a mixture of experts (also
-with ep = 2: the experts' gradients summed over edp and cp in one group); a cp = 2 run's checkpoint of
+with ep = 2: the experts' gradients summed over edp and cp in one group, and with tp under sequence
+parallelism: the routers' statistics summed over tp and cp). PipeDream-2BW (pp = 2, whose stale
+weights differ from one process) against its own run at cp = 1 (`PEER_REFS`: 2 processes, in the
+world of 2's call), itself checked to be the delayed update; a cp = 2 run's checkpoint of
 step 3 resumed on one process (cp = 1) gives the one-process losses of steps 4-6 and final parameters. Each world
 size runs all its cases in one call (tests/composition_tasks.py `train_many`)."""
 
@@ -29,6 +32,9 @@ BF16_TOL = 2e-2  # bf16 roundings in another order (the attention's sums split o
 DATA = "data.source={prepared}"  # a prepared directory with a validation split, written by the fixture
 EVAL = ["train.eval_every=2", "train.eval_batches=2", DATA]
 SAVED = 3  # the step whose checkpoint (written under cp = 2) resumes under cp = 1
+DEEP = ["model.layers=2", "train.microbatches=4"]
+TWO_BW = LLAMA + DEEP + ["parallel.pp=2", "pipeline.schedule=pipedream-2bw"]  # at cp = 1: a reference of 2 ranks
+PEER_REFS = {tuple(TWO_BW): 2}  # reference overrides -> their world size (the others run on one process)
 
 
 def _cases():
@@ -56,6 +62,9 @@ def _cases():
         deep = [f"model.layers={layers}", "train.microbatches=4"]
         cases[f"llama cp2 pp2 {schedule}"] = (4, LLAMA + deep + extra + ["parallel.cp=2", "parallel.pp=2",
                                                                          f"pipeline.schedule={schedule}"], LLAMA + deep)
+    # pipedream-2bw (no flush between steps): each stage's cp ranks split every micro-batch and reach
+    # its update together; the same stale updates as at cp = 1
+    cases["llama cp2 pp2 pipedream-2bw"] = (4, TWO_BW + ["parallel.cp=2"], TWO_BW)
     # evaluation splits its sequences as training does (EVAL: validation loss at steps 2, 4 and 6)
     cases["llama cp2 eval"] = (2, LLAMA + EVAL + ["parallel.cp=2"], LLAMA + EVAL)
     cases["gpt cp2 pp2 eval"] = (4, GPT + EVAL + ["parallel.cp=2", "parallel.pp=2", "train.microbatches=2"],
@@ -74,6 +83,8 @@ def _cases():
     cases["moe dp2 cp2 allgather"] = (4, moe + ["parallel.dp=2", "parallel.cp=2", "parallel.cp_method=allgather",
                                                 "train.microbatches=1"], moe)
     cases["moe cp2 tp2"] = (4, moe + ["parallel.cp=2", "parallel.tp=2"], moe)
+    # sequence parallelism: each cp rank's zigzag part split again over tp, the statistics summed over both
+    cases["moe cp2 tp2 sp"] = (4, moe + ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], moe)
     cases["moe cp2 pp2 1f1b"] = (4, moe + ["parallel.cp=2", "parallel.pp=2", "pipeline.schedule=1f1b",
                                            "train.microbatches=4"], moe + ["train.microbatches=4"])
     # expert parallelism over dp (ep = 2): tokens cross ep by all-to-all within each cp coordinate, the
@@ -103,13 +114,15 @@ def runs(worlds, tmp_path_factory):
         return [o.format(prepared=prepared) if o == DATA else o for o in overrides]
 
     cases = {name: (n, concrete(ov), ref) for name, (n, ov, ref) in CASES.items()}
-    out = run_by_world_size(worlds, train_many, cases, root)
-    refs = sorted({tuple(ref) for _, _, ref in CASES.values()})
+    peers = {f"ref {' '.join(ref)}": (n, list(ref), None) for ref, n in PEER_REFS.items()}
+    out = run_by_world_size(worlds, train_many, {**cases, **peers}, root)  # the peer refs after the cases
+    refs = sorted({tuple(ref) for _, _, ref in CASES.values()} - set(PEER_REFS))
     saved = case_dir(CASES, root, "llama cp2 saved")
     resume = (LLAMA + [f"checkpoint.resume={saved / 'checkpoints' / step_dir_name(SAVED)}"], str(root / "resumed"))
     single = worlds(1).run(train_many, [(concrete(ref), str(root / f"ref{i}")) for i, ref in enumerate(refs)]
                            + [resume])[0]
     out["refs"] = dict(zip(refs, single))
+    out["refs"].update({ref: out.pop(name) for ref, (name, _) in zip(PEER_REFS, peers.items())})  # rank lists
     out["resumed"] = single[-1]
     return out
 
@@ -124,9 +137,22 @@ def test_a_cp2_checkpoint_resumes_under_cp1(runs):
         assert rel_err(resumed["params"][key], value) <= TOL, f"resumed: {key} differs"
 
 
+def _one(ref_ranks: list[dict]) -> dict:
+    """A reference of several ranks as one: rank 0's steps (every rank has the step's figures), every
+    rank's parameters and placements (keyed by global name, so the pipeline stages' do not collide)."""
+    params, placements = {}, {}
+    for r in ref_ranks:
+        for local, value in r["params"].items():
+            place = r["placements"][local]
+            assert place.replicated_over or place.name not in params, place.name  # whole, on one stage
+            params[place.name], placements[place.name] = value, place
+    return {**ref_ranks[0], "params": params, "placements": placements}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_matches_one_process(runs, name):
     results, ref = runs[name], runs["refs"][tuple(CASES[name][2])]
+    ref = _one(ref) if isinstance(ref, list) else ref
     tol = BF16_TOL if name.endswith("bf16") else TOL
     assert_steps_match(name, results, ref, tol, steps=STEPS)
     if not name.endswith("bf16"):
@@ -143,3 +169,15 @@ def test_validation_loss_under_cp_matches_one_process(runs, name):
         assert len(rank_result["val"]) == 3, rank_result["val"]
         for got, want in zip(rank_result["val"], ref["val"]):
             assert abs(got - want) <= TOL * abs(want), (name, rank_result["val"], ref["val"])
+
+
+def test_the_2bw_reference_is_the_delayed_update(runs):
+    """The cp = 1 pipedream-2bw run the cp = 2 one is held to: one process's first step (the same weights
+    and batch), then stale by one step - step 1 applies no update (norm 0), step 2 the first batch's
+    gradient (the one-process step 1 norm), and every later loss is off the one-process one."""
+    plain = runs["refs"][tuple(LLAMA + DEEP)]
+    for r in runs["refs"][tuple(TWO_BW)]:
+        (first, *later), (norm1, norm2, *_) = r["losses"], r["norms"]
+        assert abs(first - plain["losses"][0]) <= TOL * abs(plain["losses"][0])
+        assert norm1 == 0.0 and abs(norm2 - plain["norms"][0]) <= TOL * plain["norms"][0], r["norms"]
+        assert all(abs(a - b) > 100 * TOL * abs(b) for a, b in zip(later, plain["losses"][1:])), (later, plain)

@@ -64,8 +64,9 @@ class ExpertDispatch(Protocol):
 
 class SequenceShards(Protocol):
     """The ranks holding the other parts of every sequence, when a block sees only its own part:
-    sequence parallelism (rank `rank` of `size` holds positions [rank s, (rank + 1) s)) or context
-    parallelism (zigzag chunks; dropless routing only, as capacity is a matter of positions).
+    sequence parallelism (rank `rank` of `size` holds positions [rank s, (rank + 1) s)), context
+    parallelism (zigzag chunks; dropless routing only, as capacity is a matter of positions) or both
+    (each cp rank's zigzag part split over its tp ranks: `size` = cp x tp holders, dropless).
     `reports`: this holder's auxiliary loss value and tally count - every tp rank's under sequence
     parallelism (the loss is not summed over tp), the first cp rank's only under context parallelism
     (the loss is summed over cp); the others' auxiliary loss has value 0 and the gradient of their part."""

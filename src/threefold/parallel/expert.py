@@ -145,27 +145,39 @@ class ExpertParallelSync(HooklessSync):
 
 
 class AxisSequenceShards:
-    """The `SequenceShards` (models/moe.py) of one mesh axis whose ranks hold the parts of every
-    sequence: tp under sequence parallelism, cp under context parallelism. `sum` is an all-reduce
-    with an identity backward (each holder differentiates the auxiliary loss through its own part;
-    the router's and experts' gradient parts are then summed over the axis: tp like the norms', cp
-    by the gradient sync); `gather` all-gathers the capacity counts. `reports`: every holder when
-    the loss is not summed over the axis (tp), the first one only when it is (cp)."""
+    """The `SequenceShards` (models/moe.py) of the mesh axes whose ranks hold the parts of every
+    sequence: tp under sequence parallelism, cp under context parallelism, both (cp outer, tp inner:
+    each cp rank's zigzag part split again over tp) under the two together. `sum` is an all-reduce
+    over each axis with an identity backward (each holder differentiates the auxiliary loss through
+    its own part; the router's and experts' gradient parts are then summed over the axes: tp like
+    the norms', cp by the gradient sync); `gather` all-gathers the capacity counts, in holder order
+    (`rank`: the coordinate over the axes, the later inner) - the order of positions for tp alone;
+    capacity is refused under cp (config/checks.py), whose zigzag parts have no such order.
+    `reports`: a holder reports when it is at coordinate 0 of every axis the loss is summed over
+    (cp), whatever its coordinate on the others (tp): every tp rank, the first cp rank only."""
 
-    def __init__(self, comm: Comm, axis: str = "tp"):
-        self.comm, self.axis = comm, axis
-        self.rank, self.size = comm.mesh.rank(axis), comm.mesh.size(axis)
-        self.reports = self.rank == 0 or axis not in comm.mesh.axes_where(BATCH, SEQUENCE)
+    def __init__(self, comm: Comm, axis: str | tuple[str, ...] = "tp"):
+        self.comm = comm
+        self.axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        mesh, summed = comm.mesh, comm.mesh.axes_where(BATCH, SEQUENCE)
+        self.rank, self.size = 0, 1
+        for a in self.axes:
+            self.rank, self.size = self.rank * mesh.size(a) + mesh.rank(a), self.size * mesh.size(a)
+        self.reports = all(mesh.rank(a) == 0 or a not in summed for a in self.axes)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return reduce_from_group(t, self.comm, self.axis)
+        for a in self.axes:
+            t = reduce_from_group(t, self.comm, a)
+        return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        shape = t.shape
-        t = t.reshape(1, -1).contiguous()
-        out = torch.empty((self.size, t.shape[1]), dtype=t.dtype, device=t.device)
-        self.comm.all_gather(out, t, self.axis, tag="moe")
-        return out.view(self.size, *shape)
+        shape, every = t.shape, t.reshape(1, -1).contiguous()
+        for a in reversed(self.axes):  # the inner axis first: rows end in holder order, the later axes inner
+            n = self.comm.mesh.size(a)
+            out = torch.empty((n * every.shape[0], every.shape[1]), dtype=t.dtype, device=t.device)
+            self.comm.all_gather(out, every, a, tag="moe")
+            every = out
+        return every.view(self.size, *shape)
 
 
 def sequence_parallel_experts(model: nn.Module, comm: Comm) -> list[nn.Parameter]:
@@ -181,9 +193,12 @@ def sequence_parallel_experts(model: nn.Module, comm: Comm) -> list[nn.Parameter
 
 def context_parallel_experts(model: nn.Module, comm: Comm) -> None:
     """Under context parallelism: every MoE block routes this cp rank's zigzag part of each sequence
-    (dropless: config/checks.py refuses a capacity) and sums the statistics of whole sequences over cp."""
+    (dropless: config/checks.py refuses a capacity) and sums the statistics of whole sequences over cp;
+    a block that sequence parallelism gave the tp holders (`sequence_parallel_experts`, run first)
+    holds 1/tp of that part: its statistics are summed over cp and tp."""
     for _, moe in moe_modules(model):
-        moe.sequence = AxisSequenceShards(comm, "cp")
+        within = moe.sequence.axes if isinstance(moe.sequence, AxisSequenceShards) else ()
+        moe.sequence = AxisSequenceShards(comm, ("cp", *within))
 
 
 def router_metrics(module: nn.Module, comm: Comm, pipelined: bool = False) -> dict | None:

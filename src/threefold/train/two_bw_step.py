@@ -23,6 +23,11 @@ the gradient applied in step t, before clipping (batch t - 1's; 0 at the first s
 flush, which applies none), `lr` the rate it was applied with (0 when none), `skipped` whether a
 stage skipped it. `drain()` is the flush: the last batch's remaining backwards and its update
 (lr_at(t)), before a checkpoint and at the end.
+
+Under context parallelism (cp > 1) each call splits the micro-batches into this rank's zigzag
+parts first (`step.split_sequences`, as the synchronous step does); a stage's cp ranks run the
+same timeline, so they reach U together, and the gradient sync at U reduces over dp and cp
+(the mesh's replica axis), the norm counts each replicated gradient once (`grad_sum_of_squares`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from ..config import TrainConfig
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
 from .optim import lr_at, set_lr
-from .step import StepResult, clip_gradients, grad_sum_of_squares
+from .step import StepResult, clip_gradients, grad_sum_of_squares, split_sequences
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
@@ -65,6 +70,9 @@ class TwoBWStep:
             self.grad_sync.zero_grad()
         self._step, self._lr = step, 0.0
         self._applied = torch.zeros(2, dtype=torch.float32, device=self.comm.mesh.device)
+        # cp > 1: this rank's zigzag part of every micro-batch, as the synchronous step splits it (the
+        # loss is summed over dp and cp by the trainer; the update's gradients are synced over dp+cp)
+        micro_batches = split_sequences(micro_batches, self.comm, self.parallel.documents is not None)
         loss_sum = self.runtime.forward_backward(micro_batches, global_tokens)
         # this stage's [sum of squares, not finite] of the update it applied; summed over pp with the
         # metrics, posted without a wait (the trainer's `_post_figures`; `global_figures` reads the sum)
