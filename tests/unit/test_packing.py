@@ -358,16 +358,16 @@ def test_pack_needs_prepared_data_and_threefolds_decoder(tmp_path):
     assert str(e.value) == ("data.pack: packs whole documents, whose boundaries only a directory made by `threefold "
                             "data prepare` records, not 'synthetic'; train from one (--data DIR) or set "
                             "data.pack=false")
-    # GPT-2's learned positions live inside its own module: no attention seam (the dense Llama-shaped
-    # families have one: tests/unit/test_context_config.py)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    # an architecture threefold does not build has no attention seam (every family it builds has one,
+    # GPT-2 and the mixtures of experts included: tests/unit/test_context_config.py)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gptj", "architectures": ["GPTJForCausalLM"]}))
     from threefold.config import load_config
 
     cfg = load_config(None, ["data.pack=true", "data.sources=x:1"])
     hf = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=f"hf:{tmp_path}"))
     with pytest.raises(ConfigError) as e:
         _validate_packing(hf)
-    assert str(e.value).startswith(f"data.pack: the Hugging Face model hf:{tmp_path} (GPT2LMHeadModel) has no "
+    assert str(e.value).startswith(f"data.pack: the Hugging Face model hf:{tmp_path} has no "
                                    "attention seam to mask by document")
 
 

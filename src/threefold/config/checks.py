@@ -417,25 +417,33 @@ def _validate_periodic(c: Sections, dp: int) -> None:
 
 def _hf_window(raw: dict) -> int | None:
     """The sliding window of config.json's windowed layers (None: every layer full causal), as the library
-    decides it (models/hf_causal.py `attention_windows`): Qwen's only with use_sliding_window, from
-    max_window_layers on unless layer_types says which; Mistral's in every layer."""
+    decides it (models/hf_causal.py `attention_windows`): Qwen's only with use_sliding_window - Qwen2/Qwen3
+    from max_window_layers on, Qwen2-MoE in the even layers below max_window_layers, unless layer_types
+    says which; Qwen3-MoE's in every layer -; Mistral's and Mixtral's in every layer; GPT-2 has none."""
+    kind = raw.get("model_type")
     window = raw.get("sliding_window") or None
-    if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     types = raw.get("layer_types")
-    if window is None or raw.get("model_type") == "llama":
+    if window is None or kind == "llama":
         return None
+    if kind == "qwen3_moe":  # its attention takes config.sliding_window in every layer
+        return window
     if types is not None:
         return window if "sliding_attention" in types else None
-    if raw.get("model_type") in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3"):
         return window if raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0) else None
+    if kind == "qwen2_moe":  # layer 0 is windowed when any is
+        return window if raw.get("max_window_layers", 28) > 0 and raw.get("num_hidden_layers", 0) > 0 else None
     return window
 
 
 def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) -> None:
     """Refuse (under `key`) a model without the attention seam that `need`s it: a module of one's own, and
-    of the Hugging Face families all but the dense Llama-shaped ones (models/hf_attention.py), whose
-    sliding windows narrower than the `seq_len` sequence are refused too (a core takes no banded mask)."""
+    a Hugging Face model outside the families threefold builds (each has one: models/hf_attention.py -
+    the dense Llama-shaped ones, GPT-2 and the mixtures of experts), whose sliding windows narrower than
+    the `seq_len` sequence are refused too (a core takes no banded mask). (Packing a mixture of experts
+    is refused by `_validate_packing` itself.)"""
     if m.preset.startswith("hf:"):
         from .families import FAMILIES
         from .hf import read_config_json
@@ -446,9 +454,9 @@ def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) 
             raw = {"architectures": [""]}
         arch = raw["architectures"][0]
         family = f"the Hugging Face model {m.preset}{f' ({arch})' if arch else ''}"
-        if arch not in FAMILIES or FAMILIES[arch].module != "hf_causal":
-            raise ConfigError(key, f"{family} has no attention seam {need} (the dense families Llama, Mistral, "
-                              f"Qwen2 and Qwen3 have one); use one of them, threefold's own decoder or {off}")
+        if arch not in FAMILIES:
+            raise ConfigError(key, f"{family} has no attention seam {need} (the families threefold builds have "
+                              f"one: {', '.join(FAMILIES)}); use one of them, threefold's own decoder or {off}")
         window = _hf_window(raw)
         if window is not None and window < seq_len:
             raise ConfigError(key, f"{family} has sliding-window attention (a window of {window} tokens, narrower "
@@ -461,7 +469,9 @@ def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) 
 
 def _validate_context(c: Sections) -> None:
     """parallel.cp > 1: the sequence splits into 2 cp zigzag chunks; ulysses splits the heads over cp;
-    the layouts context parallelism is not wired into yet are refused (docs/context.md)."""
+    the layouts context parallelism is not wired into yet are refused (docs/context.md). Every pipeline
+    schedule takes cp (pipedream-2bw too: train/two_bw_step.py splits its micro-batches), and so do
+    experts under sequence parallelism (the routers' statistics summed over tp and cp: parallel/expert.py)."""
     p, m, t = c.parallel, c.model, c.train
     cp = p.cp
     if t.seq_len % (2 * cp):
@@ -477,13 +487,6 @@ def _validate_context(c: Sections) -> None:
         raise ConfigError("model.expert_capacity", f"{m.expert_capacity:g}: under context parallelism routing is "
                           "dropless (capacity is a matter of positions, and each cp rank holds zigzag chunks); use "
                           "model.expert_capacity=0 or parallel.cp=1")
-    if m.experts > 0 and p.sequence_parallel and p.tp > 1:
-        raise ConfigError("parallel.sequence_parallel", f"model.preset={m.preset}: mixture-of-experts routing with "
-                          f"both sequence parallelism and parallel.cp={cp} (the sequence split over tp and cp) is "
-                          "not wired yet; use parallel.sequence_parallel=false or parallel.cp=1")
-    if _asynchronous_pipeline(c):
-        raise ConfigError("pipeline.schedule", f"{c.pipeline.schedule} (weights updated without a flush) with "
-                          f"parallel.cp={cp} is not wired yet; choose a synchronous schedule or parallel.cp=1")
     for key, on, what in [("train.sync_every", t.periodic, "periodic replica syncs (local SGD, DiLoCo, EASGD)"),
                           ("remat.offload", c.remat.offload != "none", f"remat.offload={c.remat.offload}"),
                           ("compress.method", c.compress.method != "none", f"compress.method={c.compress.method}"),

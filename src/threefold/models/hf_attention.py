@@ -1,19 +1,21 @@
-"""The attention seam of the Hugging Face dense families (models/hf_causal.py): the library's attention
-modules call threefold's attention function, which runs the library's own SDPA path unless the block
-hands it a core.
+"""The attention seam of the Hugging Face families (models/hf_causal.py, hf_moe.py, hf_gpt2.py): the
+library's attention modules call threefold's attention function, which runs the library's own SDPA
+path unless the block hands it a core.
 
-The library's attention (`LlamaAttention` and its Mistral, Qwen2 and Qwen3 kin) projects q, k and v,
-applies the rotary embedding the block gave it, and calls `ALL_ATTENTION_FUNCTIONS[config.
+The library's attention (`LlamaAttention` and its Mistral, Qwen2, Qwen3, Mixtral and Qwen-MoE kin;
+GPT-2's `GPT2Attention`) projects q, k and v, applies the rotary embedding the block gave it (GPT-2 has
+none: its learned positions are added by the embedding), and calls `ALL_ATTENTION_FUNCTIONS[config.
 _attn_implementation]` with q (b, heads, s, d), k and v (b, kv_heads, s, d) - kv heads not repeated -,
 its mask, `scaling` and the keyword arguments the decoder layer was called with; the function returns
 (b, s, heads, d). `register` adds `attention` to that table under `ATTENTION`, the name `HFCausalLM`
-sets in the library model's config. The block (`HFBlock`) passes its `attention_core` through the
-layer's keyword arguments:
+and `GPT2CausalLM` set in the library model's config. The block (`HFBlock`, `GPT2Block`) passes its
+`attention_core` through the layer's keyword arguments:
 
     no core (None)   `sdpa_attention_forward` itself, with the same arguments: bitwise the library's
     a core           `core(q, k, v, scaling)` -> (b, heads, s, d), transposed to the library's layout;
                      context parallelism's `ContextCore` (parallel/context.py), whose
-                     `rotary_positions` the block feeds to the rotary embedding instead of 0 .. s-1
+                     `rotary_positions` `HFBlock` feeds to the rotary embedding instead of 0 .. s-1
+                     (GPT-2's embedding gets the same positions from parallel/context.py `_wire`)
 
 A core replaces the whole attention: it takes no mask and no dropout (the config refuses sliding
 windows narrower than the sequence under cp and data.pack, and every family trains without dropout).

@@ -26,8 +26,9 @@ attention function (`config._attn_implementation = ATTENTION`), which is the lib
 above unless the block has an `attention_core`; context parallelism and packed rows
 (parallel/context.py `_wire`) give every `HFBlock` one, whose positions the block feeds to the
 rotary embedding (the global zigzag ones; per document when packed) and which computes the
-attention over the cp ranks at the module's `scaling`. GPT-2 and the mixtures of experts have it
-refused (config/checks.py), and so is a sliding window narrower than the sequence.
+attention over the cp ranks at the module's `scaling`. The mixtures of experts (models/hf_moe.py)
+have the same blocks, GPT-2 its own (models/hf_gpt2.py); a sliding window narrower than the sequence
+is refused (config/checks.py).
 
 Tensor plan: exactly the reference decoder's - q by heads, k/v by key/value heads (or
 replicated when there are fewer than tp), o row-parallel, gate/up column, down row, the

@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 (`GPT2LMHeadModel`), from the `transformers` classes themselves.
 
     embed.wte, embed.wpe   token and learned position embeddings (transformer.wte / .wpe)
-    blocks.<i>             the library's GPT2Block (transformer.h.<i>)
+    blocks.<i>             `GPT2Block`: the library's block's ln_1, attn, ln_2, mlp (transformer.h.<i>)
     norm, head             transformer.ln_f, lm_head (tied to the token embedding)
     loss                   summed token cross-entropy (threefold's; vocabulary-parallel under tp)
 
@@ -14,6 +14,17 @@ turned off (config.*_pdrop = 0, as for every family: config/hf.py DROPOUT), and 
 config.json says 0: masks drawn per rank would break tensor parallelism and parity.
 The key part of c_attn's bias is frozen (its gradient is identically zero, as the reference
 decoder's key bias).
+
+The attention seam (models/hf_attention.py), as for the dense families: the library's
+`GPT2Attention` calls threefold's attention function (`config._attn_implementation = ATTENTION`),
+the library's SDPA path unless the block has an `attention_core`. `GPT2Block` is the library
+block's forward (pre-norm attention and MLP, each with its residual; no cross-attention:
+`add_cross_attention` is refused) keeping the library's children under their own names, so the
+checkpoint names, the tensor plan, the renames and the export are the library's; it hands its
+`attention_core` to the attention. Context parallelism and packed rows (parallel/context.py
+`_wire`) set that core (which attends over the cp ranks, by document when packed) and give
+`GPT2Embedding` the positions of the local tokens (`positions`: the global zigzag index, or per
+document when packed; None: 0 .. s-1) for `wpe`.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import UserError
+from .hf_attention import ATTENTION, HFAttentionCore, register as register_attention
 from .plans import ColumnParallel, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_causal import trained_config
@@ -33,12 +46,34 @@ HF_RENAMES = ((r"^embed\.wte\.", "transformer.wte."), (r"^embed\.wpe\.", "transf
 
 
 class GPT2Embedding(nn.Module):
+    """Token plus learned position embedding; `positions` is the learned positions' seam (as the
+    reference decoder's `Embedding`): the positions of the local tokens, (s,) or (b, s), when the
+    sequence is split or packed (parallel/context.py sets them); None: 0 .. s-1."""
+
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding):
         super().__init__()
         self.wte, self.wpe = wte, wpe
+        self.positions: torch.Tensor | None = None
 
     def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        return self.wte(tokens_bs) + self.wpe(torch.arange(tokens_bs.shape[1], device=tokens_bs.device))
+        positions = (self.positions if self.positions is not None
+                     else torch.arange(tokens_bs.shape[1], device=tokens_bs.device))
+        return self.wte(tokens_bs) + self.wpe(positions)
+
+
+class GPT2Block(nn.Module):
+    """The library's `GPT2Block` without cross-attention: its children (ln_1, attn, ln_2, mlp) under
+    their own names and its forward, the attention given `attention_core` (models/hf_attention.py;
+    None: the library's SDPA path)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = layer.ln_1, layer.attn, layer.ln_2, layer.mlp
+        self.attention_core: HFAttentionCore | None = None
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        x_bsh = self.attn(self.ln_1(x_bsh), attention_core=self.attention_core)[0] + x_bsh
+        return x_bsh + self.mlp(self.ln_2(x_bsh))
 
 
 class GPT2CausalLM(nn.Module):
@@ -46,9 +81,14 @@ class GPT2CausalLM(nn.Module):
         super().__init__()
         import transformers
 
+        if config.add_cross_attention:
+            raise UserError("model.preset: a GPT-2 with add_cross_attention=true (an encoder-decoder's decoder) is "
+                            "not supported; use a config.json with add_cross_attention=false")
+        register_attention()  # the library's attention calls threefold's seam (models/hf_attention.py),
+        config._attn_implementation = ATTENTION  # which is the library's SDPA path unless a block has a core
         library = transformers.AutoModelForCausalLM.from_config(config)
         self.embed = GPT2Embedding(library.transformer.wte, library.transformer.wpe)
-        self.blocks = library.transformer.h
+        self.blocks = nn.ModuleList(GPT2Block(layer) for layer in library.transformer.h)
         self.norm = library.transformer.ln_f
         self.head = library.lm_head
         self.loss = TokenCrossEntropy()
@@ -109,7 +149,6 @@ def freeze_key_bias(module: nn.Module) -> None:
 
 
 def gpt2_spec(directory: Path, config, seed: int) -> ModelSpec:
-    config._attn_implementation = "sdpa"
     tied = {"head.weight": "embed.wte.weight"}
     return ModelSpec(
         family="GPT2LMHeadModel",

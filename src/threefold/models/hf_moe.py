@@ -28,6 +28,15 @@ batch is split over ranks and micro-batches (for a forward of one sequence the t
 Like the reference decoder's, it is added to the summed token loss as s x aux per sequence
 (the trainer's division by the token count makes it the mean) in training forwards only.
 
+When a sparse MLP sees only its part of every sequence - context parallelism (zigzag chunks on each
+cp rank; dropless routing, as here), sequence parallelism (a tp rank's chunk) or both - its `sequence`
+(a `SequenceShards`, set by parallel/expert.py, as for the reference decoder's MoE) sums the
+per-sequence assignments and probability sums of every sparse layer over the holders (one all-reduce;
+the backward is the identity, so each holder differentiates the whole sequence's loss through its own
+tokens), and the loss is that of the whole sequences (s x the holders). Only a holder that `reports`
+keeps its value and tallies it (under cp the loss is summed over the cp ranks: the first one); the
+others add a term of value 0 with the same gradient.
+
 Tensor parallelism: attention (and the dense MLPs of Qwen's non-sparse layers) split as for
 the dense families; a sparse MLP stays whole on every tp rank, as the reference decoder's.
 """
@@ -73,7 +82,8 @@ class HFSparseMoE(MoE):
         super().__init__(cfg, shared)
         self.shared_gate = shared_gate
         self.norm_topk = shape.norm_topk
-        self.routed: tuple[torch.Tensor, torch.Tensor] | None = None  # per sequence: (assignments, probabilities)
+        # this part of every sequence: (assignments (b, E), probability sums (b, E), its length)
+        self.routed: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         b, s, h = x_bsh.shape
@@ -91,7 +101,7 @@ class HFSparseMoE(MoE):
         scaled = (out_rows * weight.reshape(-1)[assign].unsqueeze(1)).to(x_bsh.dtype)
         y = torch.zeros_like(x_th).index_add(0, token, scaled).reshape(b, s, h)
         if torch.is_grad_enabled():
-            self.routed = (F.one_hot(idx, self.num_experts).sum((1, 2)), probs.sum(1))
+            self.routed = (F.one_hot(idx, self.num_experts).sum((1, 2)), probs.sum(1), s)
         if self.shared is not None:
             y = y + torch.sigmoid(self.shared_gate(x_bsh)) * self.shared(x_bsh)
         return y
@@ -113,21 +123,33 @@ class HFMoECausalLM(HFCausalLM):
         out = causal_forward(self, tokens_bs, targets_bs)
         if targets_bs is None or not torch.is_grad_enabled():
             return out  # logits, or an evaluation loss (the cross-entropy alone)
-        return out + self._balance(tokens_bs.shape[1])
+        return out + self._balance()
 
-    def _balance(self, s: int) -> torch.Tensor:
+    def _balance(self) -> torch.Tensor:
         """The load-balancing loss of this forward's sequences, summed as token losses are (s x aux of
-        each sequence); files each layer's share of it and its routed tokens in the layer's tally."""
+        each sequence); files each layer's share of it and its routed tokens in the layer's tally. A
+        layer that holds a part of each sequence (`sequence`) sums the statistics over the holders."""
         sparse = [m for m in self.modules() if isinstance(m, HFSparseMoE)]
         routed = [m.routed for m in sparse]
-        total = sum(c for c, _ in routed).float()  # (b, E): assignments per sequence over all sparse layers
+        counts, probs = [c for c, _, _ in routed], [p for _, p, _ in routed]  # (b, E) each: this part's
+        s, sequence = routed[0][2], sparse[0].sequence  # every sparse layer: the same part, the same holders
+        if sequence is not None:  # the other parts' too (forward all-reduce, identity backward)
+            n, b_e = len(sparse), counts[0].numel()
+            packed = sequence.sum(torch.cat([torch.stack(counts).float().flatten(), torch.stack(probs).flatten()]))
+            counts = list(packed[: n * b_e].round().long().view(n, *counts[0].shape))
+            probs = list(packed[n * b_e:].view(n, *probs[0].shape))
+            s = s * sequence.size  # the whole sequence
+        total = sum(counts).float()  # (b, E): assignments per sequence over all sparse layers
         rows = len(sparse) * s
         # E sum_e (C_e / rows)(P_e / rows), P_e summed over layers: each layer's share is its P's part
-        shares = [sparse[0].num_experts * (total * p).sum(-1) / rows ** 2 for _, p in routed]  # (b,) each
-        for m, (c, _), share in zip(sparse, routed, shares):
-            m.tally.add(c.sum(0), 0, float(share.detach().sum()), c.shape[0], 0.0, c.shape[0] * s)
+        shares = [sparse[0].num_experts * (total * p).sum(-1) / rows ** 2 for p in probs]  # (b,) each
+        reports = sequence is None or sequence.reports
+        for m, c, share in zip(sparse, counts, shares):
+            if reports:
+                m.tally.add(c.sum(0), 0, share.detach().sum(), c.shape[0], 0.0, c.shape[0] * s)
             m.routed = None
-        return self.aux_coef * s * torch.stack(shares).sum()
+        aux = self.aux_coef * s * torch.stack(shares).sum()
+        return aux if reports else aux - aux.detach()  # another holder reports the value
 
 
 def moe_config(shape: MoEShape, hidden: int) -> ModelConfig:
