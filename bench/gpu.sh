@@ -61,6 +61,7 @@ stage() {
     local name=$1 limit=$2 need=$3
     shift 3
     local left=$((BUDGET - (SECONDS - START) - RESERVE))
+    [ "$left" -lt 0 ] && left=0  # the reserve already eaten into: nothing is left, not less than nothing
     if [ "$left" -lt "$need" ]; then
         echo "== $name: skipped, ${left}s of the budget left, it needs ${need}s"
         printf '%s\tskip\t0\tbudget: %ss left, needs %ss\n' "$name" "$left" "$need" >> "$OUT/status.tsv"
