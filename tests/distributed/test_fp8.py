@@ -53,6 +53,72 @@ def test_tp_quantises_as_one_process(worlds, preset, sp):
         assert worst[1] <= 1e-5, worst
 
 
+def zero3_fp8_gather(casts: bool) -> dict:
+    """dp2 ZeRO-3 with fp8 matmuls and `zero_weight_comm=fp8`: each converted linear's output in one forward
+    against its kernel on the whole, never-sharded weight (same input), and the gather's bytes."""
+    import torch.distributed as dist
+
+    from threefold.comm import Comm
+    from threefold.comm.quantize import BLOCK
+    from threefold.config import load_config
+    from threefold.mesh import Layout, Mesh
+    from threefold.models.decoder import build_model
+    from threefold.parallel.fp8 import Fp8Linear, cast_weight_kernels, convert_linears
+    from threefold.parallel.zero3 import Zero3
+
+    n = dist.get_world_size()
+    mesh = Mesh(Layout(dp=n), torch.device("cpu"))
+    cfg = load_config(None, ["model.preset=tiny", *FP8])
+    comm = Comm(mesh)
+    model = build_model(cfg.model, 0)
+    convert_linears(model, cfg.precision, comm, torch.device("cpu"), 32, cfg.model.layers)
+    reference = build_model(cfg.model, 0)  # the same initial weights, never sharded
+    convert_linears(reference, cfg.precision, None, torch.device("cpu"), 32, cfg.model.layers)
+    kernels = cast_weight_kernels(model) if casts else {}
+    zero3 = Zero3(model, comm, weight_comm="fp8", matmul_casts=kernels)
+    weight_casts = []  # the matmuls' own casts of a weight (none when the gather delivered it)
+    for kernel in cast_weight_kernels(model).values():
+        def counted(t, dtype, role, dims, dim, kernel=kernel, cast=kernel.cast):
+            weight_casts.extend([dims] if role == kernel._role.WEIGHT else [])
+            return cast(t, dtype, role, dims, dim)
+        kernel.cast = counted
+    seen = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            module.register_forward_hook(lambda m, args, y, name=name: seen.update({name: (args[0].detach(),
+                                                                                            y.detach())}))
+    gen = torch.Generator().manual_seed(3)
+    tokens, targets = torch.randint(0, cfg.model.vocab, (2, 2, 16), generator=gen)
+    before = comm.traffic.total_bytes("dp", "all_gather")
+    with zero3.micro_batch(last=True):
+        loss = model(tokens, targets)
+        sent = comm.traffic.total_bytes("dp", "all_gather") - before
+        loss.backward()
+    refs = dict(reference.named_modules())
+    equal = {name: torch.equal(y, refs[name].kernel(x, refs[name].weight, refs[name].bias))
+             for name, (x, y) in seen.items()}
+    theory = 0  # this rank's bytes of one gather of every unit: (n - 1) x what it contributes
+    for unit in zero3.units:
+        cast = sum(sp.chunk for sp in unit.params if id(sp.full) in kernels)
+        rest = sum(sp.chunk for sp in unit.params if id(sp.full) not in kernels)
+        blocks = -(-rest // BLOCK)
+        theory += (n - 1) * (cast + blocks * BLOCK + 4 * blocks) if unit.params else 0
+    return {"equal": equal, "sent": sent, "theory": theory, "cast": len(kernels),
+            "weight_casts": len(weight_casts), "finite": all(torch.isfinite(u.grad_flat).all().item() for u in zero3.units), "loss": loss.item()}
+
+
+def test_zero3_fp8_gather_sends_the_matmul_weights_once(worlds):
+    """With fp8 matmuls, ZeRO-3's fp8 gather sends each converted weight as the fp8 its matmul uses (the whole
+    tensor's scale): the outputs equal the kernel on the never-sharded weight bit for bit, and the wire carries
+    1 byte per weight element (the block-wise format's 4-byte scales only for the norms and biases)."""
+    for with_casts, without in zip(*(worlds(2).run(zero3_fp8_gather, c) for c in (True, False))):
+        assert with_casts["cast"] > 0 and all(with_casts["equal"].values()), with_casts["equal"]
+        assert with_casts["finite"] and with_casts["sent"] == with_casts["theory"]
+        assert with_casts["weight_casts"] == 0 and without["weight_casts"] == 2 * with_casts["cast"]
+        # the block-wise path casts the dequantized weights again: other fp8 values, other outputs
+        assert not any(without["equal"].values()) and without["sent"] > with_casts["sent"]
+
+
 def train_pairs(runs: list[list[str]], out: str) -> list[dict]:
     from threefold.train.trainer import Trainer
 

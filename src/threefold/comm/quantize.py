@@ -57,7 +57,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, fmt: str, block: int
     return (q.float().view(-1, block) * scales[:, None]).view(-1)
 
 
-class _Pending:
+class Pending:
     """Two collectives in flight (payload and scales) and what to do once both are done."""
 
     def __init__(self, handles: list, finish):
@@ -76,7 +76,7 @@ class _Pending:
 
 
 def quantized_all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, axis: str, fmt: str,
-                         lane: str = "") -> _Pending:
+                         lane: str = "") -> Pending:
     """As `comm.all_gather(output, input, lane=lane)` (n equal chunks, rank-major), 8 bits on the wire;
     wait() fills `output`."""
     n, m = comm.mesh.size(axis), input.numel()
@@ -93,11 +93,11 @@ def quantized_all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, 
         values = dequantize(all_payload, all_scales, fmt).view(n, padded)[:, :m]
         output.view(n, m).copy_(values)
 
-    return _Pending(handles, finish)
+    return Pending(handles, finish)
 
 
 def quantized_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, axis: str,
-                             fmt: str = "int8") -> _Pending:
+                             fmt: str = "int8") -> Pending:
     """As `comm.reduce_scatter(output, input)`: `input` is n equal chunks, rank i receives the sum of
     chunk i. Each chunk is quantized once, sent by all-to-all and summed in fp32 by its receiver."""
     n, m = comm.mesh.size(axis), output.numel()
@@ -113,4 +113,4 @@ def quantized_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tens
         parts = dequantize(got_payload, got_scales, fmt).view(n, padded)[:, :m]
         output.copy_(parts.sum(dim=0))
 
-    return _Pending(handles, finish)
+    return Pending(handles, finish)

@@ -189,7 +189,7 @@ def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, co
     if stage == 3:  # dense parameters sharded over dp (+cp), experts over edp (+cp): two ZeRO-3s on the one model
         zero3 = {"wire_dtype": wire, "stage_passes": pipelined, "weight_comm": p.zero_weight_comm,
                  "grad_comm": p.zero_grad_comm}
-        syncs = (Zero3(model, comm, **zero3, only={id(q) for _, q in dense}),
+        syncs = (Zero3(model, comm, **zero3, only={id(q) for _, q in dense}, matmul_casts=_matmul_casts(model, cfg)),
                  Zero3(model, comm, axis=expert_axis, **zero3, only={id(q) for _, q in experts}))
         pieces = syncs[0].pieces(placements) + syncs[1].pieces(placements)
         return (ExpertParallelSync(*syncs, [q for _, q in experts]),
@@ -208,6 +208,14 @@ def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, co
         syncs[0].gather_params()
         syncs[1].gather_params()
     return ExpertParallelSync(*syncs, [q for _, q in experts]), replicated, pieces, after_step
+
+
+def _matmul_casts(model: nn.Module, cfg: Config) -> dict:
+    """fp8 compute with ZeRO-3's fp8 gather: the weights the gather sends as their matmul's fp8 (zero3.py)."""
+    if cfg.precision.compute != "fp8" or cfg.parallel.zero_weight_comm != "fp8":
+        return {}
+    from .fp8 import cast_weight_kernels
+    return cast_weight_kernels(model)
 
 
 def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: dict[str, str] | None) -> None:
@@ -278,7 +286,7 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
     home = ShardStore(scratch_settings(cfg, mesh)) if p.offload == "nvme" else None  # the shards in scratch too
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
                       grad_comm=p.zero_grad_comm, hpz=secondary_partition(comm, pipelined) if p.zero_hpz else NO_HPZ,
-                      home=home)
+                      home=home, matmul_casts=_matmul_casts(model, cfg))
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None
 

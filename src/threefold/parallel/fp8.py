@@ -62,13 +62,14 @@ def _torchao_float8():
         for q in quiet:
             q.setLevel(logging.ERROR)
         try:
-            from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig, ScaledMMConfig,
-                                                               hp_tensor_and_scale_to_float8)
+            from torchao.float8.float8_training_tensor import (Float8TrainingTensor, GemmInputRole, LinearMMConfig,
+                                                               ScaledMMConfig, hp_tensor_and_scale_to_float8)
             from torchao.float8.float8_utils import amax_to_scale
         finally:
             for q, level in zip(quiet, levels):
                 q.setLevel(level)
-    return GemmInputRole, LinearMMConfig, ScaledMMConfig, hp_tensor_and_scale_to_float8, amax_to_scale
+    return (GemmInputRole, LinearMMConfig, ScaledMMConfig, hp_tensor_and_scale_to_float8, amax_to_scale,
+            Float8TrainingTensor)
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,11 @@ class Fp8Kernel:
     column-parallel one's outputs), whose amaxes are then reduced over tp."""
 
     def __init__(self, recipe: Fp8Recipe, emulate: bool, comm: Comm | None = None, sharded: Sharded = None):
-        self._role, LinearMMConfig, ScaledMMConfig, self._to_fp8, self._amax_to_scale = _torchao_float8()
+        (self._role, LinearMMConfig, ScaledMMConfig, self._to_fp8, self._amax_to_scale,
+         self._fp8_tensor) = _torchao_float8()
         self.recipe, self.emulate, self.comm, self.sharded = recipe, emulate, comm, sharded
+        # the weight's fp8 form as ZeRO-3's fp8 gather delivered it (`take_weight`): (weight, bits, scale)
+        self.gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # output GEMM with fast accumulation, the gradients' without (torchao's defaults)
         self.mm_config = LinearMMConfig(ScaledMMConfig(emulate, True, False, False),
                                         ScaledMMConfig(emulate, False, False, False),
@@ -116,6 +120,39 @@ class Fp8Kernel:
         under sequence parallelism, saved instead of x and gathered again in backward."""
         y = Fp8Matmul.apply(x, weight, self, shard)
         return y if bias is None else y + bias.to(y.dtype)
+
+    # ---- the weight pre-cast by ZeRO-3's gather (parallel/zero3.py `MatmulCast`, tensorwise only)
+    @property
+    def takes_cast_weights(self) -> bool:
+        """Tensorwise: the weight has one fp8 form, the same in all three GEMMs, so a gather can deliver it."""
+        return not self.recipe.rowwise
+
+    def weight_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The weight's scale from its amax over the gathered axis (fp32), reduced over tp as `cast` does."""
+        amax = amax.float().reshape(())
+        if self.sharded and self.comm is not None and self.comm.mesh.size(AXIS) > 1:
+            amax = amax.contiguous()
+            self.comm.all_reduce(amax, AXIS, op=dist.ReduceOp.MAX, tag="fp8_amax")
+        return self._amax_to_scale(amax, self.recipe.weight_dtype, self.recipe.pow2_scales)
+
+    def weight_bits(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`values` (any part of the weight) in fp8 at `scale`, bit for bit as `cast` makes them."""
+        return self._to_fp8(values, scale, self.recipe.weight_dtype, self.mm_config, self._role.WEIGHT, None)._data
+
+    def take_weight(self, weight: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> None:
+        """Use `bits` (the whole weight's fp8, `weight`'s shape) at `scale` as `weight`'s fp8 operand until
+        `drop_weight`: the matmuls do not cast the weight again."""
+        self.gathered = (weight, bits, scale)
+
+    def drop_weight(self) -> None:
+        self.gathered = None
+
+    def _weight_t(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
+        """W^T ("KN") in fp8: the gathered form when it is this weight's, else cast now."""
+        got = self.gathered
+        if got is not None and got[0] is weight:
+            return self._fp8_tensor(got[1], got[2], weight.dtype, self.mm_config, self._role.WEIGHT, None).t()
+        return self.cast(weight.t(), self.recipe.weight_dtype, self._role.WEIGHT, "KN", dim)
 
     # ---- casting
     def cast(self, t: torch.Tensor, dtype: torch.dtype, role, dims: str, dim: int | None) -> torch.Tensor:
@@ -149,9 +186,8 @@ class Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, kernel: Fp8Kernel, shard):
         r, role = kernel.recipe, kernel._role
         rows = x.reshape(-1, x.shape[-1])
-        w_t = weight.t()
         a = kernel.cast(rows, r.input_dtype, role.INPUT, "MK", -1)
-        b = kernel.cast(w_t, r.weight_dtype, role.WEIGHT, "KN", 0)
+        b = kernel._weight_t(weight, 0)
         y = torch.mm(a, b)
         if shard is not None:
             regather = shard[1]
@@ -169,11 +205,10 @@ class Fp8Matmul(torch.autograd.Function):
         kernel = ctx.kernel
         r, role = kernel.recipe, kernel._role
         g = grad_y.reshape(-1, grad_y.shape[-1])
-        w_t = weight.t()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             g0 = kernel.cast(g, r.grad_dtype, role.GRAD_OUTPUT, "MN", -1)
-            w1 = kernel.cast(w_t, r.weight_dtype, role.WEIGHT, "KN", -1)
+            w1 = kernel._weight_t(weight, -1)
             grad_x = torch.mm(g0, w1.t()).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             rows = x.reshape(-1, x.shape[-1])
@@ -293,3 +328,19 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, Fp8Linear.of(linear, kernel))
     return report
+
+
+def cast_weight_kernels(model: nn.Module) -> dict[int, Fp8Kernel]:
+    """id(weight) -> its fp8 kernel, for the converted linears whose weight a ZeRO-3 fp8 gather can deliver
+    already cast (parallel/zero3.py `MatmulCast`): tensorwise recipes, weights stored (out, in) - not the
+    experts' stacked weights (one amax per expert) nor GPT-2's transposed Conv1D weights, which the kernel
+    casts after the gather as before."""
+    out: dict[int, Fp8Kernel] = {}
+    for module in model.modules():
+        kernel = module.kernel if isinstance(module, (Fp8Linear, ColumnParallelLinear, RowParallelLinear)) else None
+        if not isinstance(kernel, Fp8Kernel) or not kernel.takes_cast_weights:
+            continue
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.transposed:
+            continue
+        out[id(module.weight)] = kernel
+    return out

@@ -10,7 +10,9 @@ flat shard buffer. Gathering a unit is one coalesced all-gather over dp
 (`Comm.all_gather_many`: one all-gather per parameter, one group call on NCCL) straight into the
 storage of each whole parameter - N * chunk elements, of which the parameter is the first numel -
 so there is no staging buffer and no copy (with `zero_weight_comm` int8/fp8 the gathered bytes
-are dequantized into a staging buffer and copied, as they must be).
+are dequantized into a staging buffer and copied, as they must be; the weights of tensorwise fp8
+matmuls go under `fp8` as the e4m3 bits the matmul uses, scaled by the whole weight's amax, and the
+matmul takes them as they came).
 
     forward   before a unit runs: wait for its all-gather (normally prefetched), put the whole
               parameters in the modules, and start the all-gather of the unit that comes next in
@@ -66,7 +68,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
+from ..comm.quantize import Pending, quantized_all_gather, quantized_reduce_scatter
 from ..mesh import GATHER
 from ..sharding import Placement
 from .hpz import NO_HPZ, NoPartition
@@ -100,6 +102,7 @@ class Unit:
     grad_flat: torch.Tensor  # (Cg,) this rank's summed gradient chunks of the trainable ones
     state: str = "sharded"  # sharded | gathering | whole
     gather: tuple | None = None  # (buffer, handle) while gathering
+    cast: list = field(default_factory=list)  # (param, its MatmulCast, bits, scale) from an fp8 matmul gather
     pending: int = 0  # trainable gradients still to arrive in this backward pass
     reduced: bool = False  # gradients reduce-scattered in this pass
 
@@ -124,6 +127,16 @@ class Hooked:
     needs: list[Unit] = field(default_factory=list)
 
 
+class MatmulCast(Protocol):
+    """A linear's fp8 matmul that takes its weight already cast (parallel/fp8.py `Fp8Kernel`, tensorwise): with
+    `parallel.zero_weight_comm=fp8` the gather sends that weight as the fp8 the matmul uses, once."""
+
+    def weight_scale(self, amax: torch.Tensor) -> torch.Tensor: ...
+    def weight_bits(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+    def take_weight(self, weight: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> None: ...
+    def drop_weight(self) -> None: ...
+
+
 class ShardHome(Protocol):
     """Where the units' flat shards live between gathers when not in memory (parallel/nvme.py ShardStore):
     `load` before a gather reads a shard, `drop` once the gather has completed, `begin_pass` at each pass."""
@@ -142,11 +155,14 @@ class Zero3(HooklessSync):
     def __init__(self, model: nn.Module, comm: Comm, wire_dtype: torch.dtype | None = None, axis: str = "",
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
                  hpz: NoPartition = NO_HPZ, only: set[int] | None = None,
-                 units: list[tuple[str, nn.Module]] | None = None, home: ShardHome | None = None):
+                 units: list[tuple[str, nn.Module]] | None = None, home: ShardHome | None = None,
+                 matmul_casts: dict[int, MatmulCast] | None = None):
         axis = axis or comm.mesh.replica_axis  # default: the mesh's replica axes, dp (x cp)
         self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.home = home  # parallel.offload=nvme: the shards in a scratch file between gathers
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
+        # fp8 gathers: the weights of fp8 matmuls (id -> their kernel) go as the fp8 the matmul uses
+        self.matmul_casts = (matmul_casts or {}) if weight_comm == "fp8" else {}
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
         self.prefetch = prefetch
@@ -256,7 +272,10 @@ class Zero3(HooklessSync):
         from_copy = self._in_backward and self.hpz.ready(unit)
         if self.weight_comm != "none" and not from_copy:  # 8 bits on the wire, dequantized into a staging buffer
             buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
-            handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm, GATHER)
+            if any(id(sp.full) in self.matmul_casts for sp in unit.params):
+                handle = self._matmul_gather(unit, buffer)
+            else:
+                handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm, GATHER)
         else:  # every parameter's chunks straight into its whole form's storage (over dp, or hpZ's over dp_intra)
             buffer = None
             for sp in unit.params:
@@ -284,8 +303,54 @@ class Zero3(HooklessSync):
                 values = rows[:, sp.offset: sp.offset + sp.chunk].reshape(-1)[: full.numel()]
                 with torch.autograd._unsafe_preserve_version_counter(full):
                     full.view(-1).copy_(values)
+        for full, cast, bits, scale in unit.cast:  # the matmuls use the gathered fp8 as it came
+            cast.take_weight(full, bits, scale)
         unit.gather, unit.state = None, "whole"
         self._use(unit, whole=True)
+
+    def _matmul_gather(self, unit: Unit, buffer: torch.Tensor) -> Pending:
+        """An fp8 gather of a unit holding weights of fp8 matmuls: each such weight is sent once, as the
+        e4m3 bits of its tensorwise cast (the whole weight's amax: this rank's chunk's, all-gathered
+        on the gather lane and maxed, then the kernel's own rule over tp), so every rank receives exactly
+        the operand the matmul would cast from the whole weight; the unit's other parameters (norms,
+        biases) go block-wise as in `quantized_all_gather`. `buffer` gets every value dequantized, as there."""
+        n, dev = self.n, unit.shard_flat.device
+        mm = [sp for sp in unit.params if id(sp.full) in self.matmul_casts]
+        rest = [sp for sp in unit.params if id(sp.full) not in self.matmul_casts]
+        chunks = [unit.shard_flat[sp.offset: sp.offset + sp.chunk] for sp in mm]
+        amax = torch.stack([c.abs().amax().float() for c in chunks])
+        amaxes = torch.empty(n * len(mm), dtype=torch.float32, device=dev)
+        self.comm.all_gather(amaxes, amax, self.axis, tag="fp8_amax", lane=GATHER)
+        top = amaxes.view(n, len(mm)).amax(dim=0)
+        scales = [self.matmul_casts[id(sp.full)].weight_scale(top[i]) for i, sp in enumerate(mm)]
+        payload = torch.cat([self.matmul_casts[id(sp.full)].weight_bits(c, s).view(torch.uint8)
+                             for sp, c, s in zip(mm, chunks, scales)])
+        received = torch.empty(n * payload.numel(), dtype=torch.uint8, device=dev)
+        handles = [self.comm.all_gather(received, payload, self.axis, async_op=True, lane=GATHER)]
+        if rest:
+            flat = torch.cat([unit.shard_flat[sp.offset: sp.offset + sp.chunk] for sp in rest])
+            rest_out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=dev)
+            handles.append(quantized_all_gather(self.comm, rest_out, flat, self.axis, "fp8", GATHER))
+
+        def finish():
+            for handle in handles[1:]:
+                handle.wait()
+            rows, got = buffer.view(n, -1), received.view(n, -1)
+            unit.cast = []
+            start = 0
+            for sp, s in zip(mm, scales):
+                bits = got[:, start: start + sp.chunk]
+                start += sp.chunk
+                rows[:, sp.offset: sp.offset + sp.chunk] = (bits.view(torch.float8_e4m3fn).float() / s).to(rows.dtype)
+                whole = bits.reshape(-1)[: sp.numel].view(torch.float8_e4m3fn).view(sp.full.shape)
+                unit.cast.append((sp.full, self.matmul_casts[id(sp.full)], whole, s))
+            if rest:
+                values, start = rest_out.view(n, -1), 0
+                for sp in rest:
+                    rows[:, sp.offset: sp.offset + sp.chunk] = values[:, start: start + sp.chunk]
+                    start += sp.chunk
+
+        return Pending(handles[:1], finish)
 
     def _reshard(self, unit: Unit) -> None:
         if unit.state == "sharded":
@@ -297,6 +362,9 @@ class Zero3(HooklessSync):
                 self.home.drop(unit.index)
         else:
             self._use(unit, whole=False)
+        for _, cast, _, _ in unit.cast:
+            cast.drop_weight()
+        unit.cast = []
         # On CUDA a gather writes this storage on its group's own stream (the gather lane's). Every
         # reader waits for it first (`wait()` makes the current stream wait for the collective), as
         # does a release while gathering, just above; the storage was allocated on the current
