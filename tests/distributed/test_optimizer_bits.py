@@ -1,7 +1,10 @@
 """The multi-tensor optimizer (foreach on CPU, fused on CUDA) keeps "same bits under any
-sharding": 20 steps under ZeRO-0 (whole parameters) and ZeRO-3 (flat shards) end bitwise equal."""
+sharding": 20 steps under ZeRO-0 (whole parameters) and ZeRO-3 (flat shards) end bitwise equal, in fp32
+and in bf16 (whose masters ZeRO-3 starts from the fp32 values of its own chunks, built unit by unit)."""
 
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import make_config
 
@@ -16,7 +19,8 @@ def _train(overrides: list[str], out: str) -> None:
     Trainer(make_config(overrides, out)).run()
 
 
-def test_multi_tensor_adamw_gives_the_same_bits_under_zero0_and_zero3(worlds, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_multi_tensor_adamw_gives_the_same_bits_under_zero0_and_zero3(worlds, tmp_path, precision):
     import torch
 
     from threefold.observe.params import load_global
@@ -24,7 +28,7 @@ def test_multi_tensor_adamw_gives_the_same_bits_under_zero0_and_zero3(worlds, tm
     params = {}
     for zero in (0, 3):
         out = tmp_path / f"zero{zero}"
-        worlds(2).run(_train, BASE + [f"parallel.zero={zero}"], str(out))
+        worlds(2).run(_train, BASE + [f"parallel.zero={zero}", f"precision.compute={precision}"], str(out))
         params[zero] = load_global(Path(out) / "params")
     assert params[0].keys() == params[3].keys()
     for name, value in params[0].items():

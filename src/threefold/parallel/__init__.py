@@ -10,7 +10,8 @@ the meta device, so no rank ever holds the whole model:
                              their base layers (`model.lora_rank`)                  (parallel/lora.py)
     2. pipeline split        keep this rank's stage(s) of the model              (pipeline/)
        materialise           allocate this rank's shards only; fill them from the pretrained
-                             weights (reading only those boxes) or the seeded init  (parallel/materialise.py)
+                             weights (reading only those boxes) or the seeded init  (parallel/materialise.py;
+                             under ZeRO-3 step 5 fills them a unit at a time, keeping its chunks)
     3. activation checkpointing                                                  (parallel/remat.py)
     4. mixed precision       compute dtype, fp32 master weights                  (parallel/precision.py)
     5. gradient sync over dp plain data parallelism or ZeRO 1-3                  (parallel/data.py, zero.py)
@@ -58,7 +59,7 @@ from .hpz import NO_HPZ, secondary_partition
 from .local_sgd import periodic_hook, periodic_sync
 from .lora import LoraBase, add_adapters, check_supported, lora_settings, lora_spec
 from .master import Piece
-from .materialise import materialise
+from .materialise import Deferred, defer_parameters, materialise
 from .nvme import ScratchSettings, ShardStore
 from .model import GradSync, ParallelModel, accumulate
 from .context import install_context, install_documents
@@ -112,10 +113,14 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
         tied = {id(q) for q in split.tied}
         placements = {name: placements[split.names[name]].replicated("pp") if id(q) in tied
                       else placements[split.names[name]] for name, q in model.named_parameters()}
-    allocated = materialise(model, placements, mesh.device, spec)
+    # ZeRO-3 fills its units one at a time (no rank ever holds the whole model) where nothing before it reads
+    # the values: no fp8 conversion, no family hooks
+    deferred = defer_parameters(model, placements, mesh.device, spec) if _defers(cfg, spec) else None
+    allocated = 0 if deferred is not None else materialise(model, placements, mesh.device, spec)
     # 2b. fp8: the blocks' linears get float8 matmuls (after the tp shards, before remat wraps forwards)
     _convert_fp8(model, cfg, comm, mesh, None if split is None else split.names)
-    shards.install()
+    if deferred is None:  # else once ZeRO-3 has given the parameters storage (a meta tensor keeps no hooks)
+        shards.install()
     # 2b. context parallelism: every attention gets the other cp ranks' keys and values, the positions
     # are the global ones of this rank's zigzag chunks (the trainer's step splits the micro-batches)
     # packed rows (data.pack): one core masking by document, handed each micro-batch's ids and positions
@@ -139,7 +144,11 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     precision = apply_precision(model, cfg.precision, mesh.device.type)
     # 5. gradient sync over dp
     grad_sync, placements, pieces, after_step, periodic = _sync_over_dp(model, placements, comm, mesh, cfg, precision,
-                                                                        split is not None, expert_names)
+                                                                        split is not None, expert_names, deferred)
+    if deferred is not None:  # what no ZeRO-3 holds (frozen weights outside its units), filled whole
+        deferred.rest(model)
+        allocated = deferred.bytes
+        shards.install()
     # 6. torch.compile, one region per block and per other top-level module, last: it traces the hooks
     # every step above installed inside a region (under a pipeline, each stage's computation: the
     # runtime below compiles it)
@@ -168,6 +177,11 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     return parallel
 
 
+def _defers(cfg: Config, spec: ModelSpec) -> bool:
+    """Whether ZeRO-3 builds the parameters unit by unit (`materialise.Deferred`)."""
+    return cfg.parallel.zero == 3 and cfg.precision.compute != "fp8" and spec.local_hooks is None
+
+
 def scratch_settings(cfg: Config, mesh: Mesh) -> ScratchSettings:
     p = cfg.parallel
     return ScratchSettings(Path(p.offload_dir), p.offload_prefetch, p.offload_block_mb, mesh.global_rank)
@@ -177,7 +191,7 @@ LOSSY_WIRES = ("dgc", "onebit", "powersgd")  # dp gradient exchanges that are no
 
 
 def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, comm: Comm, cfg: Config, wire,
-                 pipelined: bool):
+                 pipelined: bool, deferred: Deferred | None):
     """Step 5 with ep > 1: dense parameters over dp (dp+cp under cp), experts over edp (edp+cp under cp:
     they are replicated over cp too), each plain or ZeRO-1/2/3."""
     stage, p = cfg.parallel.zero, cfg.parallel
@@ -188,7 +202,7 @@ def _expert_sync(model: nn.Module, named, expert_names: set[str], placements, co
                   for name, place in placements.items()}
     if stage == 3:  # dense parameters sharded over dp (+cp), experts over edp (+cp): two ZeRO-3s on the one model
         zero3 = {"wire_dtype": wire, "stage_passes": pipelined, "weight_comm": p.zero_weight_comm,
-                 "grad_comm": p.zero_grad_comm}
+                 "grad_comm": p.zero_grad_comm, "deferred": deferred}
         syncs = (Zero3(model, comm, **zero3, only={id(q) for _, q in dense}, matmul_casts=_matmul_casts(model, cfg)),
                  Zero3(model, comm, axis=expert_axis, **zero3, only={id(q) for _, q in experts}))
         pieces = syncs[0].pieces(placements) + syncs[1].pieces(placements)
@@ -247,7 +261,7 @@ def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: d
 
 
 def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Config, precision, pipelined: bool,
-                  expert_names: set[str] = frozenset()):
+                  expert_names: set[str] = frozenset(), deferred: Deferred | None = None):
     """Step 5: plain data parallelism (or its periodic form) or ZeRO 1-3
     -> (grad sync, placements, optimizer pieces, after_step, periodic sync).
     Expert parameters spread over ep (`expert_names`) are summed over edp only (edp and cp under cp)."""
@@ -260,7 +274,7 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         raise ConfigError("parallel.zero_weight_comm", f"this torch cannot cast to float8_e4m3fn on {mesh.device}; "
                           "use parallel.zero_weight_comm=int8")
     if expert_names:
-        return (*_expert_sync(model, named, expert_names, placements, comm, cfg, wire, pipelined), None)
+        return (*_expert_sync(model, named, expert_names, placements, comm, cfg, wire, pipelined, deferred), None)
     periodic = None
     if stage == 0:
         hook_wire = wire if wire != precision.compute_dtype else None
@@ -286,7 +300,7 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
     home = ShardStore(scratch_settings(cfg, mesh)) if p.offload == "nvme" else None  # the shards in scratch too
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
                       grad_comm=p.zero_grad_comm, hpz=secondary_partition(comm, pipelined) if p.zero_hpz else NO_HPZ,
-                      home=home, matmul_casts=_matmul_casts(model, cfg))
+                      home=home, matmul_casts=_matmul_casts(model, cfg), deferred=deferred)
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None
 

@@ -55,6 +55,8 @@ class Piece:
     grad: Callable[[], torch.Tensor]  # the summed gradient of the piece (1-D, same length), after finish()
     decay: bool  # weight decay applies (matrices and embeddings, not biases and norm gains)
     start: int = 0  # range of the local parameter's flattening: [start, start + numel)
+    initial: torch.Tensor | None = None  # fp32 values of the piece from before the cast to the compute dtype,
+    # when they are known only for the piece (ZeRO-3's unit-by-unit build: materialise.Deferred)
 
 
 STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -155,6 +157,8 @@ class ShardedOptimizer:
     @staticmethod
     def _initial_values(piece: Piece, fp32_param: torch.Tensor | None) -> torch.Tensor:
         """fp32 values of the piece: from before the cast to the compute dtype when known."""
+        if piece.initial is not None:
+            return piece.initial.to(piece.model.device)
         if fp32_param is None:
             return piece.model.detach().float()
         flat = fp32_param.reshape(-1)[piece.start: piece.start + piece.model.numel()]

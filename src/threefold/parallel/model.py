@@ -213,13 +213,15 @@ class ParallelModel:
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
         if self.scratch is not None:  # masters and moments in a scratch file (config/checks.py refuses the rest)
             optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step, self.shard_home)
-            fp32_init.clear()
-            return optimizer
-        if self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
+        elif self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
             optimizer = self.periodic.make_optimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         else:
             optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
+        for piece in self.pieces:  # and the fp32 chunks of a unit-by-unit ZeRO-3 build
+            piece.initial = None
+        if self.scratch is not None:
+            return optimizer
         if compression:
             optimizer.inner = self.grad_sync.optimizer_for(optimizer.inner)
         return optimizer

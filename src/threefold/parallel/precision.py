@@ -123,7 +123,9 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device_type: str = "
     if dtype != torch.float32:
         for name, p in model.named_parameters():  # tied weights appear once
             if p.is_floating_point():
-                if p.requires_grad:  # a frozen weight (LoRA's base) gets no master: no fp32 copy
+                # a frozen weight (LoRA's base) gets no master: no fp32 copy; nor does a parameter still on the
+                # meta device (ZeRO-3 fills it later and keeps the fp32 values of its own chunk: materialise.py)
+                if p.requires_grad and p.device.type != "meta":
                     fp32_init[name] = p.data.float()
                 p.data = p.data.to(dtype)
         for buf_name, buf in list(model.named_buffers()):

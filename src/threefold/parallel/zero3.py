@@ -73,6 +73,7 @@ from ..mesh import GATHER
 from ..sharding import Placement
 from .hpz import NO_HPZ, NoPartition
 from .master import Piece
+from .materialise import Deferred
 from .model import HooklessSync
 from .units import tensors, unit_modules
 
@@ -156,7 +157,7 @@ class Zero3(HooklessSync):
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
                  hpz: NoPartition = NO_HPZ, only: set[int] | None = None,
                  units: list[tuple[str, nn.Module]] | None = None, home: ShardHome | None = None,
-                 matmul_casts: dict[int, MatmulCast] | None = None):
+                 matmul_casts: dict[int, MatmulCast] | None = None, deferred: Deferred | None = None):
         axis = axis or comm.mesh.replica_axis  # default: the mesh's replica axes, dp (x cp)
         self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.home = home  # parallel.offload=nvme: the shards in a scratch file between gathers
@@ -166,6 +167,8 @@ class Zero3(HooklessSync):
         self.stage_passes = stage_passes  # a pass reduces only the units it reached (pipeline schedules)
         self.wire_dtype = wire_dtype
         self.prefetch = prefetch
+        self.deferred = deferred  # parameters still on the meta device: filled here, one unit at a time
+        self.initial: dict[str, torch.Tensor] = {}  # their chunks' fp32 values where the model is cast (masters)
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         comm.mesh.add_lane(axis, GATHER)  # collective: every rank builds ZeRO-3 at the same point
         names = {id(p): name for name, p in model.named_parameters()}
@@ -223,17 +226,24 @@ class Zero3(HooklessSync):
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO-3 unit {name} mixes parameter dtypes {dtypes}; cast the model to one dtype")
         dtype = dtypes.pop() if dtypes else torch.float32
-        device = named[0][1].device if named else self.comm.mesh.device
+        device = named[0][1].device if named and named[0][1].device.type != "meta" else self.comm.mesh.device
         chunks = [-(-p.numel() // n) for _, p in named]
+        # a deferred build (materialise.Deferred): this unit's whole values now, each dropped once its chunk is kept
+        meta = [p for _, p in named if self.deferred is not None and self.deferred.holds(p)]
+        values = dict(zip(map(id, meta), self.deferred.values(meta))) if meta else {}
         shard_flat = torch.zeros(sum(chunks), dtype=dtype, device=device)
         grad_flat = torch.zeros(sum(c for c, (_, p) in zip(chunks, named) if p.requires_grad), dtype=dtype,
                                 device=device)
         params, offset, grad_offset = [], 0, 0
         with torch.no_grad():
             for (name_p, p), c in zip(named, chunks):
-                padded = torch.zeros(n * c, dtype=dtype, device=device)
-                padded[: p.numel()].copy_(p.reshape(-1))
-                shard_flat[offset: offset + c].copy_(padded[r * c: (r + 1) * c])
+                whole = values.pop(id(p), p).reshape(-1)  # this rank's chunk; the padding past numel stays zero
+                lo, hi = min(r * c, whole.numel()), min((r + 1) * c, whole.numel())
+                shard_flat[offset: offset + hi - lo].copy_(whole[lo: hi])
+                if whole.dtype != dtype and p.requires_grad:  # the chunk's values before the cast, for its master
+                    self.initial[name_p] = torch.zeros(c, dtype=torch.float32, device=device)
+                    self.initial[name_p][: hi - lo].copy_(whole[lo: hi])
+                del whole
                 shard = nn.Parameter(shard_flat[offset: offset + c], requires_grad=p.requires_grad)
                 goff = None
                 if p.requires_grad:
@@ -243,7 +253,11 @@ class Zero3(HooklessSync):
                 # the whole form is the first numel elements of an N * chunk storage of its own, which
                 # the all-gather fills directly (no staging buffer, no copy)
                 padded = torch.empty(n * c, dtype=dtype, device=device)
-                p.data = padded[: p.numel()].view(p.shape)
+                numel, shape = p.numel(), p.shape
+                if p.device.type == "meta":  # a meta tensor's data cannot be replaced: give the object storage first
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                             p.requires_grad))
+                p.data = padded[: numel].view(shape)
                 p.grad = None
                 p.untyped_storage().resize_(0)
                 params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)], padded))
@@ -557,5 +571,6 @@ class Zero3(HooklessSync):
                 grad = unit.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk]
                 out.append(Piece(sp.name, placements[sp.name].flat_shard(self.rank * sp.chunk,
                                                                          (self.rank + 1) * sp.chunk),
-                                 sp.shard.detach(), (lambda g=grad: g), sp.full.dim() >= 2, self.rank * sp.chunk))
+                                 sp.shard.detach(), (lambda g=grad: g), sp.full.dim() >= 2, self.rank * sp.chunk,
+                                 self.initial.pop(sp.name, None)))
         return out
