@@ -4,12 +4,16 @@
 # when the tree has one, `pip install --target vendor torchao==0.18.0 --no-deps`, docs/fp8.md;
 # no pytest, transformers or tokenizers):
 #
-#     bash bench/gpu.sh [--budget SECONDS] [--smoke]        (docs/gpu.md, "The benchmark")
+#     bash bench/gpu.sh [--budget SECONDS] [--only STAGE,...] [--smoke]    (docs/gpu.md, "The benchmark")
+#
+# --only runs the named stages alone (shell patterns, e.g. --only 'fp8-*,llama-compare'), so one lease can
+# be split into calls; the others are recorded as skipped, "not selected".
 #
 # Stages, in this order, each under `timeout` (at most its own limit and what is left of the budget;
 # a stage that needs more than is left is skipped and says so), none stopping the others:
 #   preflight      nvidia-smi, torch / CUDA / NCCL versions, triton, cc, Python.h, one tiny compile
 #   sync           host syncs inside a step (torch.cuda.set_sync_debug_mode) for dp, ZeRO-3, bf16, fp16: 0
+#   gpu-tests      the suite's CUDA tests (tests/gpu) under pytest, where the machine has pytest
 #   run-*          tiny `threefold train --nproc 1` runs (NCCL): bf16, fp16, ZeRO-3, optimizer offload
 #   save, resume, bitwise   an async save at step 3 of 6, a run resumed from it, checkpoints compared bitwise
 #   gpt2-train     GPT-2 124M through `threefold train --compile` (its own loop), tokens/s and MFU
@@ -30,13 +34,16 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 SMOKE=0
 BUDGET=540
+ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) SMOKE=1 ;;
         --budget) BUDGET=${2:?--budget needs SECONDS}; shift ;;
         --budget=*) BUDGET=${1#*=} ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
-        *) echo "gpu.sh: unknown option '$1' (--budget SECONDS, --smoke)" >&2; exit 2 ;;
+        --only) ONLY=${2:?--only needs STAGE,...}; shift ;;
+        --only=*) ONLY=${1#*=} ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        *) echo "gpu.sh: unknown option '$1' (--budget SECONDS, --only STAGE,..., --smoke)" >&2; exit 2 ;;
     esac
     shift
 done
@@ -55,11 +62,27 @@ START=$SECONDS
 RESERVE=5  # kept for the results at the end
 printf 'stage\trc\tseconds\tnote\n' > "$OUT/status.tsv"
 
+# selected NAME: whether NAME matches one of --only's comma-separated patterns
+selected() {
+    local pattern
+    local IFS=,
+    for pattern in $ONLY; do
+        # shellcheck disable=SC2053  # the pattern is a pattern
+        [[ "$1" == $pattern ]] && return 0
+    done
+    return 1
+}
+
 # stage NAME LIMIT_S NEED_S CMD...: run CMD under timeout (LIMIT_S, or less when less is left), or skip it
 # when less than NEED_S is left; the exit code (124: timed out) goes to status.tsv
 stage() {
     local name=$1 limit=$2 need=$3
     shift 3
+    if [ -n "$ONLY" ] && ! selected "$name"; then
+        echo "== $name: skipped, not selected (--only $ONLY)"
+        printf '%s\tskip\t0\tnot selected (--only)\n' "$name" >> "$OUT/status.tsv"
+        return
+    fi
     local left=$((BUDGET - (SECONDS - START) - RESERVE))
     [ "$left" -lt 0 ] && left=0  # the reserve already eaten into: nothing is left, not less than nothing
     if [ "$left" -lt "$need" ]; then
@@ -105,6 +128,13 @@ echo "== gpu.sh: out=$OUT budget=${BUDGET}s smoke=$SMOKE $(date -u +%FT%TZ)"
 uptime || true
 stage preflight 60 20 "$PY" bench/gpu_checks.py preflight --json "$R/preflight.json" "${FLAG[@]}"
 stage sync 150 30 "$PY" bench/gpu_checks.py sync --json "$R/sync.json" --scratch "$OUT/sync" "${FLAG[@]}"
+# the CUDA tests need pytest, which the GPU machine may lack: without it the stage says so and passes
+# (on --smoke they run and skip, no CUDA device)
+if "$PY" -c "import pytest" 2>/dev/null; then
+    stage gpu-tests 150 40 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+else
+    stage gpu-tests 5 0 "$PY" -c "print('gpu-tests: not run, this python has no pytest')"
+fi
 for run in "bf16:--precision bf16" "fp16:--precision fp16" "zero3:--zero 3" \
            "offload:--zero 1 --set parallel.offload=optimizer"; do
     # shellcheck disable=SC2086  # the options of each run are words

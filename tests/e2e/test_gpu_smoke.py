@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["preflight", "sync", "run-bf16", "run-fp16", "run-zero3", "run-offload", "save", "resume", "bitwise",
+STAGES = ["preflight", "sync", "gpu-tests", "run-bf16", "run-fp16", "run-zero3", "run-offload", "save", "resume", "bitwise",
           "runs-figures", "gpt2-train", "gpt2-train-figures", "gpt2-compare", "fp8-gemm", "fp8-bf16", "fp8-train", "fp8-figures",
           "llama-compare"]
 
@@ -95,3 +95,17 @@ def test_a_failing_stage_is_recorded_and_the_next_one_runs(tmp_path):
     assert run.returncode == 1 and list(codes) == STAGES and set(codes.values()) == {"3"}, (codes, run.stdout[-2000:])
     assert (tmp_path / "out" / "gpu.log").read_text().count("stage failed on purpose") == len(STAGES)
     assert json.loads((tmp_path / "out" / "results.json").read_text())["status"]["llama-compare"]["rc"] == "3"
+
+
+def test_gpu_sh_only_runs_the_selected_stages(tmp_path):
+    """--only splits one lease into calls: the named stages (shell patterns) run, the others are recorded
+    as not selected, and results.json is written for what ran."""
+    run, _ = run_smoke(tmp_path / "a", "--only", "pre*,gpu-tests", timeout=300)
+    codes = status(tmp_path / "a")
+    assert run.returncode == 0 and list(codes) == STAGES, (codes, run.stdout[-2000:])
+    assert codes["preflight"] == "0" and codes["gpu-tests"] == "0", codes
+    assert {codes[name] for name in STAGES if name not in ("preflight", "gpu-tests")} == {"skip"}, codes
+    notes = {line.split("\t")[0]: line.split("\t")[3] for line in (tmp_path / "a" / "status.tsv").read_text().splitlines()[1:]}
+    assert notes["llama-compare"] == "not selected (--only)"
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["preflight"]["ok"] and results["sync"] is None
