@@ -2,7 +2,7 @@
 # One GPU run that answers every GPU question, in at most --budget seconds (default 540), from the
 # source tree (no install; needs torch, safetensors, numpy, and torchao for the fp8 stages: from vendor/
 # when the tree has one, `pip install --target vendor torchao==0.18.0 --no-deps`, docs/fp8.md;
-# no pytest, transformers or tokenizers):
+# pytest only for the gpu-tests stage, where present; no transformers or tokenizers needed):
 #
 #     bash bench/gpu.sh [--budget SECONDS] [--only STAGE,...] [--smoke]    (docs/gpu.md, "The benchmark")
 #
