@@ -260,6 +260,9 @@ def nvme_parity(base: list[str], out: str) -> dict:
                     entry["home"] = {"units": len(home.shards), "peak": home.peak_resident,
                                      "read": home.stats.read_bytes, "size": home.file_bytes(),
                                      "nbytes": home.nbytes, "unlinked": not home.path.exists()}
+                    g = opt.grads
+                    entry["grads"] = {"read": g.stats.read_bytes, "written": g.stats.write_bytes, "nbytes": g.nbytes,
+                                      "resident": len(g.resident), "unlinked": not g.path.exists()}
             report[f"z{stage}-{run}"] = entry
             del trainer, records
         opt = home = None  # the last references: the optimizer's finalizers remove the files

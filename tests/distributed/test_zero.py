@@ -173,8 +173,9 @@ def test_nvme_offload_is_bitwise_the_in_memory_optimizer_and_resumes(worlds, tmp
 
     from tests.zero_tasks import nvme_parity
 
+    # two micro-batches: ZeRO-3's streamed gradients are read, added to and written back per micro-batch
     base = BASE[:1] + ["model.layers=4", "train.global_batch=4", "train.seq_len=16", "train.lr=1e-3", "train.eps=1e-6",
-                       "train.grad_clip=0.5"]
+                       "train.grad_clip=0.5", "train.microbatches=2"]
     reports = worlds(2).run(nvme_parity, base, str(tmp_path))
     for rank, r in enumerate(reports):
         for stage in (1, 3):
@@ -186,6 +187,10 @@ def test_nvme_offload_is_bitwise_the_in_memory_optimizer_and_resumes(worlds, tmp
                 home = r["z3-nvme"]["home"]
                 assert home["units"] >= 7 and home["peak"] <= 3 and home["unlinked"], home
                 assert home["read"] >= 2 * 10 * home["nbytes"] // 2 and home["size"] >= home["nbytes"] // 2, home
+                grads = r["z3-nvme"]["grads"]  # the reduced gradients: in their file, none resident after a step
+                assert grads["unlinked"] and grads["resident"] == 0 and grads["written"] > 0, grads
+                # read per step: the second micro-batch's add, the norm's pass and the update's
+                assert grads["read"] >= 3 * 10 * grads["nbytes"] // 2, grads
             for run in ("nvme", "resumed", "resumed-none"):
                 got = r[f"z{stage}-{run}"]
                 assert got["losses"] == ref["losses"][-len(got["losses"]):], f"rank {rank} ZeRO-{stage} {run}"

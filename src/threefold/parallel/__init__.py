@@ -165,6 +165,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
         parallel.settle_weights = grad_sync.settle
     if isinstance(grad_sync, Zero3) and grad_sync.home is not None:  # the shards in memory for a reader
         parallel.shard_home = grad_sync.home
+        parallel.grad_home = grad_sync.grad_home
         parallel.settle_weights = grad_sync.home.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors(),
@@ -298,9 +299,11 @@ def _sync_over_dp(model: nn.Module, placements, comm: Comm, mesh: Mesh, cfg: Con
         return grad_sync, placements, pieces, grad_sync.defer_param_gather, None
     # with a pipeline, each schedule pass reduces only the units it reached (see zero3.py)
     home = ShardStore(scratch_settings(cfg, mesh)) if p.offload == "nvme" else None  # the shards in scratch too
+    # and the reduced gradients, streamed by the step (a pipeline's passes keep theirs in memory)
+    grad_home = ShardStore(scratch_settings(cfg, mesh), "grads") if home is not None and not pipelined else None
     grad_sync = Zero3(model, comm, wire, stage_passes=pipelined, weight_comm=p.zero_weight_comm,
                       grad_comm=p.zero_grad_comm, hpz=secondary_partition(comm, pipelined) if p.zero_hpz else NO_HPZ,
-                      home=home, matmul_casts=_matmul_casts(model, cfg), deferred=deferred)
+                      home=home, matmul_casts=_matmul_casts(model, cfg), deferred=deferred, grad_home=grad_home)
     pieces = grad_sync.pieces(placements)
     return grad_sync, grad_sync.placements(placements), pieces, None, None
 

@@ -189,6 +189,16 @@ class ShardedOptimizer:
             master.grad = grad
         return self.masters, self.placements
 
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """Each master's gradient norm when the gradients are not on the masters (None: the norm reads
+        `.grad`; parallel.offload=nvme streams ZeRO-3's gradients and gives their norms instead)."""
+        return None
+
+    def clip(self, params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+        """Scale the gradients `prepare_grads` gave by min(1, max_norm / (norm + 1e-6)) (torch's rule)."""
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
         """Run `hook()` before every step (checkpoint.state.UpdateGuard): an async checkpoint
         snapshot in flight must finish before the update changes what it copies."""

@@ -159,6 +159,7 @@ class ParallelModel:
     scratch: ScratchSettings | None = None  # parallel.offload=nvme: where the states stream from (parallel/nvme.py)
     replica_axis: str = "dp"  # the axis gradients are summed over (Mesh.replica_axis: dp, or dp+cp)
     shard_home: ShardStore | None = None  # nvme under ZeRO-3: the parameter shards' scratch file
+    grad_home: ShardStore | None = None  # and the reduced gradients' (without a pipeline)
     lora_base: object | None = None  # LoRA (parallel/lora.py LoraBase): the frozen base a checkpoint refers to
     documents: Documents | None = None  # packed rows (data.pack): takes each micro-batch's document ids and positions
     _meter: SavedTensorMeter | None = None
@@ -212,7 +213,8 @@ class ParallelModel:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
         if self.scratch is not None:  # masters and moments in a scratch file (config/checks.py refuses the rest)
-            optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step, self.shard_home)
+            optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step, self.shard_home,
+                                      self.grad_home)
         elif self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
             optimizer = self.periodic.make_optimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         else:

@@ -224,13 +224,19 @@ class NvmeOptimizer:
 
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, settings: ScratchSettings,
                  fp32_init: dict[str, torch.Tensor] | None = None, after_step: Callable[[], None] | None = None,
-                 home: ShardStore | None = None):
+                 home: ShardStore | None = None, grads: ShardStore | None = None):
         if cfg.optimizer not in STATE_KINDS:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
         self.pieces = pieces
         self.cfg = cfg
         self.after_step = after_step
         self.home = home  # ZeRO-3: the model's shards in a scratch file of their own (ShardStore)
+        self.grads = grads  # ZeRO-3: the reduced gradients in another, streamed (no holder keeps them)
+        self._grads_open: int | None = None  # the gradient store's unit being read
+        self._grads_ctx = None
+        self._inv_scale: float | torch.Tensor = 1.0
+        self._norms: list[torch.Tensor] | None = None
+        self._clip: torch.Tensor | None = None  # min(1, max_norm / (norm + 1e-6)) for the streamed gradients
         self._open: int | None = None  # the home's unit being updated
         self._pre_hooks: list[Callable[[], None]] = []
         self.kinds = STATE_KINDS[cfg.optimizer] if (cfg.optimizer == "adamw" or cfg.momentum) else ()
@@ -372,12 +378,55 @@ class NvmeOptimizer:
 
     def prepare_grads(self, inv_scale: float | torch.Tensor = 1.0) -> tuple[list[nn.Parameter], list[Placement]]:
         """fp32 unscaled gradients on the holders (ShardedOptimizer.prepare_grads with its host pool)."""
+        if self.grads is not None:  # streamed: each piece's norm now, its gradient again in the update
+            self._inv_scale, self._clip = inv_scale, None
+            self._norms = [torch._foreach_norm([self._grad(i)], 2.0)[0] for i in range(len(self.pieces))]
+            self._grads_at(None)
+            return self.masters, self.placements
         scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
         grads = [piece.grad().detach() for piece in self.pieces]
         own = [not scaled and g.dtype == torch.float32 and g.device.type == "cpu" for g in grads]
         for holder, grad in zip(self.masters, fp32_grads(grads, own, torch.device("cpu"), inv_scale)):
             holder.grad = grad
         return self.masters, self.placements
+
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """Streamed gradients: each piece's norm, taken by `prepare_grads` (else None: on the holders)."""
+        return self._norms
+
+    def clip(self, params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+        if self.grads is None:
+            ShardedOptimizer.clip(self, params, norm, max_norm)
+        elif max_norm > 0:  # torch's clip_grads_with_norm_, applied as each unit's gradients are read
+            self._clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+    def _grads_at(self, index: int | None) -> None:
+        """Have the gradient store's unit `index` resident (the one before released); None: release."""
+        if index == self._grads_open:
+            return
+        if self._grads_ctx is not None:
+            self._grads_ctx.__exit__(None, None, None)
+            self._grads_ctx = None
+        self._grads_open = index
+        if index is not None:
+            self._grads_ctx = self.grads.reading(index)
+            self._grads_ctx.__enter__()
+
+    def _grad(self, i: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Piece i's fp32 unscaled gradient [lo, hi) from the store, as `fp32_grads` makes it (copy, then
+        the multiply by 1 / scale), clipped once `clip` has run: the bits of the in-memory path."""
+        piece = self.pieces[i]
+        self._grads_at(self.grads.unit_of[piece.name])
+        grad = piece.grad().detach()[lo:hi]
+        inv = self._inv_scale
+        scaled = isinstance(inv, torch.Tensor) or inv != 1.0
+        # always a copy: the store's unit is released when the next piece's is read
+        grad = torch.empty(grad.shape, dtype=torch.float32).copy_(grad)
+        if scaled:
+            grad.mul_(inv.cpu() if isinstance(inv, torch.Tensor) else inv)
+        if self._clip is not None:
+            grad.mul_(self._clip.to(grad.device))
+        return grad
 
     @torch.no_grad()
     def step(self, found_inf: torch.Tensor | None = None) -> None:
@@ -392,6 +441,9 @@ class NvmeOptimizer:
         start = time.perf_counter()
         self._stream(self._update)
         self._into_home(None)
+        if self.grads is not None:
+            self._grads_at(None)
+            self._norms = self._clip = None
         self.stats.step_s += time.perf_counter() - start
         self.steps += 1
         for holder in self.masters:
@@ -406,7 +458,8 @@ class NvmeOptimizer:
             if not segs:
                 continue
             params = [master[s.at: s.at + s.hi - s.lo] for s in segs]
-            grads = [self.masters[s.piece].grad[s.lo: s.hi] for s in segs]
+            grads = ([self._grad(s.piece, s.lo, s.hi) for s in segs] if self.grads is not None
+                     else [self.masters[s.piece].grad[s.lo: s.hi] for s in segs])
             states = [[m[s.at: s.at + s.hi - s.lo] for s in segs] for m in moments]
             c = self.cfg
             if c.optimizer == "adamw":
@@ -512,12 +565,12 @@ class ShardStore:
     next pass writes them all back and releases them. Reads and writes are buffered (the shard
     buffers are the model's own allocations, not aligned blocks)."""
 
-    def __init__(self, settings: ScratchSettings):
+    def __init__(self, settings: ScratchSettings, kind: str = "params"):
         directory = Path(settings.directory)
         if directory.is_dir():
             remove_stale(directory, settings.rank)
         check_scratch(directory, 0)
-        self.path = directory / scratch_name(settings.rank).replace(".scratch", "-params.scratch")
+        self.path = directory / scratch_name(settings.rank).replace(".scratch", f"-{kind}.scratch")
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as err:
@@ -620,6 +673,43 @@ class ShardStore:
         yield self.shards[index]
         self._write(index)
         self.drop(index)
+
+    @contextlib.contextmanager
+    def reading(self, index: int):
+        """The shard resident to be read, then released (kept while pinned); nothing is written."""
+        self.load(index)
+        yield self.shards[index]
+        self.drop(index)
+
+    @torch.no_grad()
+    def accumulate(self, index: int, values: torch.Tensor, fresh: bool) -> None:
+        """shard += values (fresh: the shard is zeros, nothing read), written back and released (a gradient
+        store: each micro-batch's reduced chunk added to what the earlier ones left in the file)."""
+        shard = self.shards[index]
+        if fresh:
+            if index in self.pending:
+                self.pending.pop(index).result()
+            shard.untyped_storage().resize_(shard.numel() * shard.element_size())
+            self.resident.add(index)
+            shard.zero_()
+        else:
+            self.load(index)
+        shard.add_(values)
+        self._write(index)
+        self.drop(index)
+
+    def evict(self, index: int) -> None:
+        """Release unit `index`'s shard without writing it (its values are not needed: zeros to come)."""
+        self._release(index)
+
+    def release_all(self) -> None:
+        """Leave the pinned state with nothing resident and nothing written (a store filled before each use)."""
+        for index in list(self.pending):
+            self.pending.pop(index).result()
+        for index in list(self.resident):
+            self._release(index)
+        self.pinned = False
+        self.last = -1
 
     def settle(self) -> None:
         """Every shard resident until the next pass (checkpoints, evaluations, the end of a run)."""

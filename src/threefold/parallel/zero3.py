@@ -148,6 +148,16 @@ class ShardHome(Protocol):
     def begin_pass(self) -> None: ...
 
 
+class GradHome(Protocol):
+    """Where the units' reduced gradient shards live between micro-batches and until the step reads them
+    (parallel/nvme.py ShardStore, a file of its own): each reduce-scatter's result is added in place."""
+
+    def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
+    def accumulate(self, index: int, values: torch.Tensor, fresh: bool) -> None: ...
+    def evict(self, index: int) -> None: ...
+    def release_all(self) -> None: ...
+
+
 class Zero3(HooklessSync):
     """Stage 3 over `axis`: grad-sync interface, parameter gathering, the pieces this rank updates."""
 
@@ -157,10 +167,13 @@ class Zero3(HooklessSync):
                  prefetch: bool = True, stage_passes: bool = False, weight_comm: str = "none", grad_comm: str = "none",
                  hpz: NoPartition = NO_HPZ, only: set[int] | None = None,
                  units: list[tuple[str, nn.Module]] | None = None, home: ShardHome | None = None,
-                 matmul_casts: dict[int, MatmulCast] | None = None, deferred: Deferred | None = None):
+                 matmul_casts: dict[int, MatmulCast] | None = None, deferred: Deferred | None = None,
+                 grad_home: GradHome | None = None):
         axis = axis or comm.mesh.replica_axis  # default: the mesh's replica axes, dp (x cp)
         self.model, self.comm, self.axis, self.hpz = model, comm, axis, hpz  # hpZ: parallel/hpz.py
         self.home = home  # parallel.offload=nvme: the shards in a scratch file between gathers
+        self.grad_home = grad_home  # and the reduced gradient shards (not with a pipeline's passes)
+        self._fresh: set[int] = set()  # units whose gradient shard is still zero this step (grad_home)
         self.weight_comm, self.grad_comm = weight_comm, grad_comm  # int8 / fp8: comm/quantize.py
         # fp8 gathers: the weights of fp8 matmuls (id -> their kernel) go as the fp8 the matmul uses
         self.matmul_casts = (matmul_casts or {}) if weight_comm == "fp8" else {}
@@ -191,6 +204,11 @@ class Zero3(HooklessSync):
             params = [p for p in module.parameters() if id(p) not in assigned and (only is None or id(p) in only)]
             unit = self._make_unit(len(self.units), name, [(names[id(p)], p) for p in params], slots)
             self.units.append(unit)
+            if grad_home is not None:  # nothing resident, from the build on: gradients go to the file as reduced
+                grad_home.add(unit.index, unit.grad_flat, [sp.name for sp in unit.params])
+                grad_home.evict(unit.index)
+                for sp in unit.trainable:
+                    sp.shard.grad = None
             for sp in unit.params:
                 assigned[id(sp.full)] = unit
             needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters() if id(p) in assigned))
@@ -199,6 +217,9 @@ class Zero3(HooklessSync):
         if home is not None:
             for unit in self.units:
                 home.add(unit.index, unit.shard_flat, [sp.name for sp in unit.params])
+        if grad_home is not None:
+            grad_home.release_all()
+            self._fresh = {unit.index for unit in self.units}
         self._by_full = {id(sp.full): (unit, sp) for unit in self.units for sp in unit.params}
         for unit in self.units:
             self._use(unit, whole=False)
@@ -484,7 +505,11 @@ class Zero3(HooklessSync):
     def _complete_one(self) -> None:
         unit, _, out, handle = self._inflight.pop(0)
         handle.wait()
-        unit.grad_flat.add_(out)
+        if self.grad_home is not None:  # zeros + out, as in memory: the same bits
+            self.grad_home.accumulate(unit.index, out, unit.index in self._fresh)
+            self._fresh.discard(unit.index)
+        else:
+            unit.grad_flat.add_(out)
 
     # ------------------------------------------------------------ grad-sync interface
 
@@ -532,8 +557,16 @@ class Zero3(HooklessSync):
     def finish(self) -> None:
         while self._inflight:
             self._complete_one()
+        if self.grad_home is not None:  # a unit no gradient reached this step: zeros in the file
+            for unit in self.units:
+                if unit.index in self._fresh and unit.grad_flat.numel():
+                    self.grad_home.accumulate(unit.index, torch.zeros((), dtype=unit.grad_flat.dtype), True)
+            self._fresh.clear()
 
     def zero_grad(self) -> None:
+        if self.grad_home is not None:  # the file's gradients count as zeros until this step's arrive
+            self._fresh = {unit.index for unit in self.units}
+            return
         for unit in self.units:
             unit.grad_flat.zero_()
             for sp in unit.trainable:
@@ -568,9 +601,10 @@ class Zero3(HooklessSync):
         out = []
         for unit in self.units:
             for sp in unit.trainable:
-                grad = unit.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk]
+                # sliced when asked: with a gradient store the buffer has storage only while its unit is read
+                grad = (lambda u=unit, sp=sp: u.grad_flat[sp.grad_offset: sp.grad_offset + sp.chunk])
                 out.append(Piece(sp.name, placements[sp.name].flat_shard(self.rank * sp.chunk,
                                                                          (self.rank + 1) * sp.chunk),
-                                 sp.shard.detach(), (lambda g=grad: g), sp.full.dim() >= 2, self.rank * sp.chunk,
+                                 sp.shard.detach(), grad, sp.full.dim() >= 2, self.rank * sp.chunk,
                                  self.initial.pop(sp.name, None)))
         return out

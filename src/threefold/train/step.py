@@ -156,16 +156,18 @@ class StepResult:
 
 
 def global_grad_norm(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
-                     dp_axis: str | None = "", replicated: bool = False) -> torch.Tensor:
+                     dp_axis: str | None = "", replicated: bool = False,
+                     norms: list[torch.Tensor] | None = None) -> torch.Tensor:
     """sqrt of the sum of squares of every distinct gradient element of the global model
     (`grad_sum_of_squares` summed over tp, pp and the replica axes; `dp_axis` "": the mesh's)."""
     inner_first = tuple(reversed(comm.mesh.axes_where(TENSOR, PIPELINE)))  # tp, then pp
     return grad_sum_of_squares(params, placements, comm, dp_axis if dp_axis != "" else comm.mesh.replica_axis,
-                               replicated, inner_first).sqrt()
+                               replicated, inner_first, norms).sqrt()
 
 
 def grad_sum_of_squares(params: list[nn.Parameter], placements: list[Placement], comm: Comm,
-                        dp_axis: str | None, replicated: bool, axes: tuple[str, ...]) -> torch.Tensor:
+                        dp_axis: str | None, replicated: bool, axes: tuple[str, ...],
+                        norms: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The sum of squares of every distinct gradient element, summed over `axes` and the replica axes.
 
     Each rank adds the gradients it owns - a copy replicated over an axis counts only at that
@@ -178,6 +180,9 @@ def grad_sum_of_squares(params: list[nn.Parameter], placements: list[Placement],
     dense sum). Then every rank adds them all itself and nothing is summed over the replica axes -
     one collective less per step, as DDP's replicas clip locally - with the value the sum gives
     (coordinate 0's partial sum plus zeros).
+
+    `norms`: each parameter's gradient norm, given where the gradients are not on `.grad` (streamed
+    from a scratch file); combined as torch's `get_total_norm` combines the per-tensor norms.
     """
     mesh = comm.mesh
     replicas, joined = mesh.axes_where(REPLICA), mesh.replica_axis
@@ -190,11 +195,15 @@ def grad_sum_of_squares(params: list[nn.Parameter], placements: list[Placement],
             return dp_axis is None or local_dp or mesh.rank(axis if dp_axis == joined else dp_axis) == 0
         return mesh.rank(axis) == 0
 
-    owned = [p.grad for p, place in zip(params, placements)
-             if p.grad is not None and all(owns(axis) for axis in place.replicated_over)]
+    mine = [i for i, (p, place) in enumerate(zip(params, placements))
+            if (p.grad is not None or norms is not None) and all(owns(axis) for axis in place.replicated_over)]
     # on the mesh's device: the collective needs it (offloaded master gradients live on the host)
     sumsq = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    if owned:
+    if mine and norms is not None:
+        total = torch.linalg.vector_norm(torch.stack([norms[i] for i in mine]), 2.0)
+        sumsq += total.float().square().to(mesh.device)
+    elif mine:
+        owned = [params[i].grad for i in mine]
         sumsq += torch.nn.utils.get_total_norm(owned, foreach=True).float().square().to(mesh.device)
     for axis in (*axes, None if local_dp else dp_axis):
         if axis is not None:
@@ -288,12 +297,13 @@ class TrainStep:
         if self.parallel.after_sync is not None:
             self.parallel.after_sync()
         params, placements = self.optimizer.prepare_grads(1.0 / scale)
-        norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
+        norm = global_grad_norm(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated,
+                                self.optimizer.grad_norms())
         # the norm is summed over every mesh axis: every rank sees the same value, hence the same decision
         found_inf = ~torch.isfinite(norm)
         if self.scaler is not None:
             self.scaler.update(found_inf)
-        clip_gradients(params, norm, self.cfg.grad_clip)  # non-finite gradients stay non-finite: skipped below
+        self.optimizer.clip(params, norm, self.cfg.grad_clip)  # non-finite gradients stay non-finite: skipped below
         lr = lr_at(step, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.step(found_inf)  # the update is skipped on the device where found_inf is set
