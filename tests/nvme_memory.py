@@ -37,12 +37,12 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = make_config(overrides, out)
-    base_rss = status("VmRSS")
+    base_rss, base_data = status("VmRSS"), status("VmData")
     if budget_mb:
         resource.setrlimit(resource.RLIMIT_DATA, (status("VmData") + int(budget_mb * 2**20), resource.RLIM_INFINITY))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    report = {"base_rss": base_rss}
+    report = {"base_rss": base_rss, "base_data": base_data}
     try:
         trainer = Trainer(cfg)
         trainer.run()
@@ -53,6 +53,7 @@ def main() -> None:
         report["done"] = False
         report["error"] = str(err).splitlines()[0][:200]
     report["peak_above_base"] = status("VmHWM") - base_rss
+    report["data_above_base"] = status("VmData") - base_data  # at the end: address space committed, touched or not
     print(json.dumps(report), flush=True)
 
 

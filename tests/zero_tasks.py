@@ -247,6 +247,7 @@ def nvme_parity(base: list[str], out: str) -> dict:
                            ("resumed-none", [f"checkpoint.resume={first}"])):
             trainer = Trainer(make_config(common + extra, str(Path(out) / f"z{stage}-{run}")))
             records = trainer.run()
+            trainer.parallel.settle()  # nvme under ZeRO-3: the run ends with the shards in their file
             entry = {"losses": [r["loss"] for r in records],
                      "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}}
             if run == "nvme":

@@ -147,6 +147,41 @@ def test_run_starts_from_an_exported_model(worlds, tmp_path, reference):
         assert all(torch.equal(params[n], full[n]) for n in full)
 
 
+def init_then_train_task(overrides: list[str], out: str) -> dict:
+    from threefold.train.trainer import Trainer
+
+    trainer = Trainer(make_config(overrides, out))
+    records = trainer.run()
+    trainer.parallel.settle()  # nvme under ZeRO-3: the shards come back from their file
+    return {"losses": [r["loss"] for r in records],
+            "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}}
+
+
+def test_masters_off_the_model_start_from_the_exported_model(worlds, tmp_path, reference):
+    """checkpoint.init_from fills the model after the optimizer made its masters: fp32 masters kept apart
+    (offload=optimizer on the host, offload=nvme in a file) take the imported values too, so the steps
+    continue from the exported model, as the run whose masters share the model's storage does."""
+    from threefold.checkpoint import export_model
+
+    out, _ = reference
+    exported = tmp_path / "model.safetensors"
+    export_model(out / "checkpoints" / step_dir_name(10), exported)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    common = BASE[:1] + ["train.steps=3", "train.global_batch=8", "train.seq_len=32", "train.lr=1e-3",
+                         "train.eps=1e-6", f"checkpoint.init_from={exported}"]
+    nvme = ["parallel.offload=nvme", f"parallel.offload_dir={scratch}", "parallel.offload_block_mb=0.05"]
+    runs = {}
+    for name, extra in (("z1", ["parallel.zero=1"]), ("z1-host", ["parallel.zero=1", "parallel.offload=optimizer"]),
+                        ("z3", ["parallel.zero=3"]), ("z3-nvme", ["parallel.zero=3"] + nvme)):
+        runs[name] = worlds(2).run(init_then_train_task, common + extra, str(tmp_path / name))
+    for base, offloaded in (("z1", "z1-host"), ("z3", "z3-nvme")):
+        for a, b in zip(runs[offloaded], runs[base]):
+            assert rel_err(torch.tensor(a["losses"]), torch.tensor(b["losses"])) <= 1e-5, (offloaded, a["losses"],
+                                                                                           b["losses"])
+            assert max_rel_err(a["params"], b["params"])[0] <= 1e-5, offloaded
+
+
 def test_compressor_state_resumes_bitwise_under_the_same_layout(worlds, tmp_path):
     """DGC's residuals and momenta live in the checkpoint (rank/<r>/...): a resumed run is the same run."""
     dgc = ["model.preset=tiny", "train.steps=6", "train.global_batch=8", "train.seq_len=32", "train.optimizer=sgd",

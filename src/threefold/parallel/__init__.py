@@ -60,7 +60,7 @@ from .local_sgd import periodic_hook, periodic_sync
 from .lora import LoraBase, add_adapters, check_supported, lora_settings, lora_spec
 from .master import Piece
 from .materialise import Deferred, defer_parameters, materialise
-from .nvme import ScratchSettings, ShardStore
+from .nvme import ScratchSettings, ShardStore, return_freed_memory
 from .model import GradSync, ParallelModel, accumulate
 from .context import install_context, install_documents
 from .module import parallelize_module
@@ -80,6 +80,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                               "context parallelism can split; use parallel.cp=1")
         torch.manual_seed(cfg.train.seed)  # the factory's init, the same on every rank (and broadcast from dp 0)
         return parallelize_module(spec.build(), mesh, comm, cfg, spec.module_loss)
+    if cfg.parallel.offload == "nvme":  # states streamed to hold little: freed host buffers go back to the system
+        return_freed_memory()
     # 0. the whole model, without storage
     with torch.device("meta"):
         model = spec.build()
@@ -166,7 +168,6 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     if isinstance(grad_sync, Zero3) and grad_sync.home is not None:  # the shards in memory for a reader
         parallel.shard_home = grad_sync.home
         parallel.grad_home = grad_sync.grad_home
-        parallel.settle_weights = grad_sync.home.settle
     if split is not None:  # the schedule's interpreter, last: it drives the grad sync built above
         parallel.pipeline = split.runtime(comm, grad_sync, precision.compute_dtype, parallel.weight_tensors(),
                                           stage_compiler(cfg.train.compile, cfg.debug.compile_backend))

@@ -166,7 +166,16 @@ class ParallelModel:
 
     def settle(self) -> None:
         """Make the parameters whole before reading them outside a forward (checkpoints, replica
-        checks, the end of a run): ZeRO-1/2's parameter all-gathers overlap the next forward."""
+        checks, a reader after the run): ZeRO-1/2's parameter all-gathers overlap the next forward,
+        and with parallel.offload=nvme ZeRO-3's shards are in their scratch file (read in here, all
+        of them, until the next pass)."""
+        self.complete()
+        if self.shard_home is not None:
+            self.shard_home.settle()
+
+    def complete(self) -> None:
+        """The last step's communication complete, the parameters left where they live (the end of a run:
+        under ZeRO-3 with parallel.offload=nvme the shards stay in the file; `settle()` reads them in)."""
         if self.settle_weights is not None:
             self.settle_weights()
 

@@ -154,8 +154,6 @@ class GradHome(Protocol):
 
     def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
     def accumulate(self, index: int, values: torch.Tensor, fresh: bool) -> None: ...
-    def evict(self, index: int) -> None: ...
-    def release_all(self) -> None: ...
 
 
 class Zero3(HooklessSync):
@@ -204,9 +202,10 @@ class Zero3(HooklessSync):
             params = [p for p in module.parameters() if id(p) not in assigned and (only is None or id(p) in only)]
             unit = self._make_unit(len(self.units), name, [(names[id(p)], p) for p in params], slots)
             self.units.append(unit)
+            if home is not None:  # its values to the file now, its storage released: one unit at a time
+                home.add(unit.index, unit.shard_flat, [sp.name for sp in unit.params])
             if grad_home is not None:  # nothing resident, from the build on: gradients go to the file as reduced
                 grad_home.add(unit.index, unit.grad_flat, [sp.name for sp in unit.params])
-                grad_home.evict(unit.index)
                 for sp in unit.trainable:
                     sp.shard.grad = None
             for sp in unit.params:
@@ -214,11 +213,7 @@ class Zero3(HooklessSync):
             needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters() if id(p) in assigned))
             self.hooked.append(Hooked(name, module, needs if module is not model else [unit]))
         self.root = self.hooked[-1]
-        if home is not None:
-            for unit in self.units:
-                home.add(unit.index, unit.shard_flat, [sp.name for sp in unit.params])
         if grad_home is not None:
-            grad_home.release_all()
             self._fresh = {unit.index for unit in self.units}
         self._by_full = {id(sp.full): (unit, sp) for unit in self.units for sp in unit.params}
         for unit in self.units:

@@ -155,7 +155,9 @@ class Trainer:
                       f"{' '.join(f'{k}={v}' for k, v in manifest.layout.items())})", file=sys.stderr, flush=True)
                 self._warn_data_mismatch(manifest.data)
         elif ck.init_from:
+            self.parallel.settle()  # nvme under ZeRO-3: the shards in memory to be filled
             import_model(Path(ck.init_from), list(self.parallel.module.named_parameters()), self.parallel.placements)
+            self.optimizer.after_load(0, masters_loaded=False)  # masters not sharing the model's storage: from it
             if self.is_writer:
                 print(f"threefold: initialised the model from {ck.init_from} (checkpoint.init_from)", file=sys.stderr,
                       flush=True)
@@ -402,7 +404,7 @@ class Trainer:
             stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
             if stopped and self._saved_step != self.step:
                 self.save_checkpoint()
-            self.parallel.settle()  # the parameters are whole when the run returns
+            self.parallel.complete()  # the last step's communication done (nvme under ZeRO-3: shards in the file)
             if stopped or cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
                 self.checkpointer.close()  # an async save is written
             self.observer.finish()
