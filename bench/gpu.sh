@@ -7,7 +7,7 @@
 #     bash bench/gpu.sh [--budget SECONDS] [--only STAGE,...] [--smoke]    (docs/gpu.md, "The benchmark")
 #
 # --only runs the named stages alone (shell patterns, e.g. --only 'fp8-*,llama-compare'), so one lease can
-# be split into calls; the others are recorded as skipped, "not selected".
+# be split into calls; the others are recorded as skipped, "not selected"; a pattern naming no stage: exit 2.
 #
 # Stages, in this order, each under `timeout` (at most its own limit and what is left of the budget;
 # a stage that needs more than is left is skipped and says so), none stopping the others:
@@ -48,6 +48,22 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu.sh: --budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+# every stage, in order (`stage` refuses a name missing here, so the list cannot drift from the calls below)
+STAGES="preflight sync gpu-tests run-bf16 run-fp16 run-zero3 run-offload save resume bitwise runs-figures \
+gpt2-train gpt2-train-figures gpt2-compare fp8-gemm fp8-bf16 fp8-train fp8-figures llama-compare"
+# a pattern of --only that names no stage is a typo: refused before anything runs
+IFS=, read -r -a PATTERNS <<< "$ONLY"
+for pattern in "${PATTERNS[@]}"; do
+    hit=0
+    for name in $STAGES; do
+        # shellcheck disable=SC2053  # the pattern is a pattern
+        [[ "$name" == $pattern ]] && hit=1
+    done
+    if [ "$hit" = 0 ]; then
+        echo "gpu.sh: --only '$pattern' matches no stage; the stages: $STAGES" >&2
+        exit 2
+    fi
+done
 OUT=${OUT:-runs/gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT/results" || exit 2
 OUT=$(cd "$OUT" && pwd)
@@ -78,6 +94,11 @@ selected() {
 stage() {
     local name=$1 limit=$2 need=$3
     shift 3
+    if [[ " $STAGES " != *" $name "* ]]; then
+        echo "== $name: not in STAGES (bench/gpu.sh): add it there"
+        printf '%s\t2\t0\tnot in STAGES\n' "$name" >> "$OUT/status.tsv"
+        return
+    fi
     if [ -n "$ONLY" ] && ! selected "$name"; then
         echo "== $name: skipped, not selected (--only $ONLY)"
         printf '%s\tskip\t0\tnot selected (--only)\n' "$name" >> "$OUT/status.tsv"

@@ -109,3 +109,12 @@ def test_gpu_sh_only_runs_the_selected_stages(tmp_path):
     assert notes["llama-compare"] == "not selected (--only)"
     results = json.loads((tmp_path / "a" / "results.json").read_text())
     assert results["preflight"]["ok"] and results["sync"] is None
+
+
+def test_gpu_sh_refuses_an_only_pattern_that_names_no_stage(tmp_path):
+    """A typo in --only would skip its stage and end 0 on a lease that cannot be repeated: refused before
+    anything runs, naming the pattern and the stages."""
+    run, _ = run_smoke(tmp_path / "a", "--only", "pre*,lama-compare", timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "--only 'lama-compare' matches no stage" in run.stderr and "llama-compare" in run.stderr, run.stderr
+    assert not (tmp_path / "a").exists()  # nothing ran, nothing written
