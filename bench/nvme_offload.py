@@ -8,10 +8,12 @@ each mode - alternating, so drift in the machine's load hits all three alike - a
 round. Prints each mode's step time (median and quartiles over the rounds); for nvme the overlap,
 the time the step waited on scratch reads / the total time of those reads (0: every read hidden
 behind compute, 1: none; the states' reads in the optimizer step and, under ZeRO-3, the parameter
-shards' reads before their gathers), and the scratch bandwidth the step achieved (bytes read and
+shards' reads before their gathers and the gradients' reads as they accumulate and in the step), and the scratch bandwidth the step achieved (bytes read and
 written / the time in reads and writes) against `dd` on the same directory (a file of the states'
 size, 4 MiB blocks, oflag=direct then iflag=direct; without O_DIRECT where the filesystem refuses
-it, which the table says).
+it, which the table says). The nvme Trainer fixes malloc's mmap threshold for the whole process
+(parallel/nvme.py `return_freed_memory`), so all three modes run with it; `--keep-freed` turns it off
+(parallel.offload_return_memory=false) to measure the other side.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--block-mb", type=float, default=16.0)
+    ap.add_argument("--keep-freed", action="store_true",
+                    help="parallel.offload_return_memory=false: malloc keeps its own thresholds (a setting of the "
+                         "process, so one run measures one of the two)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,14 +94,15 @@ def main() -> None:
              "checkpoint.save_every=0"]
     modes = {"none": [], "cpu": ["parallel.offload=optimizer"],
              "nvme": ["parallel.offload=nvme", f"parallel.offload_dir={args.dir}",
-                      f"parallel.offload_prefetch={args.prefetch}", f"parallel.offload_block_mb={args.block_mb}"]}
+                      f"parallel.offload_prefetch={args.prefetch}", f"parallel.offload_block_mb={args.block_mb}",
+                      f"parallel.offload_return_memory={'false' if args.keep_freed else 'true'}"]}
     out = Path(tempfile.mkdtemp(prefix="nvme-bench-"))
     trainers = {mode: Trainer(load_config(None, [f"run.out={out / mode}", *model, *extra]))
                 for mode, extra in modes.items()}
     times: dict[str, list[float]] = {m: [] for m in modes}
     overlap, bandwidth = [], []
     nvme = trainers["nvme"].optimizer
-    io = [nvme.stats] + ([nvme.home.stats] if nvme.home is not None else [])
+    io = [nvme.stats] + [store.stats for store in (nvme.home, nvme.grads) if store is not None]
     for round_ in range(args.rounds + 1):  # the first round warms up and is dropped
         for mode, trainer in trainers.items():
             for s in io:
@@ -112,9 +118,11 @@ def main() -> None:
                 bandwidth.append(moved / sum(s.read_s + s.write_s for s in io))
     params = sum(p.numel() for p in trainers["none"].parallel.module.parameters())
     shards = nvme.home.nbytes if nvme.home is not None else 0
+    grads = nvme.grads.nbytes if nvme.grads is not None else 0
     print(f"{params / 1e6:.1f}M parameters, ZeRO-{args.zero}, AdamW, batch {args.batch} x {args.seq} tokens; nvme: "
           f"states {nvme.nbytes / 2**20:.0f} MiB in {len(nvme.units)} units (O_DIRECT {'on' if nvme.direct else 'off'}), "
-          f"parameter shards {shards / 2**20:.0f} MiB, prefetch {args.prefetch}; {args.rounds} rounds")
+          f"parameter shards {shards / 2**20:.0f} MiB, gradients {grads / 2**20:.0f} MiB, prefetch {args.prefetch}; "
+          f"{args.rounds} rounds; malloc's mmap threshold {'its own' if args.keep_freed else 'fixed (return_memory)'}")
     print("| offload | whole step |")
     print("| --- | --- |")
     for mode in modes:

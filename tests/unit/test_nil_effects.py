@@ -32,6 +32,7 @@ SAMPLES = {
     "parallel.bucket_mb": "5", "debug.replica_check_every": "2", "train.sync_every": "2",
     "train.outer_optimizer": "nesterov", "train.easgd_alpha": "0.1",
     "parallel.offload_dir": "/tmp", "parallel.cp_method": "allgather", "parallel.offload_prefetch": "4", "parallel.offload_block_mb": "8",
+    "parallel.offload_return_memory": "false",
 }
 # what else a key needs to be valid at all (the layout still leaves it without effect)
 CONTEXT = {"train.beta1": ["train.optimizer=sgd"], "train.beta2": ["train.optimizer=sgd"],

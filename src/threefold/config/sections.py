@@ -112,6 +112,9 @@ class ParallelConfig:
     offload_dir: str = ""
     offload_prefetch: int = 2  # nvme: units read ahead of the one being updated
     offload_block_mb: float = 64.0  # nvme: states per unit (one aligned read and write each)
+    # nvme: fix malloc's mmap threshold so freed host buffers go back to the system (parallel/nvme.py
+    # `return_freed_memory`): the resident floor of a streamed run, at a cost in host step time (docs/zero.md)
+    offload_return_memory: bool = True
     # the world size dp and train.microbatches are written for; 0 = the actual world. In a smaller
     # world dp shrinks and accumulation grows to keep the global batch (set by --nnodes MIN:MAX)
     elastic_world: int = 0

@@ -80,7 +80,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
                               "context parallelism can split; use parallel.cp=1")
         torch.manual_seed(cfg.train.seed)  # the factory's init, the same on every rank (and broadcast from dp 0)
         return parallelize_module(spec.build(), mesh, comm, cfg, spec.module_loss)
-    if cfg.parallel.offload == "nvme":  # states streamed to hold little: freed host buffers go back to the system
+    if cfg.parallel.offload == "nvme" and cfg.parallel.offload_return_memory:  # freed host buffers back to the system
         return_freed_memory()
     # 0. the whole model, without storage
     with torch.device("meta"):
