@@ -238,6 +238,27 @@ def _close(fd: int, path: Path, pool: ThreadPoolExecutor) -> None:
     path.unlink(missing_ok=True)
 
 
+class OpenUnit:
+    """One unit of a ShardStore held open through one of its context managers (`updating`, `reading`)
+    while consecutive pieces use it; opening another closes the one before (written back by `updating`)."""
+
+    def __init__(self):
+        self.index: int | None = None
+        self._ctx: contextlib.AbstractContextManager | None = None
+
+    def at(self, index: int | None, opener: Callable[[int], contextlib.AbstractContextManager] | None = None) -> None:
+        """Have unit `index` open through `opener(index)`; None: close the open one."""
+        if index == self.index:
+            return
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+        self.index = index
+        if index is not None:
+            self._ctx = opener(index)
+            self._ctx.__enter__()
+
+
 class NvmeOptimizer:
     """ShardedOptimizer's face (prepare_grads, step, named_state, ...) over states in a scratch file."""
 
@@ -253,12 +274,11 @@ class NvmeOptimizer:
         self.after_step = after_step
         self.home = home  # ZeRO-3: the model's shards in a scratch file of their own (ShardStore)
         self.grads = grads  # ZeRO-3: the reduced gradients in another, streamed (no holder keeps them)
-        self._grads_open: int | None = None  # the gradient store's unit being read
-        self._grads_ctx = None
+        self._grads_unit = OpenUnit()  # the gradient store's unit being read
         self._inv_scale: float | torch.Tensor = 1.0
         self._norms: list[torch.Tensor] | None = None
         self._clip: torch.Tensor | None = None  # min(1, max_norm / (norm + 1e-6)) for the streamed gradients
-        self._open: int | None = None  # the home's unit being updated
+        self._home_unit = OpenUnit()  # the home's unit being updated (or read for the first masters)
         self._pre_hooks: list[Callable[[], None]] = []
         self.kinds = STATE_KINDS[cfg.optimizer] if (cfg.optimizer == "adamw" or cfg.momentum) else ()
         self.placements = [p.placement for p in pieces]
@@ -387,6 +407,7 @@ class NvmeOptimizer:
         shards in their file each is read while its unit is taken (one unit in memory, not the model);
         the moments zeroed (a start) or read and kept (the model changed under them: checkpoint.init_from)."""
         buf = self.buffers[0]
+        current, piece_values = -1, None
         for unit in self.units:
             views = self._views(buf, unit)
             if zero_moments:
@@ -396,11 +417,13 @@ class NvmeOptimizer:
                 self._read(unit, buf)
             for seg in unit.segments:
                 piece = self.pieces[seg.piece]
-                if self.home is not None:
-                    self._into_home(self.home.unit_of[piece.name], write=False)
-                views[0][seg.at: seg.at + seg.hi - seg.lo].copy_(values(piece).reshape(-1)[seg.lo: seg.hi])
+                if seg.piece != current:  # a piece's segments are consecutive: its values made once
+                    if self.home is not None:
+                        self._home_unit.at(self.home.unit_of[piece.name], self.home.reading)
+                    current, piece_values = seg.piece, values(piece).reshape(-1)
+                views[0][seg.at: seg.at + seg.hi - seg.lo].copy_(piece_values[seg.lo: seg.hi])
             self._write(unit, buf)
-        self._into_home(None)
+        self._home_unit.at(None)
 
     def _read_all(self) -> list[dict[str, torch.Tensor]]:
         out = [{kind: torch.empty(p.model.numel(), dtype=torch.float32) for kind in ("master", *self.kinds)}
@@ -422,7 +445,7 @@ class NvmeOptimizer:
         if self.grads is not None:  # streamed: each piece's norm now, its gradient again in the update
             self._inv_scale, self._clip = inv_scale, None
             self._norms = [torch._foreach_norm([self._grad(i)], 2.0)[0] for i in range(len(self.pieces))]
-            self._grads_at(None)
+            self._grads_unit.at(None)
             return self.masters, self.placements
         scaled = isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0
         grads = [piece.grad().detach() for piece in self.pieces]
@@ -441,30 +464,13 @@ class NvmeOptimizer:
         elif max_norm > 0:  # torch's clip_grads_with_norm_, applied as each unit's gradients are read
             self._clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
-    def _grads_at(self, index: int | None) -> None:
-        """Have the gradient store's unit `index` resident (the one before released); None: release."""
-        if index == self._grads_open:
-            return
-        if self._grads_ctx is not None:
-            self._grads_ctx.__exit__(None, None, None)
-            self._grads_ctx = None
-        self._grads_open = index
-        if index is not None:
-            self._grads_ctx = self.grads.reading(index)
-            self._grads_ctx.__enter__()
-
     def _grad(self, i: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Piece i's fp32 unscaled gradient [lo, hi) from the store, as `fp32_grads` makes it (copy, then
-        the multiply by 1 / scale), clipped once `clip` has run: the bits of the in-memory path."""
+        """Piece i's fp32 unscaled gradient [lo, hi) from the store, made by `fp32_grads` (as the in-memory
+        path makes it), clipped once `clip` has run: the bits of the in-memory path."""
         piece = self.pieces[i]
-        self._grads_at(self.grads.unit_of[piece.name])
-        grad = piece.grad().detach()[lo:hi]
-        inv = self._inv_scale
-        scaled = isinstance(inv, torch.Tensor) or inv != 1.0
-        # always a copy: the store's unit is released when the next piece's is read
-        grad = torch.empty(grad.shape, dtype=torch.float32).copy_(grad)
-        if scaled:
-            grad.mul_(inv.cpu() if isinstance(inv, torch.Tensor) else inv)
+        self._grads_unit.at(self.grads.unit_of[piece.name], self.grads.reading)
+        # always a copy (own=False): the store's unit is released when the next piece's is read
+        grad = fp32_grads([piece.grad().detach()[lo:hi]], [False], torch.device("cpu"), self._inv_scale)[0]
         if self._clip is not None:
             grad.mul_(self._clip.to(grad.device))
         return grad
@@ -481,9 +487,9 @@ class NvmeOptimizer:
             return
         start = time.perf_counter()
         self._stream(self._update)
-        self._into_home(None)
+        self._home_unit.at(None)
         if self.grads is not None:
-            self._grads_at(None)
+            self._grads_unit.at(None)
             self._norms = self._clip = None
         self.stats.step_s += time.perf_counter() - start
         self.steps += 1
@@ -518,21 +524,9 @@ class NvmeOptimizer:
             return True  # the buffer is reused by a later read
         for s in unit.segments:  # ZeRO-3's shards, unit by unit of the home (the pieces are in its order)
             piece = self.pieces[s.piece]
-            self._into_home(self.home.unit_of[piece.name])
+            self._home_unit.at(self.home.unit_of[piece.name], self.home.updating)
             piece.model[s.lo: s.hi].copy_(master[s.at: s.at + s.hi - s.lo])
         return True
-
-    def _into_home(self, index: int | None, write: bool = True) -> None:
-        """Have the home's unit `index` open for the copies (write) or for reading it (the one open before
-        released, written back if it was opened to write); None: close."""
-        if index == self._open:
-            return
-        if self._open is not None:
-            self._opened.__exit__(None, None, None)
-        self._open = index
-        if index is not None:
-            self._opened = self.home.updating(index) if write else self.home.reading(index)
-            self._opened.__enter__()
 
     # ------------------------------------------------------------ memory and checkpoints
 

@@ -211,11 +211,6 @@ def grad_sum_of_squares(params: list[nn.Parameter], placements: list[Placement],
     return sumsq
 
 
-def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-
-
 def split_sequences(micro_batches: list[Batch], comm: Comm, packed: bool = False) -> list[Batch]:
     """Under context parallelism (cp > 1) this rank's zigzag part of every micro-batch's sequences
     (inputs and targets alike: each target stays with its input; packed rows' document ids and

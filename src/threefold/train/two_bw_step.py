@@ -39,7 +39,7 @@ from ..config import TrainConfig
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
 from .optim import lr_at, set_lr
-from .step import StepResult, clip_gradients, grad_sum_of_squares, split_sequences
+from .step import StepResult, grad_sum_of_squares, split_sequences
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
@@ -98,7 +98,7 @@ class TwoBWStep:
         params, placements = self.optimizer.prepare_grads(1.0)
         sumsq = stage_sumsq(params, placements, self.comm, self.parallel.norm_axis, self.grad_sync.replicated)
         found_inf = ~torch.isfinite(sumsq)
-        clip_gradients(params, sumsq.sqrt(), self.cfg.grad_clip)  # by this stage's own norm (module text)
+        self.optimizer.clip(params, sumsq.sqrt(), self.cfg.grad_clip)  # by this stage's own norm (module text)
         self._lr = lr_at(self._step - 1, self.cfg)
         set_lr(self.optimizer, self._lr)
         self.optimizer.step(found_inf)
