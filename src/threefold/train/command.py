@@ -208,12 +208,15 @@ def _train(cfg, worker: bool = False):
 
     try:
         with stop.watching():  # SIGTERM, SIGINT, SIGUSR1: save at the next step boundary and stop
-            return record(train_until_stopped)(cfg)  # under the elastic agent: writes this rank's error
+            stopped = record(train_until_stopped)(cfg)  # under the elastic agent: writes this rank's error
     except UserError as e:
         _leave_world()
         if worker:
             _exit_with_user_error(e)
         raise
+    if worker:  # a finished (or stopped) rank leaves too: the teardown of live communicator threads can abort it
+        _leave_world()
+    return stopped
 
 
 def _exit_with_user_error(e: UserError) -> None:
@@ -232,9 +235,11 @@ def _exit_with_user_error(e: UserError) -> None:
 
 
 def _leave_world() -> None:
-    """Every rank meets a user error (a bad checkpoint, bad data) at the same point, so none is left
-    in a collective: leave the world before exiting, rather than have the interpreter's exit tear
-    down live communicator threads (which can abort the process instead of exiting with 2)."""
+    """Every rank meets a user error (a bad checkpoint, bad data), the end of its run or the step a
+    stop signal named at the same point, so none is left in a collective: leave the world before
+    exiting, rather than have the interpreter's exit tear down live communicator threads (which can
+    abort the process - "terminate called without an active exception" - after a finished run, and
+    the launcher then reports a crash)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
