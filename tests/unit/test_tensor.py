@@ -131,3 +131,127 @@ def test_vocab_parallel_loss_ignores_padding_and_matches_cross_entropy():
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad[:, :10], y.grad, rtol=1e-6, atol=1e-7)
     assert torch.equal(x.grad[:, 10:], torch.zeros(12, 2))
+
+
+class _LoggedGather:
+    """A stand-in for `Comm` on a tp axis of 2 whose all-gather logs when it is issued and when it is
+    waited for (both ranks' shards taken equal; a reduce-scatter keeps rank 0's chunk of the sum of
+    two equal inputs): what the order of a backward's work is checked by."""
+
+    def __init__(self, log):
+        self.mesh, self.log = StubMesh(2, 0), log
+
+    def reduce_scatter(self, out, inp, axis, async_op=False):
+        self.log.append("reduce_scatter")
+        out.copy_(2 * inp.chunk(2)[0])
+
+    def all_gather(self, out, inp, axis, async_op=False, tag=""):
+        self.log.append(f"all_gather.{tag}")
+        out.copy_(torch.cat([inp, inp]))
+        log = self.log
+
+        class Handle:
+            def wait(self):
+                log.append("wait")
+        if async_op:
+            return Handle()
+        log.append("wait")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sequence_parallel_regather_runs_under_the_input_gradient_matmul(fp8):
+    """The column-parallel linear saves its region's sequence shard; its backward issues the shard's
+    all-gather, computes the input's gradient (which needs only the weight) while it is in flight,
+    and waits for it before the weight's gradient (which needs the gathered input), as Megatron-LM
+    overlaps them. The gradients are those of the plain linear on the gathered input."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from threefold.parallel.tensor import _LinearOnShard, _Regather
+
+    log: list[str] = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
+                log.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    shard = torch.randn(2, 3, 8, generator=gen)
+    full = torch.cat([shard, shard], 1).requires_grad_()
+    weight = torch.randn(5, 8, generator=gen, requires_grad=True)
+    regather = _Regather(_LoggedGather(log), 1, shard)
+    if fp8:
+        from threefold.parallel.fp8 import Fp8Kernel, Fp8Recipe
+        kernel = Fp8Kernel(Fp8Recipe.named("tensorwise"), emulate=True)
+        y = kernel(full, weight, None, (shard, regather))
+    else:
+        y = _LinearOnShard.apply(full, shard, weight, None, regather)
+    dy = torch.randn(y.shape, generator=gen)
+    with Matmuls():
+        y.backward(dy)
+    matmuls = [i for i, e in enumerate(log) if e == "mm"]
+    issued, waited = log.index("all_gather.sp_regather"), log.index("wait")
+    assert issued < matmuls[0] < waited < matmuls[-1], log  # issued, input gradient, wait, weight gradient
+    assert regather.full is None  # the one consumer let the gathered tensor go
+    if not fp8:
+        ref_x, ref_w = full.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        F.linear(ref_x, ref_w).backward(dy)
+        assert torch.equal(full.grad, ref_x.grad) and torch.equal(weight.grad, ref_w.grad)
+
+
+def test_sequence_parallel_regather_starts_with_the_regions_backward():
+    """Under SP the row-parallel linear marks the region's output: the regather is issued as soon as
+    the region's backward starts, before any of its matmuls (the down projection's, the activation's,
+    the up projection's input gradient), and waited for only by the up projection's weight gradient.
+    A region whose shard was not kept (a checkpointed region) issues it from its consumer instead."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from threefold.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SequenceRegion
+
+    log: list[str] = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
+                log.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    comm = _LoggedGather(log)
+    gen = torch.Generator().manual_seed(0)
+    region = SequenceRegion(comm, 1)
+    up = ColumnParallelLinear(torch.randn(6, 8, generator=gen).requires_grad_(), None, comm)
+    down = RowParallelLinear(torch.randn(8, 6, generator=gen).requires_grad_(), None, comm, sequence_parallel=True)
+    up.region = down.region = region
+
+    def mlp(x_shard):
+        full = region.enter(x_shard)
+        y = down(F.gelu(up(full)))
+        region.leave()
+        return y
+
+    def mlp_of_intermediate(x):  # the region's input made inside, as a norm's output is
+        return mlp(x * 1.0)
+
+    x = torch.randn(2, 3, 8, generator=gen, requires_grad=True)
+    dy = torch.randn(2, 3, 8, generator=gen)
+    y = mlp_of_intermediate(x)
+    log.clear()
+    with Matmuls():
+        y.backward(dy)
+    gathers = [i for i, e in enumerate(log) if e == "all_gather.sp_regather"]
+    matmuls = [i for i, e in enumerate(log) if e == "mm"]
+    assert len(gathers) == 1 and gathers[0] < matmuls[0], log  # issued before the region's first matmul
+    assert log.index("wait", gathers[0]) > matmuls[-2], log  # waited for by the last (weight-gradient) matmul
+    grads = [x.grad.clone(), up.weight.grad.clone(), down.weight.grad.clone()]
+    # a checkpointed region keeps no shard: the consumer issues the regather under its input gradient
+    for t in (x, up.weight, down.weight):
+        t.grad = None
+    y = torch.utils.checkpoint.checkpoint(mlp_of_intermediate, x, use_reentrant=False)
+    log.clear()
+    with Matmuls():
+        y.backward(dy)
+    gathers = [i for i, e in enumerate(log) if e == "all_gather.sp_regather"]
+    matmuls = [i for i, e in enumerate(log) if e == "mm"]
+    assert len(gathers) == 1 and matmuls[0] < gathers[0] < log.index("wait", gathers[0]) < matmuls[-1], log
+    assert all(torch.equal(a, b) for a, b in zip(grads, [x.grad, up.weight.grad, down.weight.grad]))

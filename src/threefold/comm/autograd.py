@@ -22,13 +22,30 @@ from .collectives import Comm
 
 def gather_along(comm: Comm, x: torch.Tensor, axis: str, dim: int, tag: str = "") -> torch.Tensor:
     """The ranks' `x` concatenated along `dim` (not differentiable; `tag` files the bytes)."""
+    return start_gather_along(comm, x, axis, dim, tag).wait()
+
+
+class PendingGather:
+    """An all-gather along a dimension in flight: `wait()` gives the gathered tensor."""
+
+    def __init__(self, out: torch.Tensor, handle, dim: int):
+        self._out, self._handle, self._dim = out, handle, dim
+
+    def wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        return self._out.movedim(0, self._dim)
+
+
+def start_gather_along(comm: Comm, x: torch.Tensor, axis: str, dim: int, tag: str = "") -> PendingGather:
+    """Issue `gather_along` without waiting for it: the caller computes something else meanwhile."""
     n = comm.mesh.size(axis)
     if n == 1:
-        return x
+        return PendingGather(x.movedim(dim, 0), None, dim)
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
-    comm.all_gather(out, moved, axis, tag=tag)
-    return out.movedim(0, dim)
+    return PendingGather(out, comm.all_gather(out, moved, axis, async_op=True, tag=tag), dim)
 
 
 def _gather(comm: Comm, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -201,7 +201,8 @@ class Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved, weight = ctx.saved_tensors
-        x = ctx.regather.gather(saved) if ctx.regather is not None else saved
+        if ctx.regather is not None:  # the shard's all-gather runs under the input-gradient matmul
+            ctx.regather.start(saved)
         kernel = ctx.kernel
         r, role = kernel.recipe, kernel._role
         g = grad_y.reshape(-1, grad_y.shape[-1])
@@ -210,6 +211,7 @@ class Fp8Matmul(torch.autograd.Function):
             g0 = kernel.cast(g, r.grad_dtype, role.GRAD_OUTPUT, "MN", -1)
             w1 = kernel._weight_t(weight, -1)
             grad_x = torch.mm(g0, w1.t()).reshape(ctx.x_shape)
+        x = ctx.regather.gather(saved) if ctx.regather is not None else saved
         if ctx.needs_input_grad[1]:
             rows = x.reshape(-1, x.shape[-1])
             g1 = kernel.cast(g, r.grad_dtype, role.GRAD_OUTPUT, "MN", 0)

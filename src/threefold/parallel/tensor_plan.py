@@ -222,7 +222,7 @@ def shard_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
             if region is not None:  # its column-parallel linears save the shard (tensor.py SequenceRegion)
                 module.register_forward_hook(lambda *_, region=region: region.leave())
                 for inner_name, inner in module.named_modules():
-                    if isinstance(inner, ColumnParallelLinear):
+                    if isinstance(inner, (ColumnParallelLinear, RowParallelLinear)):
                         inner.region = region
     for pattern in plan.partial + (plan.sequence if sp else ()):
         for _, module in matching_modules(model, pattern):
