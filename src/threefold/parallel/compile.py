@@ -50,8 +50,16 @@ import torch
 from torch import nn
 
 from ..comm.tracing import keep_collectives_eager
+from .tensor import keep_regather_eager
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def keep_eager() -> None:
+    """What torch.compile must never trace: Comm's collectives and waits, and the sequence-parallel
+    regather issued at a region's backward start (each call one graph break, run eagerly)."""
+    keep_collectives_eager()
+    keep_regather_eager()
 
 
 def compile_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -73,7 +81,7 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", pi
     are compiled by `stage_compiler`); returns the names of the compiled regions."""
     if not enabled or pipelined:
         return []
-    keep_collectives_eager()
+    keep_eager()
     regions = compile_regions(model)
     for _, module in regions:
         # the instance's forward (remat's checkpointed wrapper where there is one), not __call__:
@@ -88,6 +96,6 @@ def stage_compiler(enabled: bool, backend: str = "inductor") -> Callable[[Callab
         return None
 
     def compile_stage(fn: Callable) -> Callable:
-        keep_collectives_eager()
+        keep_eager()
         return torch.compile(fn, backend=backend, dynamic=False)
     return compile_stage

@@ -254,9 +254,9 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
         pieces = grad_sync.pieces(placements)
         placements = grad_sync.placements(placements)
     if cfg.train.compile:  # each unit's forward compiled; the strategies' module hooks stay eager around it
-        from ..comm.tracing import keep_collectives_eager
+        from .compile import keep_eager
 
-        keep_collectives_eager()
+        keep_eager()
         for _, module in chosen:
             module.forward = torch.compile(module.forward, backend=cfg.debug.compile_backend, dynamic=False)
     persistent = [n for n, _ in model.named_buffers() if _persistent(model, n)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import replace
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -102,13 +102,14 @@ class _Regather:
     backward (SequenceRegion.prefetch), or else by the first consumer's backward before its
     input-gradient matmul, which needs only the weight (Megatron-LM's overlap)."""
 
+    eager: ClassVar[bool] = False  # `prefetch` kept out of torch.compile's graphs (keep_regather_eager)
+
     def __init__(self, comm: Comm, seq_dim: int, shard: torch.Tensor):
         self.comm, self.seq_dim = comm, seq_dim
         self.uses, self.done, self.full, self.open = 0, 0, None, True
         self.pending: PendingGather | None = None
         self.shard_ref = weakref.ref(shard)  # the region's shard, alive while a consumer keeps it
 
-    @torch.compiler.disable(reason="_Regather.prefetch: a weak reference and a collective")
     def prefetch(self) -> None:
         """`start` with the shard the consumers kept; nothing when none did (a checkpointed or offloaded
         region: its shard comes back with the recomputation, and the first consumer starts it)."""
@@ -130,6 +131,16 @@ class _Regather:
         if self.done >= self.uses:
             self.full, self.done = None, 0  # a second backward (recomputation) gathers again
         return full
+
+
+def keep_regather_eager() -> None:
+    """Mark `_Regather.prefetch` (a weak reference and a collective) as never traced by torch.compile,
+    as comm/tracing.py does Comm's collectives: one graph break where a region's backward starts. Called
+    by `train.compile` only (importing dynamo costs seconds and memory runs without compile do not pay)."""
+    if not _Regather.eager:
+        _Regather.prefetch = torch.compiler.disable(_Regather.prefetch,
+                                                    reason="_Regather.prefetch: a weak reference and a collective")
+        _Regather.eager = True
 
 
 class _Entry:
