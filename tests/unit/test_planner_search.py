@@ -110,4 +110,4 @@ def test_the_v_schedules_are_searched_with_their_placement():
     assert {"zb-v", "dualpipev", "zb-h1", "1f1b"} <= names and "pipedream-2bw" not in names
     assert all(st.microbatches >= 8 for st in space if st.schedule == "dualpipev")  # its check: m >= 2p
     best = search(w, 16, H100, fixed={"pp": 4}).best
-    assert best.strategy.schedule == "zb-v", best.strategy.label()
+    assert best.strategy.placement == "v", best.strategy.label()  # a V schedule wins (dualpipev today)

@@ -58,15 +58,15 @@ LLAMA3_8B = model("llama-7b", vocab=128256, max_seq=8192, kv_heads=8, ffn_hidden
 # (MFU x 989 on H100), "mfu", "seconds" per step (compared as throughput: published / predicted - 1)
 RUNS = [
     ("MT-NLG 530B, 2240 A100", MTNLG, A100, 2240, 1920, 2048, dict(tp=8, pp=35, remat="full", schedule="1f1b"),
-     "tflops", 126, 0.251),
+     "tflops", 126, 0.248),
     ("MT-NLG 530B, 2800 A100", MTNLG, A100, 2800, 1920, 2048, dict(tp=8, pp=35, remat="full", schedule="1f1b"),
-     "tflops", 121, 0.261),
+     "tflops", 121, 0.258),
     ("MT-NLG 530B, 3360 A100", MTNLG, A100, 3360, 1920, 2048, dict(tp=8, pp=35, remat="full", schedule="1f1b"),
-     "tflops", 113, 0.308),
+     "tflops", 113, 0.306),
     ("BLOOM 176B, 384 A100", gpt(14336, 112, 70, 250880, position="rope"), JEAN_ZAY, 384, 2048, 2048,
      dict(tp=4, pp=12, zero=1, remat="full", schedule="1f1b"), "tflops", 150, None),
     ("OPT 175B, 992 A100", gpt(12288, 96, 96, 50272), A100, 992, 992, 2048, dict(tp=8, pp=1, zero=3, remat="full"),
-     "tflops", 147, 0.237),
+     "tflops", 147, 0.236),
     ("Llama 3 405B, 8192 H100", model("llama-405b"), H100, 8192, 2048, 8192,
      dict(tp=8, pp=16, schedule="interleaved"), "tflops", 430, None),
     ("Llama 3 405B, 16384 H100", model("llama-405b"), H100, 16384, 2048, 8192,
@@ -75,7 +75,7 @@ RUNS = [
     # 16M tokens per batch = 128 sequences), all-gather context parallelism (section 3.3.2), 380 TFLOP/s
     # (38% MFU). A documented miss: see LLAMA3_CAUSAL below and docs/planner.md
     ("Llama 3 405B, 16384 H100, seq 131072", LLAMA3_405B_128K, H100, 16384, 128, 131072,
-     dict(tp=8, pp=16, cp=16, cp_method="allgather", schedule="interleaved"), "tflops", 380, 0.513),
+     dict(tp=8, pp=16, cp=16, cp_method="allgather", schedule="interleaved"), "tflops", 380, 0.526),
     ("torchtitan Llama 3 70B, 64 A100", LLAMA3_70B, A100, 64, 64, 8192, dict(tp=1, pp=1, zero=3, remat="full"),
      "mfu", 0.517, None),
     ("torchtitan Llama 3 8B, 64 A100", LLAMA3_8B, A100, 64, 64, 8192, dict(tp=1, pp=1, zero=3, remat="selective"),
@@ -85,8 +85,8 @@ RUNS = [
     # Scaling Results"): Megatron-Core on H100, vocabulary 131,072, sequence 4,096, the table's layout (tp, pp,
     # dp = 48) and batch; per-GPU model TFLOP/s (MFU = that / 989). Recomputation, micro-batch, schedule and
     # ZeRO stage are not stated: the planner's (schedules of Megatron-Core: 1f1b, interleaved).
-    ("MCore 1.7B, 48 H100", mcore(2048, 16, 24), H100, 48, 192, 4096, dict(tp=1, pp=1), "model_tflops", 408.8, 0.579),
-    ("MCore 7.1B, 96 H100", mcore(4096, 32, 30), H100, 96, 192, 4096, dict(tp=2, pp=1), "model_tflops", 465.9, 0.269),
+    ("MCore 1.7B, 48 H100", mcore(2048, 16, 24), H100, 48, 192, 4096, dict(tp=1, pp=1), "model_tflops", 408.8, 0.403),
+    ("MCore 7.1B, 96 H100", mcore(4096, 32, 30), H100, 96, 192, 4096, dict(tp=2, pp=1), "model_tflops", 465.9, 0.230),
     ("MCore 16B, 192 H100", mcore(6144, 48, 32), H100, 192, 192, 4096, dict(tp=4, pp=1), "model_tflops", 489.1, None),
     ("MCore 32B, 384 H100", mcore(7168, 56, 48), H100, 384, 192, 4096, dict(tp=8, pp=1), "model_tflops", 459.6, None),
     ("MCore 70B, 768 H100", mcore(8192, 64, 84), H100, 768, 384, 4096, dict(tp=8, pp=2), "model_tflops", 419.7, None),
@@ -140,40 +140,115 @@ SCATTER_GATHER = ("Korthikanti",)
 MEGATRON = ("MCore", "Korthikanti", "Nemotron")
 # sequence parallelism appeared with Korthikanti et al. (May 2022): the software of these runs had none
 NO_SEQUENCE_PARALLEL = ("MT-NLG", "BLOOM", "OPT")
+# whose cross-entropy ran over the logits (planner/compute.py LOSSES): Megatron's vocabulary-parallel one
+# (Megatron-LM, Megatron-DeepSpeed, metaseq's model-parallel models), torchtitan's F.cross_entropy of the
+# logits in fp32; Meta's own for Llama 3 is not published (threefold's counted)
+MEGATRON_LOSS = ("MCore", "Korthikanti", "Nemotron", "MT-NLG", "BLOOM", "OPT")
+TORCH_LOSS = ("torchtitan",)
 
 
 def workload(name, m, batch, seq):
     p2p = "deepspeed" if name.startswith(DEEPSPEED_PIPELINE) else \
         "scatter-gather" if name.startswith(SCATTER_GATHER) else "batched"
+    loss = "megatron" if name.startswith(MEGATRON_LOSS) else "torch" if name.startswith(TORCH_LOSS) else "threefold"
     return Workload(m, batch, seq, attention="dense" if name.startswith(DENSE_ATTENTION) else "flash",
-                    grad_overlap=not name.startswith(AFTER_FLUSH), pipeline_p2p=p2p)
+                    grad_overlap=not name.startswith(AFTER_FLUSH), pipeline_p2p=p2p,
+                    regather="linear" if name.startswith(MEGATRON) else "region", loss=loss)
+
+
+# the ZeRO stages a run's software offered, where it does not say which it used: Megatron-LM's distributed
+# optimizer (2022-24) shards the optimizer states only - ZeRO-1 (megatron/training/arguments.py,
+# --use-distributed-optimizer; no sharding of gradients or parameters)
+ZERO_STAGES = {"MCore": (0, 1), "Nemotron": (0, 1), "Korthikanti": (0, 1)}
+
+
+def software_options(name: str, knobs: dict) -> list[dict]:
+    """The completions of `knobs` a run's software offered: its schedules (Megatron's 1F1B and interleaved,
+    where the source names none) times its ZeRO stages, each a dict of fixed knobs for the search."""
+    schedules = [knobs["schedule"]] if "schedule" in knobs else \
+        (["1f1b", "interleaved"] if name.startswith(MEGATRON) else [None])
+    if knobs.get("pp", 0) == 1:
+        schedules = [None]
+    zeros = [knobs["zero"]] if "zero" in knobs else \
+        next((list(v) for k, v in ZERO_STAGES.items() if name.startswith(k)), [None])
+    base = {k: v for k, v in knobs.items() if k not in ("schedule", "zero")}
+    return [dict(base, **({"schedule": s} if s else {}), **({"zero": z} if z is not None else {}))
+            for s in schedules for z in zeros]
+
+
+# the gradients' collectives by software (each pays its latency, planner/dp_comm.py): Megatron-Core's buckets
+# of max(40M, 1M x dp) parameters (megatron/core/distributed/distributed_data_parallel.py, bf16 gradients,
+# grad_reduce_in_fp32 off by default); Megatron-LM of 2021-22 reduced its contiguous gradient buffer in one
+# collective; DeepSpeed's pipeline engine in buckets of 500M elements (MEMORY_OPT_ALLREDUCE_SIZE); FSDP
+# (OPT, torchtitan) per unit, as ZeRO-3 does here; the others threefold's 25 MiB
+MCORE_DDP = ("MCore", "Nemotron")
+ONE_BUFFER = ("Korthikanti",)
+
+
+def bucket_mb(name: str, dp: int | None) -> float | None:
+    """The run's software's gradient bucket in MiB of bf16 gradients (dp None: the floor)."""
+    if name.startswith(MCORE_DDP):
+        return max(40e6, 1e6 * (dp or 0)) * 2 / 2**20
+    if name.startswith(ONE_BUFFER):
+        return 2.0**30  # one collective over all of a rank's gradients
+    if name.startswith(DEEPSPEED_PIPELINE):
+        return 500e6 * 2 / 2**20
+    return None
+
+
+def fixed_knobs(run) -> dict:
+    """The published knobs of a run as the search's fixed knobs (a micro-batch size as a micro-batch count)."""
+    name, m, gpu, gpus, batch, seq, knobs, *_ = run
+    knobs = dict(knobs, **({"sequence_parallel": False} if name.startswith(NO_SEQUENCE_PARALLEL) else {}))
+    knobs.setdefault("hpz", False)  # none of these runs kept a secondary ZeRO-3 copy
+    bucket = bucket_mb(name, gpus // (knobs["tp"] * knobs["pp"] * knobs.get("cp", 1)))
+    if bucket is not None:
+        knobs["bucket_mb"] = bucket
+    micro_batch = knobs.pop("micro_batch", None)
+    if micro_batch is not None:
+        knobs["microbatches"] = batch // (gpus // (knobs["tp"] * knobs["pp"]) * micro_batch)
+    return knobs
+
+
+def best_of(w, gpus, gpu, options: list[dict]):
+    best = None
+    for fixed in options:
+        for c in search(w, gpus, gpu, fixed).candidates:
+            if c.fits and (best is None or c.tokens_per_s > best.tokens_per_s):
+                best = c
+    return best
 
 
 def predict(run, gpu_override=None):
     """(predicted value, the candidate) for the published layout on the real preset (memory included),
-    unpublished knobs searched; the candidate is None when nothing of the published layout fits."""
+    unpublished knobs searched among what the software offered; the candidate is None when nothing of
+    the published layout fits."""
     name, m, gpu, gpus, batch, seq, knobs, metric, _, _ = run
     gpu = gpu_override or gpu
     w = workload(name, m, batch, seq)
-    knobs = dict(knobs, **({"sequence_parallel": False} if name.startswith(NO_SEQUENCE_PARALLEL) else {}))
-    knobs.setdefault("hpz", False)  # none of these runs kept a secondary ZeRO-3 copy
-    micro_batch = knobs.pop("micro_batch", None)
-    if micro_batch is not None:
-        knobs["microbatches"] = batch // (gpus // (knobs["tp"] * knobs["pp"]) * micro_batch)
-    schedules = [knobs.pop("schedule")] if "schedule" in knobs else \
-        (["1f1b", "interleaved"] if name.startswith(MEGATRON) else [None])
-    best = None
-    for schedule in schedules if knobs.get("pp", 1) > 1 else [None]:
-        fixed = dict(knobs, **({"schedule": schedule} if schedule else {}))
-        r = search(w, gpus, gpu, fixed)
-        for c in r.candidates:
-            if c.fits and (best is None or c.tokens_per_s > best.tokens_per_s):
-                best = c
+    best = best_of(w, gpus, gpu, software_options(name, fixed_knobs(run)))
     if best is None:
         return None, None
     value = {"tflops": hardware_tflops_per_gpu(w, best.strategy, best.time.total_s),
              "model_tflops": best.mfu * gpu.peak_flops / 1e12, "mfu": best.mfu, "seconds": best.time.total_s}[metric]
     return value, best
+
+
+def software_best(run):
+    """The planner's best layout of the run's GPUs, batch and sequence among what its software offered
+    (its schedules and ZeRO stages, its sequence-parallel rule), every layout knob searched."""
+    name, m, gpu, gpus, batch, seq, knobs, *_ = run
+    software = {k: v for k, v in fixed_knobs(run).items() if k in ("schedule", "hpz", "sequence_parallel")}
+    if bucket_mb(name, None) is not None:
+        software["bucket_mb"] = bucket_mb(name, None)
+    if "schedule" in knobs:  # the family the source names (interleaved 1F1B) and its plain form
+        software.pop("schedule")
+        options = [dict(software, schedule=s) for s in dict.fromkeys([knobs["schedule"], "1f1b"])]
+        options = [dict(o, **({"zero": z} if z is not None else {})) for o in options
+                   for z in next((list(v) for k, v in ZERO_STAGES.items() if name.startswith(k)), [None])]
+    else:
+        options = software_options(name, software)
+    return best_of(workload(name, m, batch, seq), gpus, gpu, options)
 
 
 def error(run, value):
@@ -191,6 +266,23 @@ def test_validation_runs_within_15_percent(run):
         assert abs(err) <= 0.15, f"{name}: predicted {value:.3g} vs published {published} ({err:+.1%})"
     else:  # documented miss: the doc's figure must stay true
         assert err == pytest.approx(known_miss, abs=0.02), f"{name}: {err:+.1%}, the doc says {known_miss:+.1%}"
+
+
+# Rows whose source says the published layout came out of its own search of layouts: Dubey et al. 2024,
+# section 3.3.2, developed "a memory consumption estimator and a performance-projection tool" to explore
+# parallelism configurations for the 405B model (its 8,192-token runs; the 131k run's all-gather cp was chosen
+# for its masks, not for speed). The planner's best among the layouts the run's software offered (every layout
+# knob searched; its schedule family, ZeRO stages and sequence-parallel rule) must then be within 10% of the
+# published layout as the planner prices it.
+BEST_FOUND = [run for run in RUNS if run[0] in ("Llama 3 405B, 8192 H100", "Llama 3 405B, 16384 H100")]
+
+
+@pytest.mark.parametrize("run", BEST_FOUND, ids=[r[0] for r in BEST_FOUND])
+def test_a_published_layout_its_source_searched_for_is_within_10_percent_of_the_planners_best(run):
+    _, published = predict(run)
+    best = software_best(run)
+    gain = best.tokens_per_s / published.tokens_per_s - 1
+    assert gain <= 0.10, f"{run[0]}: {best.strategy.label()} is {gain:+.1%} faster than {published.strategy.label()}"
 
 
 # Why the 131k row misses (docs/planner.md): the column counts attention as the whole s x s product (4 s h per
@@ -231,8 +323,8 @@ if __name__ == "__main__":  # the table of docs/planner.md: python -m tests.unit
         if chosen is None:
             print(f"| {name} | nothing fits | {published} | - | - | - |")
             continue
-        free = search(workload(name, m, batch, seq), gpus, gpu)
-        gain = f"{free.best.tokens_per_s / chosen.tokens_per_s - 1:+.0%} ({free.best.strategy.label()})" \
-            if free.feasible else "nothing fits"
+        best = software_best(run)  # every layout the run's software offered
+        gain = f"{best.tokens_per_s / chosen.tokens_per_s - 1:+.0%} ({best.strategy.label()})" \
+            if best is not None else "nothing fits"
         print(f"| {name} | {chosen.strategy.label()} | {published} | {value:.3g} | {error(run, value):+.1%} | "
               f"{gain} |", flush=True)

@@ -7,7 +7,8 @@ A message of B bytes over a link costs alpha + B / beta. Collectives over n rank
     all-gather           (n-1) alpha + (n-1)/n B / beta       (B = the whole gathered buffer)
     point-to-point       alpha + B / beta
 all-reduce takes the cheaper of ring and tree (NCCL picks by size). beta is the GPU kind's link
-rate times its `link_efficiency`.
+rate times its `link_efficiency`. A transfer issued as several collectives (gradient buckets, ZeRO-3's
+units) pays the latency term once per collective (`in_pieces`).
 
 Placement follows the mesh (mesh.py): axes ordered pp, dp, cp, tp with tp innermost, so a tp group
 is `tp` consecutive ranks, a cp group has stride tp, a dp group stride tp*cp (the gradients' replica
@@ -76,3 +77,9 @@ all_gather = reduce_scatter  # the same traffic in the other direction
 
 def point_to_point(nbytes: float, link: Link) -> float:
     return link.latency_s + nbytes / link.bytes_per_s
+
+
+def in_pieces(collective, nbytes: float, pieces: int, n: int, link: Link) -> float:
+    """`collective` of `nbytes` in all, issued as `pieces` equal collectives: each pays its latency."""
+    pieces = max(1, int(pieces))
+    return pieces * collective(nbytes / pieces, n, link)

@@ -253,9 +253,86 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
 
 
 @lru_cache(maxsize=4096)
+def regather_cover_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, attention: str, gpu: Gpu,
+                           precision: str, cp: int = 1) -> dict[str, tuple[float, float]]:
+    """Seconds of backward work that run while a sequence-parallel region's regather is in flight, for
+    the attention and the MLP region, by where it is issued (`Workload.regather`):
+      "region"    threefold (parallel/tensor.py SequenceRegion): at the region's backward start, under
+                  its row-parallel linear's two gradient GEMMs, the attention's (or the activation's)
+                  backward and the first consumer's input-gradient GEMM;
+      "consumer"  threefold where the block's shard was not kept (a checkpointed or offloaded block: it
+                  is recomputed or reloaded): by the first consumer, under its input-gradient GEMM alone
+                  - the linear autograd reaches first, v (the last made of q, k, v) and up;
+      "linear"    Megatron-LM: inside the fused q/k/v and first MLP linear's backward, under their
+                  input-gradient GEMMs."""
+    rows = micro_batch * seq_len // cp
+    shapes = block_linear_shapes(m, rows, tp)
+    precision = "bf16" if precision == "fp8" else precision
+    e = gpu.compute_efficiency
+
+    def input_grad(name: str, width: int | None = None) -> float:
+        mm, k, n = shapes[name]
+        return gemm_seconds(mm, k, width or n, gpu, precision) / e
+
+    def both_grads(name: str) -> float:
+        mm, k, n = shapes[name]
+        return (gemm_seconds(mm, k, n, gpu, precision) + gemm_seconds(k, n, mm, gpu, precision)) / e
+
+    up_width = _ceil(m.ffn_hidden, tp)
+    consumer = (input_grad("qkv", _ceil(m.kv_heads * m.head_dim, tp)), input_grad("mlp_up", up_width))
+    share = executed_attention_share(attention)
+    attention_backward = 2 * share * 4.0 * seq_len * m.attn_width * rows / tp \
+        / (gpu.flops(precision) * gpu.attention_efficiency) / e
+    activation_backward = compute_element_bytes(precision) * rows * (3 if m.mlp == "swiglu" else 2) * up_width \
+        / gpu.hbm_bytes_per_s / e
+    region = (both_grads("attn_out") + attention_backward + consumer[0],
+              both_grads("mlp_down") + activation_backward + consumer[1])
+    return {"region": region, "consumer": consumer, "linear": (input_grad("qkv"), input_grad("mlp_up"))}
+
+
+@lru_cache(maxsize=4096)
 def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, gpu: Gpu,
                          precision: str) -> float:
     """The output projection of one micro-batch on one tp rank (vocabulary-parallel: 1/tp of the rows);
     `seq_len`: the rank's tokens of a sequence."""
     rows = micro_batch * seq_len
     return gemm_seconds(rows, _ceil(m.padded_vocab, tp), m.hidden, gpu, precision) / gpu.compute_efficiency
+
+
+# ---- the cross-entropy over the vocabulary: memory-bound passes over the logits, per software
+# HBM bytes per logit of its forward and backward kernels on a GPU (eager), c = the logits' element size:
+#   "threefold"  models/cross_entropy.py (tp = 1): an fp32 copy (c + 4; none of fp32 logits), torch.logsumexp's amax, subtract,
+#                exp and sum (4 + 8 + 8 + 4); parallel/tensor.py's vocabulary-parallel loss (tp > 1): amax
+#                (c), an fp32 copy of each chunk (c + 4), subtract, exp in place, sum (8 + 8 + 4); backward
+#                (both, softmax_minus_one_hot): an fp32 copy (c + 4), subtract, exp, scale in place
+#                (8 + 8 + 8), written back in the logits' dtype (4 + c)
+#   "megatron"   megatron/core/tensor_parallel/cross_entropy.py (2020-2024): .float() (c + 4), max (4),
+#                subtract, exp and divide in place (8 + 8 + 8), sum (4); backward: scale in place (8) and
+#                .float()'s backward cast (4 + c)
+#   "torch"      F.cross_entropy(logits.float()) (torchtitan): the cast (c + 4), log_softmax's max, sum
+#                and write passes (4 + 4 + 8); backward: nll's dense gradient (4), log_softmax's backward
+#                (4 + 8 + 4), the cast back (4 + c)
+# The gathers of the target's logit and the one-hot's scatter touch one logit per token: left out.
+LOSSES = ("threefold", "megatron", "torch")
+
+
+def loss_bytes_per_logit(kind: str, c: int, vocab_parallel: bool) -> tuple[int, int]:
+    """(forward, backward) HBM bytes per logit of the cross-entropy `kind` computes (LOSSES); a cast of
+    fp32 logits to fp32 (`.float()`) moves nothing."""
+    cast = 0 if c == 4 else c + 4
+    if kind == "megatron":
+        return cast + 4 + 8 + 8 + 4 + 8, 8 + cast
+    if kind == "torch":
+        return cast + 4 + 4 + 8, 4 + (4 + 8 + 4) + cast
+    forward = c + (c + 4) + 8 + 8 + 4 if vocab_parallel else cast + 4 + 8 + 8 + 4
+    return forward, (c + 4) + 8 + 8 + 8 + (4 + c)
+
+
+def loss_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, gpu: Gpu, precision: str,
+                 kind: str = "threefold") -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's cross-entropy on one tp rank: its logits
+    (rows x padded vocabulary / tp) times `loss_bytes_per_logit` over the HBM bandwidth."""
+    logits = micro_batch * seq_len * _ceil(m.padded_vocab, tp)
+    forward, backward = loss_bytes_per_logit(kind, compute_element_bytes(precision), tp > 1)
+    rate = gpu.hbm_bytes_per_s * gpu.compute_efficiency
+    return logits * forward / rate, logits * backward / rate

@@ -38,10 +38,12 @@ pipeline's last backward came with Megatron-core's `overlap_grad_reduce` (2023).
 
 from __future__ import annotations
 
+import math
+
 from . import comm
 from .hardware import Gpu
 from .memory import bytes_per_param, compute_bytes, dp_per_node
-from .workload import Strategy, Workload, rank_parameters
+from .workload import Strategy, Workload, rank_chunks, rank_parameters
 
 QUANTIZED_BYTES = 1 + 4 / 256  # an 8-bit value and its share of the block's fp32 scale
 MEETING_BYTES = 4  # a local SGD / DiLoCo meeting all-reduces fp32 masters (or deltas)
@@ -53,9 +55,22 @@ def _groups(st: Strategy, dense: float, expert: float) -> list[tuple[float, int]
     return [(dense, st.replicas), (expert, st.expert_replicas)] if expert else [(dense, st.replicas)]
 
 
+def _buckets(nbytes: float, st: Strategy) -> int:
+    """Gradient buckets of `nbytes` (`bucket_mb` each; parallel/buckets.py): one collective each."""
+    return max(1, math.ceil(nbytes / (st.bucket_mb * 2**20)))
+
+
+def _units(w: Workload, st: Strategy, stage: int) -> int:
+    """ZeRO-3's units on a pipeline rank (parallel/units.py): one per block, the embedding on the first
+    stage, the final norm and the head on the last; each is gathered and reduced by collectives of its own."""
+    chunks = rank_chunks(w.model, st.pp, stage, st.chunks, st.placement)
+    return sum(len(c.layers) + int(c.first) + 2 * int(c.last) for c in chunks)
+
+
 def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,
                   forward_s: float) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel / ZeRO communication in one step."""
+    """(total, exposed) seconds of data-parallel / ZeRO communication in one step. Every collective pays
+    its latency: the gradients go bucket by bucket, ZeRO-3 unit by unit (comm.in_pieces)."""
     if st.replicas == 1:
         return 0.0, 0.0
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
@@ -67,19 +82,25 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     dense_trainable, expert = count.trainable - count.expert, count.expert
     trainable = _groups(st, dense_trainable, expert)
     if st.sync_every > 1:  # periodic meetings: nothing per step, one fp32 all-reduce every H steps
-        t = sum(comm.all_reduce(n * MEETING_BYTES, g, link) for n, g in trainable) / st.sync_every
+        t = sum(comm.in_pieces(comm.all_reduce, n * MEETING_BYTES, _buckets(n * MEETING_BYTES, st), g, link)
+                for n, g in trainable) / st.sync_every
         return t, t
     m = st.microbatches
     hide = backward_s if w.grad_overlap else 0.0
     if st.zero == 0:
-        t = sum(comm.all_reduce(n * grad_bytes, g, link) for n, g in trainable)
+        t = sum(comm.in_pieces(comm.all_reduce, n * grad_bytes, _buckets(n * grad_bytes, st), g, link)
+                for n, g in trainable)
         return t, max(0.0, t - hide)
     wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
     wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes
     params = _groups(st, count.total - expert, expert)
-    rs = sum(comm.reduce_scatter(n * (wire_g if st.zero >= 3 else grad_bytes), g, link) for n, g in trainable)
-    ag = sum(comm.all_gather(n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)), g, link)
-             for n, g in params)
+    units = _units(w, st, stage)
+    # ZeRO-1/2: the bucket's collectives (its parameters gathered back per bucket too); ZeRO-3: a unit's
+    pieces = (lambda n: units) if st.zero >= 3 else (lambda n: _buckets(n * grad_bytes, st))
+    rs = sum(comm.in_pieces(comm.reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), pieces(n), g, link)
+             for n, g in trainable)
+    ag = sum(comm.in_pieces(comm.all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
+                            pieces(n), g, link) for n, g in params)
     # the parameter all-gathers after the step overlap the next forward (threefold without pp or ep)
     ag_exposed = max(0.0, ag - forward_s) if w.grad_overlap and st.pp == 1 and st.ep == 1 else ag
     if st.zero == 1:
@@ -87,14 +108,15 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     if st.zero == 2:
         return m * rs + ag, m * max(0.0, rs - hide) + ag_exposed
     # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
-    ag_b = _hpz_gather(st, gpu, params) if st.hpz else ag
+    ag_b = _hpz_gather(st, gpu, params, units) if st.hpz else ag
     exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag_b + rs - backward_s))
     return m * (ag + ag_b + rs), exposed
 
 
-def _hpz_gather(st: Strategy, gpu: Gpu, params: list[tuple[float, int]]) -> float:
+def _hpz_gather(st: Strategy, gpu: Gpu, params: list[tuple[float, int]], units: int) -> float:
     """The backward all-gather from hpZ's secondary partition: over the dp ranks of a node, on NVLink,
-    in the compute dtype (ZeRO++ keeps the secondary copy in 16 bits)."""
+    in the compute dtype (ZeRO++ keeps the secondary copy in 16 bits), unit by unit."""
     inside = dp_per_node(st, gpu)
     link = comm.intra_link(gpu)
-    return sum(comm.all_gather(n * compute_bytes(st.precision), min(g, inside), link) for n, g in params)
+    return sum(comm.in_pieces(comm.all_gather, n * compute_bytes(st.precision), units, min(g, inside), link)
+               for n, g in params)

@@ -50,7 +50,7 @@ a fused causal attention kernel at `peak x attention_efficiency`. Sources:
 
 `compute_efficiency` is the one fitted constant, the same for every preset: the share of that
 kernel-level time a real training loop achieves (launch gaps, kernels not modelled such as
-fused epilogues and the loss, stream synchronisations). It was set on the calibration set only
+fused epilogues, stream synchronisations). It was set on the calibration set only
 (Narayanan et al. 2021, A100; docs/planner.md "Calibration set"); the Hopper and Blackwell
 presets differ from the A100 only through their vendor numbers and the published kernel shares
 above, not through a constant set on an H100 run.

@@ -289,7 +289,9 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
         transient += context_transient(w.model, x)
     buffers = 0.0
     if st.replicas > 1:
-        buffers += 2 * st.bucket_mb * 2**20  # buckets in flight while the next ones fill
+        # buckets in flight while the next ones fill (no more than the rank's whole gradients: a bucket
+        # larger than them is one collective over all of them)
+        buffers += 2 * min(st.bucket_mb * 2**20, bytes_per_param(st.precision)[1] * count.trainable)
     if st.zero >= 3:
         per_layer = count.total / max(1, layers)
         buffers += 2 * per_layer * x.c * 2  # gathered layer in use + the one prefetched, with grads

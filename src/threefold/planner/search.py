@@ -123,7 +123,7 @@ def interleaving_depths(layers: int, pp: int) -> list[int]:
 def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None,
                          precision: str = "bf16") -> list[Strategy]:
     """Every strategy of the space for `gpus` GPUs; `fixed` pins knobs (dp, tp, pp, ep, zero,
-    microbatches, remat, schedule, virtual_stages, sequence_parallel, hpz). ep (a mixture of experts only)
+    microbatches, remat, schedule, virtual_stages, sequence_parallel, hpz, bucket_mb). ep (a mixture of experts only)
     runs over the divisors of dp that divide the expert count. Sequence parallelism starts on when
     tp > 1 and hpZ off (`search` settles both per family); a fixed `hpz` keeps only the ZeRO-3
     layouts whose dp groups the runtime can give a node-local partition (`hpz_group`)."""
@@ -173,7 +173,8 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                                             schedule=schedule, virtual_stages=v,
                                             sequence_parallel=fixed.get("sequence_parallel", tp > 1),
                                             precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep,
-                                            hpz=hpz, **({"cp": cp, "cp_method": cp_method} if cp > 1 else {})))
+                                            hpz=hpz, bucket_mb=fixed.get("bucket_mb", Strategy.bucket_mb),
+                                            **({"cp": cp, "cp_method": cp_method} if cp > 1 else {})))
     return out
 
 

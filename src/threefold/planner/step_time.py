@@ -11,8 +11,10 @@ Tensor parallelism (Megatron-LM) all-reduces the block's (b, s, h) activations t
 and twice in backward (again twice for a fully recomputed forward); with sequence parallelism
 these become reduce-scatter + all-gather pairs of the same volume, and the backward all-gathers
 each region's saved sequence shard once more (the linears keep the shard, not the gathered input:
-parallel/tensor.py SequenceRegion). They sit on the critical path (not overlapped; Megatron-LM
-overlaps that all-gather with the weight-gradient matmul, threefold does not yet).
+parallel/tensor.py SequenceRegion). They sit on the critical path, except that regather: only what
+of it the backward work issued after it does not cover is charged (`_regather_exposed`).
+The last stage also runs the cross-entropy's memory-bound passes over the logits (compute.py
+`loss_seconds`, by the workload's software).
 
 The pipeline's makespan comes from `threefold.pipeline.simulate` when that module is present
 (the event simulator of the real schedules) and from the closed forms otherwise:
@@ -46,9 +48,10 @@ from functools import lru_cache
 
 from . import comm
 from .context_comm import attention_seconds, cp_link
+from .activations import is_checkpointed
 from .compute import (block_forward_seconds, blocks_forward_flops_per_token, executed_attention_share,
                       head_forward_flops_per_token, head_forward_seconds, recomputed_forward_flops_per_token,
-                      step_flops)
+                      loss_seconds, regather_cover_seconds, step_flops)
 from .dispatch import OPTIMIZER_OPS, stage_ops
 from .dp_comm import data_parallel
 from .hardware import Gpu
@@ -175,6 +178,9 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     per_flop = f / (tokens * fwd)  # seconds per counted FLOP of this stage
     b = tokens * (2 * fwd + recompute) * per_flop
     redo = tokens * recompute * per_flop
+    if last:  # the cross-entropy's passes over the logits (memory-bound, the software's own kernels)
+        loss_f, loss_b = loss_seconds(m, mb, st.local_seq(w), st.tp, gpu, st.precision, w.loss)
+        f, b = f + loss_f, b + loss_b
     # the host's floor (planner/dispatch.py): small kernels wait for their dispatch
     ops_f, ops_b = stage_ops(m, layers, sparse, m.experts // st.ep if m.experts else 0, first, last)
     ops_b += ops_f * (recompute / fwd if fwd else 0.0)
@@ -195,8 +201,8 @@ def _ep_comm(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[float, fl
     return 2 * sparse * one, (2 + 2 * redo) * sparse * one
 
 
-def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, float]:
-    """Tensor-parallel all-reduce seconds of one micro-batch's (forward, backward) on a stage."""
+def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: float, stage: int = 0) -> tuple[float, float]:
+    """Tensor-parallel seconds of one micro-batch's (forward, backward) on the critical path of a stage."""
     if st.tp == 1:
         return 0.0, 0.0
     nbytes = compute_bytes(st.precision) * st.micro_batch_size(w) * st.local_seq(w) * w.model.hidden
@@ -207,8 +213,28 @@ def _tp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int) -> tuple[float, f
         backward_count += 2 / max(1, st.remat_every)
     regather = 0.0
     if st.sequence_parallel:  # each region's linears all-gather their saved shard again (parallel/tensor.py)
-        regather = 2 * comm.all_gather(nbytes, st.tp, link)
-    return 2 * layers * one, backward_count * layers * one + layers * regather
+        regather = layers * _regather_exposed(w, st, gpu, comm.all_gather(nbytes, st.tp, link), stage)
+    return 2 * layers * one, backward_count * layers * one + regather
+
+
+def _regather_exposed(w: Workload, st: Strategy, gpu: Gpu, gather_s: float, stage: int) -> float:
+    """A block's two regathers less the backward work they run under (compute.py `regather_cover_seconds`):
+    the region's backward where the block kept its shard, the first consumer's input gradient where the
+    block is checkpointed or offloaded (its shard recomputed or reloaded). Software that issues the
+    regather inside its linear's backward (Megatron-LM, `Workload.regather`) hides it under that GEMM."""
+    if w.regather == "exposed":
+        return 2 * gather_s
+    cp = (st.cp,) if st.cp > 1 else ()
+    cover = regather_cover_seconds(w.model, st.micro_batch_size(w), w.seq_len, st.tp, w.attention, gpu,
+                                   st.precision, *cp)
+    if w.regather == "linear":
+        return sum(max(0.0, gather_s - c) for c in cover["linear"])
+    region, consumer = cover["region"], cover["consumer"]
+    blocks = [i for c in rank_chunks(w.model, st.pp, stage, st.chunks, st.placement) for i in c.layers]
+    redone = sum(1 for i in blocks if is_checkpointed(i, st.remat, st.remat_every) or i in st.act_offload)
+    share = redone / len(blocks) if blocks else 0.0
+    return sum((1 - share) * max(0.0, gather_s - r) + share * max(0.0, gather_s - c)
+               for r, c in zip(region, consumer))
 
 
 def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int, sparse: int = 0) -> tuple[float, float, float]:
@@ -246,7 +272,7 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     for stage in sorted({0, heaviest, st.pp - 1}):  # the embedding, the most blocks, the head
         f, b, wgrad, redo = _stage_compute(w, st, gpu, stage)
         layers = per_rank[stage]
-        tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage))  # a replicated MoE: no MLP all-reduce
+        tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage), stage)  # a replicated MoE: no MLP all-reduce
         ep_f, ep_b = _ep_comm(w, st, gpu, stage)
         hidden = 0.0
         if w.a2a_overlap and st.pp > 1:  # the schedule's overlapped pairs hide part of it (planner/moe.py)

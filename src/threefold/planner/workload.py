@@ -25,6 +25,7 @@ ATTENTION_KERNELS = ("flash", "dense")
 # (threefold), "scatter-gather" (Megatron-LM of 2021-22), "deepspeed" (DeepSpeed's
 # PipelineEngine: blocking sends and receives one after the other, tensors partitioned over tp)
 PIPELINE_P2P = ("batched", "scatter-gather", "deepspeed")
+REGATHER = ("region", "linear", "exposed")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Workload:
     # whether the software overlaps a chunk's expert all-to-all with the paired chunk's compute in the
     # schedule's overlapped pairs (DeepSeek-V3's DualPipe); threefold's runtime does not (planner/moe.py)
     a2a_overlap: bool = False
+    # when the sequence-parallel regather of a region's saved shard is issued (REGATHER): at the region's
+    # backward start (threefold), inside the linear's backward under its input-gradient GEMM (Megatron-LM),
+    # or not overlapped
+    regather: str = "region"
+    loss: str = "threefold"  # whose cross-entropy kernels run over the logits (compute.py LOSSES)
 
     @property
     def tokens(self) -> int:
