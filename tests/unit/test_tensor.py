@@ -158,23 +158,28 @@ class _LoggedGather:
         log.append("wait")
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_sequence_parallel_regather_runs_under_the_input_gradient_matmul(fp8):
-    """The column-parallel linear saves its region's sequence shard; its backward issues the shard's
-    all-gather, computes the input's gradient (which needs only the weight) while it is in flight,
-    and waits for it before the weight's gradient (which needs the gathered input), as Megatron-LM
-    overlaps them. The gradients are those of the plain linear on the gathered input."""
+def _matmul_logger(log: list[str]):
+    """A TorchDispatchMode class that appends "mm" to `log` for every matmul run under it."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from threefold.parallel.tensor import _LinearOnShard, _Regather
-
-    log: list[str] = []
 
     class Matmuls(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
                 log.append("mm")
             return func(*args, **(kwargs or {}))
+    return Matmuls
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sequence_parallel_regather_runs_under_the_input_gradient_matmul(fp8):
+    """The column-parallel linear saves its region's sequence shard; its backward issues the shard's
+    all-gather, computes the input's gradient (which needs only the weight) while it is in flight,
+    and waits for it before the weight's gradient (which needs the gathered input), as Megatron-LM
+    overlaps them. The gradients are those of the plain linear on the gathered input."""
+    from threefold.parallel.tensor import _LinearOnShard, _Regather
+
+    log: list[str] = []
+    Matmuls = _matmul_logger(log)
 
     gen = torch.Generator().manual_seed(0)
     shard = torch.randn(2, 3, 8, generator=gen)
@@ -205,17 +210,10 @@ def test_sequence_parallel_regather_starts_with_the_regions_backward():
     the region's backward starts, before any of its matmuls (the down projection's, the activation's,
     the up projection's input gradient), and waited for only by the up projection's weight gradient.
     A region whose shard was not kept (a checkpointed region) issues it from its consumer instead."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from threefold.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SequenceRegion
 
     log: list[str] = []
-
-    class Matmuls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
-                log.append("mm")
-            return func(*args, **(kwargs or {}))
+    Matmuls = _matmul_logger(log)
 
     comm = _LoggedGather(log)
     gen = torch.Generator().manual_seed(0)
