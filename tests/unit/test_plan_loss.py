@@ -112,3 +112,11 @@ def test_gpt2_small_loss_is_a_sizeable_share_of_its_head():
     head = head_forward_seconds(m, 8, 1024, 1, h100, "bf16")
     f, b = loss_seconds(m, 8, 1024, 1, h100, "bf16")
     assert f + b == pytest.approx(3.1 * 3 * head, rel=0.01)
+
+
+@pytest.mark.parametrize("field,value", [("loss", "megatorn"), ("regather", "late"), ("attention", "sparse"),
+                                         ("pipeline_p2p", "nccl"), ("implementation", "jax")])
+def test_a_workload_names_its_software_from_the_known_choices(field, value):
+    m = load_config(None, ["model.preset=tiny"]).model
+    with pytest.raises(ValueError, match=f"Workload.{field}: unknown '{value}'"):
+        Workload(m, 8, 64, **{field: value})

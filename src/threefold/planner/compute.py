@@ -313,11 +313,10 @@ def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int
 #                and write passes (4 + 4 + 8); backward: nll's dense gradient (4), log_softmax's backward
 #                (4 + 8 + 4), the cast back (4 + c)
 # The gathers of the target's logit and the one-hot's scatter touch one logit per token: left out.
-LOSSES = ("threefold", "megatron", "torch")
 
 
 def loss_bytes_per_logit(kind: str, c: int, vocab_parallel: bool) -> tuple[int, int]:
-    """(forward, backward) HBM bytes per logit of the cross-entropy `kind` computes (LOSSES); a cast of
+    """(forward, backward) HBM bytes per logit of the cross-entropy `kind` computes (workload.LOSSES); a cast of
     fp32 logits to fp32 (`.float()`) moves nothing."""
     cast = 0 if c == 4 else c + 4
     if kind == "megatron":

@@ -26,6 +26,9 @@ ATTENTION_KERNELS = ("flash", "dense")
 # PipelineEngine: blocking sends and receives one after the other, tensors partitioned over tp)
 PIPELINE_P2P = ("batched", "scatter-gather", "deepspeed")
 REGATHER = ("region", "linear", "exposed")
+# whose cross-entropy kernels run over the logits (planner/compute.py `loss_bytes_per_logit`): threefold's,
+# Megatron's vocabulary-parallel one, torch's F.cross_entropy of fp32 logits
+LOSSES = ("threefold", "megatron", "torch")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,15 @@ class Workload:
     # backward start (threefold), inside the linear's backward under its input-gradient GEMM (Megatron-LM),
     # or not overlapped
     regather: str = "region"
-    loss: str = "threefold"  # whose cross-entropy kernels run over the logits (compute.py LOSSES)
+    loss: str = "threefold"  # LOSSES
+
+    def __post_init__(self):
+        for name, value, choices in (("implementation", self.implementation, IMPLEMENTATIONS),
+                                     ("attention", self.attention, ATTENTION_KERNELS),
+                                     ("pipeline_p2p", self.pipeline_p2p, PIPELINE_P2P),
+                                     ("regather", self.regather, REGATHER), ("loss", self.loss, LOSSES)):
+            if value not in choices:
+                raise ValueError(f"Workload.{name}: unknown '{value}'; one of {', '.join(choices)}")
 
     @property
     def tokens(self) -> int:
