@@ -6,7 +6,11 @@
 The processes stay up between `run` calls, so many checks share one start-up (importing
 torch and joining the world cost seconds on a small machine). A rank that raises fails the
 call with `RankError` naming the rank and carrying its traceback; ranks left waiting in a
-collective for the failed one are killed, and the next `run` starts a fresh world.
+collective for the failed one are killed, and the next `run` starts a fresh world. A rank
+process that dies without a word (killed, crashed) fails the call as soon as it is seen, not at
+the timeout. A world that does not form - its port taken by another process between the moment
+it was found free and rank 0's store binding it - is started again on another port (up to
+`FORM_ATTEMPTS` times) and the call goes on.
 """
 
 from __future__ import annotations
@@ -30,13 +34,25 @@ class RankError(RuntimeError):
         super().__init__(f"{where} failed:\n{detail}")
 
 
+FORM_ATTEMPTS = 3  # starts of a world whose ranks could not join (its port taken meanwhile)
+POLL_S = 1.0  # how often a waiting `run` looks for rank processes that died without a word
+
+
+class _NotFormed(Exception):
+    """A rank could not join the world (the traceback of its init_process_group)."""
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    except BaseException:  # the world did not form: say so (ok None), the caller starts another
+        results.put((rank, None, traceback.format_exc()))
+        return
     while True:
         task = tasks.get()
         if task is None:
@@ -68,19 +84,39 @@ class World:
 
     def run(self, fn, *args, **kwargs) -> list:
         """Run fn(*args, **kwargs) on every rank; return the results in rank order."""
-        if not self._procs:
-            self._start()
-        for q in self._tasks:
-            q.put((fn, args, kwargs))
+        for attempt in range(1, FORM_ATTEMPTS + 1):
+            if not self._procs:
+                self._start()
+            for q in self._tasks:
+                q.put((fn, args, kwargs))
+            try:
+                return self._collect()
+            except _NotFormed as failed:
+                self.close(force=True)
+                if attempt == FORM_ATTEMPTS:
+                    raise RankError(None, f"the world did not form in {FORM_ATTEMPTS} starts:\n{failed}") from None
+        raise AssertionError("unreachable")
+
+    def _collect(self) -> list:
         results: dict[int, object] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(results) < self.size:
+            left = deadline - time.monotonic()
             try:
-                rank, ok, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, value = self._results.get(timeout=max(0.1, min(POLL_S, left)))
             except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if r not in results and not p.is_alive()]
+                if dead:
+                    self._drain_after_failure()
+                    rank, code = dead[0]
+                    raise RankError(rank, f"its process exited (code {code}) without a result") from None
+                if left > 0:
+                    continue
                 missing = sorted(set(range(self.size)) - set(results))
                 self.close()
                 raise RankError(None, f"ranks {missing} did not finish within {self.timeout_s:.0f} s") from None
+            if ok is None:
+                raise _NotFormed(value)
             if not ok:
                 self._drain_after_failure()
                 raise RankError(rank, value)
