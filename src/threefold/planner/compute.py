@@ -213,6 +213,15 @@ def block_linear_shapes(m: ModelConfig, rows: int, tp: int) -> dict[str, tuple[i
             "mlp_up": (rows, h, up), "mlp_down": (rows, _ceil(f, tp), h)}
 
 
+def fused_attention_seconds(m: ModelConfig, rows: int, seq_len: int, tp: int, attention: str, gpu: Gpu,
+                            precision: str) -> float:
+    """Kernel seconds of a fused (flash) attention forward for `rows` query tokens of a tp rank against
+    `seq_len` keys: the FLOPs it executes (q.k^T and the weighted sum) at `Gpu.attention_efficiency` of
+    the peak; `compute_efficiency` not applied."""
+    flops = executed_attention_share(attention) * 4.0 * seq_len * m.attn_width * rows / tp
+    return flops / (gpu.flops(precision) * gpu.attention_efficiency)
+
+
 @lru_cache(maxsize=8192)
 def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                           attention: str, gpu: Gpu, precision: str, cp: int = 1) -> tuple[float, float]:
@@ -236,7 +245,7 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
     attn_flops = share * 4.0 * seq_len * m.attn_width * rows / tp  # q.k^T and the weighted sum, executed
     el = compute_element_bytes(precision)
     if attention == "flash":
-        t += attn_flops / (gpu.flops(precision) * gpu.attention_efficiency)
+        t += fused_attention_seconds(m, rows, seq_len, tp, attention, gpu, precision)
     else:  # the s x s scores go through memory: two batched GEMMs and the softmax (+ its dropout) between
         local = seq_len // cp  # the rank's queries against every key
         t += gemm_seconds(local, seq_len, m.head_dim, gpu, precision, heads)
@@ -280,9 +289,7 @@ def regather_cover_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: i
 
     up_width = _ceil(m.ffn_hidden, tp)
     consumer = (input_grad("qkv", _ceil(m.kv_heads * m.head_dim, tp)), input_grad("mlp_up", up_width))
-    share = executed_attention_share(attention)
-    attention_backward = 2 * share * 4.0 * seq_len * m.attn_width * rows / tp \
-        / (gpu.flops(precision) * gpu.attention_efficiency) / e
+    attention_backward = 2 * fused_attention_seconds(m, rows, seq_len, tp, attention, gpu, precision) / e
     activation_backward = compute_element_bytes(precision) * rows * (3 if m.mlp == "swiglu" else 2) * up_width \
         / gpu.hbm_bytes_per_s / e
     region = (both_grads("attn_out") + attention_backward + consumer[0],

@@ -50,8 +50,8 @@ from . import comm
 from .context_comm import attention_seconds, cp_link
 from .activations import is_checkpointed
 from .compute import (block_forward_seconds, blocks_forward_flops_per_token, executed_attention_share,
-                      head_forward_flops_per_token, head_forward_seconds, recomputed_forward_flops_per_token,
-                      loss_seconds, regather_cover_seconds, step_flops)
+                      fused_attention_seconds, head_forward_flops_per_token, head_forward_seconds,
+                      loss_seconds, recomputed_forward_flops_per_token, regather_cover_seconds, step_flops)
 from .dispatch import OPTIMIZER_OPS, stage_ops
 from .dp_comm import data_parallel
 from .hardware import Gpu
@@ -250,9 +250,8 @@ def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int, sparse: int = 0) 
     mb = st.micro_batch_size(w)
     heads, kv_heads = m.heads // st.tp, max(1, m.kv_heads // st.tp)
     # the call's attention compute (forward), what hides the ring's hops: its FLOPs at the kernel's rate
-    share = executed_attention_share(w.attention)
-    flops = share * 4.0 * w.seq_len * m.head_dim * heads * mb * st.local_seq(w)
-    attention_s = flops / (gpu.flops(st.precision) * gpu.attention_efficiency) / gpu.compute_efficiency
+    attention_s = fused_attention_seconds(m, mb * st.local_seq(w), w.seq_len, st.tp, w.attention, gpu,
+                                          st.precision) / gpu.compute_efficiency
     call = attention_seconds(st.cp_method, st.cp, mb, heads, kv_heads, st.local_seq(w), m.head_dim,
                              compute_bytes(st.precision), cp_link(gpu, st.tp, st.cp), attention_s)
     redo = {"full": 1.0, "selective": 1.0, "every-k": 1 / max(1, st.remat_every)}.get(st.remat, 0.0)
