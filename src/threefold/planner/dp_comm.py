@@ -60,6 +60,11 @@ def _buckets(nbytes: float, st: Strategy) -> int:
     return max(1, math.ceil(nbytes / (st.bucket_mb * 2**20)))
 
 
+def _in_buckets(collective, nbytes: float, st: Strategy, ranks: int, link: comm.Link) -> float:
+    """`collective` of `nbytes` issued bucket by bucket."""
+    return comm.in_pieces(collective, nbytes, _buckets(nbytes, st), ranks, link)
+
+
 def _units(w: Workload, st: Strategy, stage: int) -> int:
     """ZeRO-3's units on a pipeline rank (parallel/units.py): one per block, the embedding on the first
     stage, the final norm and the head on the last; each is gathered and reduced by collectives of its own."""
@@ -82,21 +87,21 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     dense_trainable, expert = count.trainable - count.expert, count.expert
     trainable = _groups(st, dense_trainable, expert)
     if st.sync_every > 1:  # periodic meetings: nothing per step, one fp32 all-reduce every H steps
-        t = sum(comm.in_pieces(comm.all_reduce, n * MEETING_BYTES, _buckets(n * MEETING_BYTES, st), g, link)
-                for n, g in trainable) / st.sync_every
+        t = sum(_in_buckets(comm.all_reduce, n * MEETING_BYTES, st, g, link) for n, g in trainable) / st.sync_every
         return t, t
     m = st.microbatches
     hide = backward_s if w.grad_overlap else 0.0
     if st.zero == 0:
-        t = sum(comm.in_pieces(comm.all_reduce, n * grad_bytes, _buckets(n * grad_bytes, st), g, link)
-                for n, g in trainable)
+        t = sum(_in_buckets(comm.all_reduce, n * grad_bytes, st, g, link) for n, g in trainable)
         return t, max(0.0, t - hide)
     wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
     wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes
     params = _groups(st, count.total - expert, expert)
-    units = _units(w, st, stage)
-    # ZeRO-1/2: the bucket's collectives (its parameters gathered back per bucket too); ZeRO-3: a unit's
-    pieces = (lambda n: units) if st.zero >= 3 else (lambda n: _buckets(n * grad_bytes, st))
+    # ZeRO-1/2 reduce and gather back bucket by bucket (buckets of gradient bytes), ZeRO-3 unit by unit
+    units = _units(w, st, stage) if st.zero >= 3 else 0
+
+    def pieces(n: float) -> int:
+        return units or _buckets(n * grad_bytes, st)
     rs = sum(comm.in_pieces(comm.reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), pieces(n), g, link)
              for n, g in trainable)
     ag = sum(comm.in_pieces(comm.all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
