@@ -84,7 +84,7 @@ class World:
 
     def run(self, fn, *args, **kwargs) -> list:
         """Run fn(*args, **kwargs) on every rank; return the results in rank order."""
-        for attempt in range(1, FORM_ATTEMPTS + 1):
+        for _ in range(FORM_ATTEMPTS):
             if not self._procs:
                 self._start()
             for q in self._tasks:
@@ -93,9 +93,8 @@ class World:
                 return self._collect()
             except _NotFormed as failed:
                 self.close(force=True)
-                if attempt == FORM_ATTEMPTS:
-                    raise RankError(None, f"the world did not form in {FORM_ATTEMPTS} starts:\n{failed}") from None
-        raise AssertionError("unreachable")
+                why = str(failed)
+        raise RankError(None, f"the world did not form in {FORM_ATTEMPTS} starts:\n{why}")
 
     def _collect(self) -> list:
         results: dict[int, object] = {}
