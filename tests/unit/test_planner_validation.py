@@ -162,11 +162,12 @@ def workload(name, m, batch, seq):
 ZERO_STAGES = {"MCore": (0, 1), "Nemotron": (0, 1), "Korthikanti": (0, 1)}
 
 
-def software_options(name: str, knobs: dict) -> list[dict]:
-    """The completions of `knobs` a run's software offered: its schedules (Megatron's 1F1B and interleaved,
-    where the source names none) times its ZeRO stages, each a dict of fixed knobs for the search."""
-    schedules = [knobs["schedule"]] if "schedule" in knobs else \
-        (["1f1b", "interleaved"] if name.startswith(MEGATRON) else [None])
+def software_options(name: str, knobs: dict, schedules: list | None = None) -> list[dict]:
+    """The completions of `knobs` a run's software offered: its schedules (`schedules`, else the one the knobs
+    name, else Megatron's 1F1B and interleaved) times its ZeRO stages, each a dict of fixed knobs for the search."""
+    if schedules is None:
+        schedules = [knobs["schedule"]] if "schedule" in knobs else \
+            (["1f1b", "interleaved"] if name.startswith(MEGATRON) else [None])
     if knobs.get("pp", 0) == 1:
         schedules = [None]
     zeros = [knobs["zero"]] if "zero" in knobs else \
@@ -238,17 +239,12 @@ def software_best(run):
     """The planner's best layout of the run's GPUs, batch and sequence among what its software offered
     (its schedules and ZeRO stages, its sequence-parallel rule), every layout knob searched."""
     name, m, gpu, gpus, batch, seq, knobs, *_ = run
-    software = {k: v for k, v in fixed_knobs(run).items() if k in ("schedule", "hpz", "sequence_parallel")}
+    software = {k: v for k, v in fixed_knobs(run).items() if k in ("hpz", "sequence_parallel")}
     if bucket_mb(name, None) is not None:
         software["bucket_mb"] = bucket_mb(name, None)
-    if "schedule" in knobs:  # the family the source names (interleaved 1F1B) and its plain form
-        software.pop("schedule")
-        options = [dict(software, schedule=s) for s in dict.fromkeys([knobs["schedule"], "1f1b"])]
-        options = [dict(o, **({"zero": z} if z is not None else {})) for o in options
-                   for z in next((list(v) for k, v in ZERO_STAGES.items() if name.startswith(k)), [None])]
-    else:
-        options = software_options(name, software)
-    return best_of(workload(name, m, batch, seq), gpus, gpu, options)
+    # the family the source names (interleaved 1F1B) and its plain form
+    schedules = list(dict.fromkeys([knobs["schedule"], "1f1b"])) if "schedule" in knobs else None
+    return best_of(workload(name, m, batch, seq), gpus, gpu, software_options(name, software, schedules))
 
 
 def error(run, value):
