@@ -1,5 +1,5 @@
 """The sequence-parallel regather in the planner's step time follows where the runtime issues it
-(parallel/tensor.py SequenceRegion; planner/compute.py `regather_cover_seconds`): at a region's backward
+(parallel/sequence_region.py SequenceRegion; planner/compute.py `regather_cover_seconds`): at a region's backward
 start, under its row-parallel linear's gradients, the attention's (or activation's) backward and the
 first consumer's input gradient; under the first consumer's input gradient alone in a checkpointed block
 (its shard is recomputed, autograd reaches v and up first); inside the fused linears' backward for

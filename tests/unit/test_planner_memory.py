@@ -96,7 +96,7 @@ def test_tensor_and_sequence_parallelism_and_checkpointing_shrink_activations():
         acts[name] = rank_memory(w, st).activations
     assert acts["plain"] > acts["tp"] > acts["tp+sp"] > acts["selective"] > acts["full"]
     # with sp every item is split over tp, the linears' inputs too: they save the norm output's 1/t
-    # shard once per region and all-gather it again in backward (parallel/tensor.py SequenceRegion)
+    # shard once per region and all-gather it again in backward (parallel/sequence_region.py SequenceRegion)
     assert acts["tp+sp"] == pytest.approx(acts["plain"] / 8, rel=0.02)
     # full checkpointing keeps one (b, s, h) input per block
     blocks = 32 * 2 * 4096 * 4096 * 2 / 8

@@ -176,7 +176,7 @@ def test_sequence_parallel_regather_runs_under_the_input_gradient_matmul(fp8):
     all-gather, computes the input's gradient (which needs only the weight) while it is in flight,
     and waits for it before the weight's gradient (which needs the gathered input), as Megatron-LM
     overlaps them. The gradients are those of the plain linear on the gathered input."""
-    from threefold.parallel.tensor import _LinearOnShard, _Regather
+    from threefold.parallel.sequence_region import _LinearOnShard, _Regather
 
     log: list[str] = []
     Matmuls = _matmul_logger(log)
@@ -210,7 +210,8 @@ def test_sequence_parallel_regather_starts_with_the_regions_backward():
     the region's backward starts, before any of its matmuls (the down projection's, the activation's,
     the up projection's input gradient), and waited for only by the up projection's weight gradient.
     A region whose shard was not kept (a checkpointed region) issues it from its consumer instead."""
-    from threefold.parallel.tensor import ColumnParallelLinear, RowParallelLinear, SequenceRegion
+    from threefold.parallel.sequence_region import SequenceRegion
+    from threefold.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     log: list[str] = []
     Matmuls = _matmul_logger(log)

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..comm.tracing import keep_collectives_eager
-from .tensor import keep_regather_eager
+from .sequence_region import keep_regather_eager
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

@@ -19,8 +19,9 @@ from ..mesh import Mesh
 from ..models.plans import (ColumnParallel, GroupedKV, RowParallel, TensorPlan, TensorPlanError, VocabEmbedding,  # noqa: F401
                      VocabHead, VocabLoss)
 from ..sharding import Placement
-from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, SequenceRegion, VocabParallelCrossEntropy,
-                     VocabParallelEmbedding, as_parameter, enter_region, padded_size, scatter_sequence, sum_gradient_over)
+from .sequence_region import SequenceRegion
+from .tensor import (AXIS, ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
+                     as_parameter, enter_region, padded_size, scatter_sequence, sum_gradient_over)
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -219,7 +220,7 @@ def shard_tensor(model: nn.Module, mesh: Mesh, comm: Comm, plan: TensorPlan,
         for name, module in matching_modules(model, pattern):
             region = SequenceRegion(comm, plan.seq_dim) if sp else None
             module.register_forward_pre_hook(_region_hook(comm, sp, plan.seq_dim, region), with_kwargs=True)
-            if region is not None:  # its column-parallel linears save the shard (tensor.py SequenceRegion)
+            if region is not None:  # its column-parallel linears save the shard (sequence_region.py SequenceRegion)
                 module.register_forward_hook(lambda *_, region=region: region.leave())
                 for inner_name, inner in module.named_modules():
                     if isinstance(inner, (ColumnParallelLinear, RowParallelLinear)):

@@ -19,7 +19,7 @@ threefold's reference decoder, per block:
 Sequence parallelism (tp > 1): the norms see s/t tokens; a region's column-parallel linears (q/k/v,
 the MLP's up/gate, the head) save the 1/t sequence shard of their input once between them, not
 the all-gathered (b*s, h) tensor, and their backward all-gathers it again (Megatron-LM's way,
-Korthikanti et al. 2022 section 4.2.2; parallel/tensor.py `SequenceRegion`).
+Korthikanti et al. 2022 section 4.2.2; parallel/sequence_region.py `SequenceRegion`).
 Outside the blocks: the token indices (without tp the int64 rows of the rank's whole batch,
 shared by inputs and targets: a view, so the whole storage counts in every forward that
 saves it; with tp the embedding's masked local ids 8*bs and mask bs), learned positions 8*s,
@@ -108,7 +108,7 @@ def norm_items(m: ModelConfig, x: Shape, hf: bool = False) -> float:
 
 def linear_inputs(m: ModelConfig, x: Shape, consumers: int) -> float:
     """The input a norm hands to `consumers` column-parallel linears: saved once, shared by them; under
-    SP its 1/t sequence shard (the linears' backward all-gathers it again, parallel/tensor.py SequenceRegion)."""
+    SP its 1/t sequence shard (the linears' backward all-gathers it again, parallel/sequence_region.py SequenceRegion)."""
     whole = x.c * x.bs * m.hidden
     return whole / x.t if x.sp and x.t > 1 else whole
 

@@ -266,7 +266,7 @@ def regather_cover_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: i
                            precision: str, cp: int = 1) -> dict[str, tuple[float, float]]:
     """Seconds of backward work that run while a sequence-parallel region's regather is in flight, for
     the attention and the MLP region, by where it is issued (`Workload.regather`):
-      "region"    threefold (parallel/tensor.py SequenceRegion): at the region's backward start, under
+      "region"    threefold (parallel/sequence_region.py SequenceRegion): at the region's backward start, under
                   its row-parallel linear's two gradient GEMMs, the attention's (or the activation's)
                   backward and the first consumer's input-gradient GEMM;
       "consumer"  threefold where the block's shard was not kept (a checkpointed or offloaded block: it

@@ -11,7 +11,7 @@ Tensor parallelism (Megatron-LM) all-reduces the block's (b, s, h) activations t
 and twice in backward (again twice for a fully recomputed forward); with sequence parallelism
 these become reduce-scatter + all-gather pairs of the same volume, and the backward all-gathers
 each region's saved sequence shard once more (the linears keep the shard, not the gathered input:
-parallel/tensor.py SequenceRegion). They sit on the critical path, except that regather: only what
+parallel/sequence_region.py SequenceRegion). They sit on the critical path, except that regather: only what
 of it the backward work issued after it does not cover is charged (`_regather_exposed`).
 The last stage also runs the cross-entropy's memory-bound passes over the logits (compute.py
 `loss_seconds`, by the workload's software).
