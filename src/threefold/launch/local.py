@@ -110,7 +110,7 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
             check_port(port)
         wait_for_endpoint(nodes)
     elif port is None:
-        port = free_port()
+        port = 0  # the launcher's loopback store binds a free port itself (rendezvous.py): no window to lose it in
     else:
         check_port(port)
     if out is not None and hang_report is None:
