@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 # stages whose figures results.json carries under these keys (gpu.sh writes OUT/results/<key>.json)
-RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "fp8_gemm", "fp8_train",
-               "llama_compare")
+RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "fp8_gemm",
+               "planner_kernels", "fp8_train", "llama_compare")
 
 
 PEAKS = [("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12)]

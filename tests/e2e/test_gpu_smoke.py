@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["preflight", "sync", "gpu-tests", "run-bf16", "run-fp16", "run-zero3", "run-offload", "save", "resume", "bitwise",
-          "runs-figures", "gpt2-train", "gpt2-train-figures", "gpt2-compare", "fp8-gemm", "fp8-bf16", "fp8-train", "fp8-figures",
-          "llama-compare"]
+          "runs-figures", "gpt2-train", "gpt2-train-figures", "gpt2-compare", "fp8-gemm", "planner-kernels", "fp8-bf16",
+          "fp8-train", "fp8-figures", "llama-compare"]
 
 
 def run_smoke(out: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
@@ -58,6 +58,9 @@ def test_gpu_sh_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     assert all(r["finite"] and r["steps"] == 6 and r["tokens_per_s"] > 0 for r in results["runs"].values())
     assert results["gpt2_train"]["steps"] == 5 and results["gpt2_train"]["tokens_per_s"] > 0
     assert results["fp8_gemm"]["emulated"] and len(results["fp8_gemm"]["rows"]) == 2
+    kernels = results["planner_kernels"]
+    assert kernels["smoke"] and len(kernels["rows"]) == 2 * (4 * 3 + 2)  # 2 layers: 4 linears x 3 GEMMs, attention
+    assert all(r["seconds"] > 0 and r["model_s"] > 0 for r in kernels["rows"])
     assert all(results["fp8_train"][side]["tokens_per_s"] > 0 for side in ("bf16", "fp8")), results["fp8_train"]
     for key in ("gpt2_compare", "llama_compare"):
         sides = results[key]["sides"]
