@@ -211,7 +211,7 @@ def add_adapters(model: nn.Module, placements: dict[str, Placement], partial: li
     names = []
     for name, module in _targets(model, settings):
         base = placements[f"{name}.weight"]
-        if base.blocks != 1 or getattr(module, "transposed", False):
+        if base.blocks != 1 or (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.transposed):
             raise ConfigError("model.lora_targets", f"{name} is a fused or transposed projection; LoRA "
                               "supports plain linear layers only")
         (out_f, in_f), offsets, shape = base.global_shape, base.offsets, base.shape
