@@ -165,10 +165,17 @@ def main() -> None:
             torch.cuda.empty_cache()
     gemms = [r["measured_over_model"] for r in table if r["linear"] != "attention"]
     attention = [r["measured_over_model"] for r in table if r["linear"] == "attention"]
+    by_k: dict[int, list[float]] = {}
+    for r in table:
+        if r["linear"] != "attention":
+            by_k.setdefault(r["k"], []).append(r["measured_over_model"])
     summary = {"gemm_median": statistics.median(gemms), "gemm_min": min(gemms), "gemm_max": max(gemms),
-               "attention_median": statistics.median(attention)}
+               "attention_median": statistics.median(attention),
+               "gemm_median_by_k": {k: statistics.median(v) for k, v in sorted(by_k.items())}}
     print(f"measured / model: GEMMs median {summary['gemm_median']:.2f} (min {summary['gemm_min']:.2f}, "
           f"max {summary['gemm_max']:.2f}); attention median {summary['attention_median']:.2f}")
+    print("GEMMs by K (the summed dimension), median measured / model: "
+          + ", ".join(f"{k}: {v:.2f}" for k, v in summary["gemm_median_by_k"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "sms": sms, "preset": gpu.name, "repeats": args.repeats,
