@@ -22,12 +22,14 @@
 #   fp8-gemm       bench/fp8_gemm.py: one linear's fp8 / bf16 forward + backward time by GEMM shape, beside
 #                  the auto rule's model of it (planner/compute.py), the measured table of docs/fp8.md
 #   planner-kernels  bench/planner_kernels.py: the planner's GEMM and attention model against this GPU, for the
-#                  layers of its validation set's models (the calibration set docs/planner.md asks for)
+#                  layers of its validation set's models (the calibration set docs/planner.md asks for); the
+#                  preset with the measured shares as a GPU kind: measured-gpu.toml (threefold plan --gpu FILE)
 #   fp8-bf16, fp8-train, fp8-figures   a 4-block Llama-7B-shaped model in bf16 and --precision fp8 (auto):
 #                  tokens/s of each (results fp8_train)
 #   llama-compare  the ~1.2B Llama (Llama 3.2 1B's shape, threefold's reference decoder), last, when time is left
 # Files in $OUT (default runs/gpu-<UTC time>): gpu.log (everything printed), status.tsv (stage, exit
-# code or "skip", seconds, note), results.json (every figure), results/<stage>.json, the runs' directories.
+# code or "skip", seconds, note), results.json (every figure), results/<stage>.json, the runs' directories,
+# measured-gpu.toml (planner-kernels).
 # --smoke runs every stage on CPU with tiny shapes (aot_eager compiles; the sync counts say "n/a"), and
 # the training stages in the calling process, without `--nproc 1`'s launcher (tests/e2e cover the launcher;
 # here it would double each stage's start-up).
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
         --budget=*) BUDGET=${1#*=} ;;
         --only) ONLY=${2:?--only needs STAGE,...}; shift ;;
         --only=*) ONLY=${1#*=} ;;
-        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
         *) echo "gpu.sh: unknown option '$1' (--budget SECONDS, --only STAGE,..., --smoke)" >&2; exit 2 ;;
     esac
     shift
@@ -176,7 +178,8 @@ stage gpt2-train-figures 30 5 "$PY" bench/gpu_checks.py summary --json "$R/gpt2_
 stage gpt2-compare 300 90 "$PY" bench/gpu_compare.py "${GPT2_CMP[@]}" --profile-steps 3 \
     --json "$R/gpt2_compare.json" --out "$OUT/gpt2-compare"
 stage fp8-gemm 90 30 "$PY" bench/fp8_gemm.py --json "$R/fp8_gemm.json" "${FLAG[@]}"
-stage planner-kernels 90 30 "$PY" bench/planner_kernels.py --json "$R/planner_kernels.json" "${FLAG[@]}"
+stage planner-kernels 90 30 "$PY" bench/planner_kernels.py --json "$R/planner_kernels.json" \
+    --toml "$OUT/measured-gpu.toml" "${FLAG[@]}"
 stage fp8-bf16 120 40 "${TRAIN[@]}" "${FP8_MODEL[@]}" "${DEV[@]}" --precision bf16 --out "$OUT/fp8-bf16"
 stage fp8-train 120 40 "${TRAIN[@]}" "${FP8_MODEL[@]}" "${DEV[@]}" "${FP8[@]}" --out "$OUT/fp8-train"
 stage fp8-figures 30 5 "$PY" bench/gpu_checks.py summary --json "$R/fp8_train.json" --skip 2 \

@@ -15,7 +15,13 @@ hidden-2048 model against a hidden-16384 one) is what the model's shape terms le
 (`--json`) is the per-GPU calibration set docs/planner.md asks for, disjoint from the validation runs.
 `--smoke`: tiny shapes on the CPU, only to keep the script working (the ratios mean nothing there).
 
-    python bench/planner_kernels.py [--preset auto] [--repeats 20] [--json PATH] [--smoke]
+`--toml PATH` writes the compared preset as a GPU kind of its own with the measured shares: its
+`gemm_efficiency` and `attention_efficiency` times the medians of measured / model, its `sms` this GPU's.
+`threefold plan --gpu PATH` then plans with them, and
+`python -m tests.unit.test_planner_validation --gpu PATH` prints the validation table with them on the
+rows of the preset's kind.
+
+    python bench/planner_kernels.py [--preset auto] [--repeats 20] [--json PATH] [--toml PATH] [--smoke]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -136,11 +143,24 @@ def gpu_preset(name: str, device_name: str):
     return fp8_gpu(device_name) or PRESETS["a100-80gb" if "a100" in device_name.lower() else "h100-80gb"]
 
 
+def write_measured(path: Path, gpu, device_name: str, sms: int | None, summary: dict) -> None:
+    """The preset as a GPU kind with this GPU's measured kernel shares (the medians of measured / model)."""
+    from threefold.planner.hardware import gpu_toml
+
+    measured = replace(gpu, name=f"{gpu.name} measured ({device_name})", sms=sms or gpu.sms,
+                       gemm_efficiency=gpu.gemm_efficiency * summary["gemm_median"],
+                       attention_efficiency=gpu.attention_efficiency * summary["attention_median"])
+    path.write_text(gpu_toml(measured, f"bench/planner_kernels.py on {device_name}, torch {torch.__version__}: "
+                                       f"{gpu.name}'s kernel shares times the medians of measured / model"))
+    print(f"measured kind: {path} (threefold plan --gpu {path})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="auto", help="the planner's GPU preset to compare with (auto: by name)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default="")
+    parser.add_argument("--toml", default="", help="write the preset with the measured shares as a GPU kind")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
 
@@ -176,6 +196,8 @@ def main() -> None:
           f"max {summary['gemm_max']:.2f}); attention median {summary['attention_median']:.2f}")
     print("GEMMs by K (the summed dimension), median measured / model: "
           + ", ".join(f"{k}: {v:.2f}" for k, v in summary["gemm_median_by_k"].items()))
+    if args.toml:
+        write_measured(Path(args.toml), gpu, device_name, sms, summary)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "sms": sms, "preset": gpu.name, "repeats": args.repeats,

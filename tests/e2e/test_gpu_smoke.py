@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from threefold.planner.hardware import load_gpu
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["preflight", "sync", "gpu-tests", "run-bf16", "run-fp16", "run-zero3", "run-offload", "save", "resume", "bitwise",
           "runs-figures", "gpt2-train", "gpt2-train-figures", "gpt2-compare", "fp8-gemm", "planner-kernels", "fp8-bf16",
@@ -61,6 +63,8 @@ def test_gpu_sh_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     kernels = results["planner_kernels"]
     assert kernels["smoke"] and len(kernels["rows"]) == 2 * (4 * 3 + 2)  # 2 layers: 4 linears x 3 GEMMs, attention
     assert all(r["seconds"] > 0 and r["model_s"] > 0 for r in kernels["rows"])
+    measured = load_gpu(str(out / "measured-gpu.toml"))  # the preset with the measured shares, a kind of its own
+    assert measured.name == "h100-80gb measured (cpu)" and measured.gemm_efficiency > 0
     assert all(results["fp8_train"][side]["tokens_per_s"] > 0 for side in ("bf16", "fp8")), results["fp8_train"]
     for key in ("gpt2_compare", "llama_compare"):
         sides = results[key]["sides"]

@@ -130,6 +130,21 @@ def test_gpu_presets_and_a_custom_toml(tmp_path):
         load_gpu("v100")
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_preset_written_as_toml_reads_back_as_itself(tmp_path, name):
+    """`gpu_toml` writes every field `load_gpu` reads (bench/planner_kernels.py --toml writes a measured kind so)."""
+    from dataclasses import asdict
+
+    from threefold.planner.hardware import gpu_toml
+
+    path = tmp_path / f"{name}.toml"
+    path.write_text(gpu_toml(PRESETS[name], f"{name}, as the planner has it"))
+    back, want = asdict(load_gpu(str(path))), asdict(PRESETS[name])
+    assert back.keys() == want.keys()
+    for key, value in want.items():
+        assert back[key] == (value if isinstance(value, str) else pytest.approx(value, rel=1e-12)), key
+
+
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_schedule_simulator_agrees_with_the_closed_forms(schedule, v):
     """Active once threefold.pipeline.simulate exists: uniform stages give the textbook makespans."""

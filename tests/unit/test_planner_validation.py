@@ -308,13 +308,38 @@ def test_llama3_rows_agree_when_attention_is_counted_as_executed(run):
     assert abs(value / run[8] - 1) <= 0.15, f"{run[0]}: {value:.3g} vs {run[8]}"
 
 
-if __name__ == "__main__":  # the table of docs/planner.md: python -m tests.unit.test_planner_validation
-    import sys
-    only = sys.argv[1:]
+def test_the_table_takes_a_measured_gpu_kind_for_the_rows_of_its_preset(tmp_path, capsys):
+    """`--gpu KIND.toml` (bench/planner_kernels.py --toml: a preset with measured kernel shares) prices the rows
+    on that preset with it: written unchanged it gives the table's own figure, with half the GEMM share less."""
+    from threefold.planner.hardware import gpu_toml
+
+    run = next(r for r in RUNS if r[0] == "MCore 1.7B, 48 H100")
+    for share, path in ((H100.gemm_efficiency, tmp_path / "same.toml"), (H100.gemm_efficiency / 2, tmp_path / "half.toml")):
+        path.write_text(gpu_toml(replace(H100, name="h100-80gb measured (test)", gemm_efficiency=share)))
+    main(["--gpu", str(tmp_path / "same.toml"), "MCore 1.7B"])
+    main(["--gpu", str(tmp_path / "half.toml"), "MCore 1.7B"])
+    same, half = (float(line.split("|")[4]) for line in capsys.readouterr().out.splitlines())
+    assert same == float(f"{predict(run)[0]:.3g}") and half < 0.8 * same
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The table of docs/planner.md: python -m tests.unit.test_planner_validation [--gpu KIND.toml] [ROW...]"""
+    import argparse
+
+    from threefold.planner.hardware import load_gpu
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("rows", nargs="*", help="only the rows whose names start so")
+    parser.add_argument("--gpu", help="a GPU kind file (bench/planner_kernels.py --toml) for the rows on the preset "
+                                      "its name starts with")
+    args = parser.parse_args(argv)
+    measured = load_gpu(args.gpu) if args.gpu else None
     for run in RUNS:
         name, m, gpu, gpus, batch, seq, knobs, metric, published, _ = run
-        if only and not any(name.startswith(o) for o in only):
+        if args.rows and not any(name.startswith(o) for o in args.rows):
             continue
+        if measured is not None and measured.name.startswith(gpu.name):
+            run = (name, m, measured, *run[3:])
         value, chosen = predict(run)
         if chosen is None:
             print(f"| {name} | nothing fits | {published} | - | - | - |")
@@ -324,3 +349,7 @@ if __name__ == "__main__":  # the table of docs/planner.md: python -m tests.unit
             if best is not None else "nothing fits"
         print(f"| {name} | {chosen.strategy.label()} | {published} | {value:.3g} | {error(run, value):+.1%} | "
               f"{gain} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -58,6 +58,7 @@ above, not through a constant set on an H100 run.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -228,7 +229,32 @@ TOML_KEYS = {
     "intra_latency_us": "latency of one collective step inside a node, microseconds",
     "inter_latency_us": "latency of one collective step across nodes, microseconds",
     "op_overhead_us": "host time to dispatch and launch one operator, microseconds (default 4)",
+    "fp32_tflops": "non-tensor-core FP32 TFLOP/s, for --precision fp32 (default: peak_tflops / 16)",
+    "fp8_tflops": "dense FP8 tensor-core TFLOP/s (default 0: no fp8 tensor cores)",
 }
+
+
+def gpu_table(gpu: Gpu) -> dict:
+    """The [gpu] table of a TOML file that `load_gpu` reads back as `gpu` (every key of TOML_KEYS but
+    `network`, whose rate and latency are written out): a preset to edit, or a measured kind
+    (bench/planner_kernels.py --toml)."""
+    return {"name": gpu.name, "peak_tflops": gpu.peak_flops / 1e12, "memory_gib": gpu.memory_bytes / GiB,
+            "hbm_tbps": gpu.hbm_bytes_per_s / 1e12, "nvlink": gpu.nvlink, "nvlink_gbps": gpu.intra_bytes_per_s / GB,
+            "infiniband": gpu.infiniband, "ib_gbps": gpu.inter_bytes_per_s * 8 / GB, "gpus_per_node": gpu.gpus_per_node,
+            "compute_efficiency": gpu.compute_efficiency, "sms": gpu.sms, "gemm_efficiency": gpu.gemm_efficiency,
+            "attention_efficiency": gpu.attention_efficiency, "link_efficiency": gpu.link_efficiency,
+            "intra_latency_us": gpu.intra_latency_s * 1e6, "inter_latency_us": gpu.inter_latency_s * 1e6,
+            "op_overhead_us": gpu.op_overhead_s * 1e6,
+            **({"fp32_tflops": gpu.fp32_flops / 1e12} if gpu.fp32_flops else {}),
+            **({"fp8_tflops": gpu.fp8_flops / 1e12} if gpu.fp8_flops else {})}
+
+
+def gpu_toml(gpu: Gpu, comment: str = "") -> str:
+    """`gpu_table(gpu)` as the text of a TOML file (numbers as Python writes them, names as JSON strings)."""
+    lines = [f"# {line}" for line in comment.splitlines()] + ["[gpu]"]
+    for key, value in gpu_table(gpu).items():
+        lines.append(f"{key} = {json.dumps(value) if isinstance(value, str) else repr(value)}")
+    return "\n".join(lines) + "\n"
 
 
 def load_gpu(kind: str) -> Gpu:
@@ -277,6 +303,8 @@ def load_gpu(kind: str) -> Gpu:
         gemm_efficiency=float(table.get("gemm_efficiency", defaults["gemm_efficiency"])),
         attention_efficiency=float(table.get("attention_efficiency", defaults["attention_efficiency"])),
         op_overhead_s=table.get("op_overhead_us", defaults["op_overhead_s"] * 1e6) * 1e-6,
+        fp32_flops=table.get("fp32_tflops", defaults["fp32_flops"] / 1e12) * 1e12,
+        fp8_flops=table.get("fp8_tflops", defaults["fp8_flops"] / 1e12) * 1e12,
     )
     if net is not None and "ib_gbps" not in table and "inter_latency_us" not in table:
         gpu = with_network(gpu, net)
