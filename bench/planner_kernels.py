@@ -104,7 +104,7 @@ def gemm_rows(m, rows: int, tp: int, gpu, device, repeats: int) -> list[dict]:
 
 def attention_rows(m, micro_batch: int, seq: int, tp: int, gpu, device, repeats: int) -> list[dict]:
     """Causal SDPA forward and forward + backward of a tp rank's heads, measured and modelled."""
-    from threefold.planner.compute import executed_attention_share, fused_attention_seconds
+    from threefold.planner.compute import executed_attention_flops, fused_attention_seconds
 
     heads, kv = max(1, m.heads // tp), max(1, m.kv_heads // tp)
     shape = (micro_batch, heads, seq, m.head_dim)
@@ -123,7 +123,7 @@ def attention_rows(m, micro_batch: int, seq: int, tp: int, gpu, device, repeats:
 
     rows = micro_batch * seq
     fwd_model = fused_attention_seconds(m, rows, seq, tp, "flash", gpu, "bf16")
-    flops = executed_attention_share("flash") * 4.0 * seq * heads * m.head_dim * rows  # forward, executed
+    flops = executed_attention_flops(m, rows, seq, tp, "flash")  # the forward's, as the planner counts them
     fwd = timed(forward, device, repeats)
     total = timed(both, device, repeats)
     out = []

@@ -213,13 +213,18 @@ def block_linear_shapes(m: ModelConfig, rows: int, tp: int) -> dict[str, tuple[i
             "mlp_up": (rows, h, up), "mlp_down": (rows, _ceil(f, tp), h)}
 
 
+def executed_attention_flops(m: ModelConfig, rows: int, seq_len: int, tp: int, attention: str) -> float:
+    """FLOPs an attention forward executes for `rows` query tokens of a tp rank against `seq_len` keys:
+    q.k^T and the weighted sum, the share of them its kernel computes (`executed_attention_share`)."""
+    return executed_attention_share(attention) * 4.0 * seq_len * m.attn_width * rows / tp
+
+
 def fused_attention_seconds(m: ModelConfig, rows: int, seq_len: int, tp: int, attention: str, gpu: Gpu,
                             precision: str) -> float:
     """Kernel seconds of a fused (flash) attention forward for `rows` query tokens of a tp rank against
-    `seq_len` keys: the FLOPs it executes (q.k^T and the weighted sum) at `Gpu.attention_efficiency` of
-    the peak; `compute_efficiency` not applied."""
-    flops = executed_attention_share(attention) * 4.0 * seq_len * m.attn_width * rows / tp
-    return flops / (gpu.flops(precision) * gpu.attention_efficiency)
+    `seq_len` keys: the FLOPs it executes at `Gpu.attention_efficiency` of the peak; `compute_efficiency`
+    not applied."""
+    return executed_attention_flops(m, rows, seq_len, tp, attention) / (gpu.flops(precision) * gpu.attention_efficiency)
 
 
 @lru_cache(maxsize=8192)
@@ -241,8 +246,7 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
         t += _linear_seconds(mm, k, n, gpu, precision)
     precision = "bf16" if precision == "fp8" else precision  # the rest of the block stays bf16
     heads = micro_batch * _ceil(m.heads, tp)
-    share = executed_attention_share(attention)
-    attn_flops = share * 4.0 * seq_len * m.attn_width * rows / tp  # q.k^T and the weighted sum, executed
+    attn_flops = executed_attention_flops(m, rows, seq_len, tp, attention)
     el = compute_element_bytes(precision)
     if attention == "flash":
         t += fused_attention_seconds(m, rows, seq_len, tp, attention, gpu, precision)
@@ -308,8 +312,8 @@ def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int
 
 # ---- the cross-entropy over the vocabulary: memory-bound passes over the logits, per software
 # HBM bytes per logit of its forward and backward kernels on a GPU (eager), c = the logits' element size:
-#   "threefold"  models/cross_entropy.py (tp = 1): an fp32 copy (c + 4; none of fp32 logits), torch.logsumexp's amax, subtract,
-#                exp and sum (4 + 8 + 8 + 4); parallel/tensor.py's vocabulary-parallel loss (tp > 1): amax
+#   "threefold"  models/cross_entropy.py (tp = 1): an fp32 copy (c + 4; none of fp32 logits),
+#                torch.logsumexp's amax, subtract, exp and sum (4 + 8 + 8 + 4); parallel/tensor.py's vocabulary-parallel loss (tp > 1): amax
 #                (c), an fp32 copy of each chunk (c + 4), subtract, exp in place, sum (8 + 8 + 4); backward
 #                (both, softmax_minus_one_hot): an fp32 copy (c + 4), subtract, exp, scale in place
 #                (8 + 8 + 8), written back in the logits' dtype (4 + c)
