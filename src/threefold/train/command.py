@@ -151,11 +151,40 @@ def run(args: argparse.Namespace) -> int:
         print_warnings(cfg)
         if args.nproc:
             return _launch(cfg, args)
-        if _train(cfg) is not None:
-            from .preempt import PREEMPTED_EXIT
+        return _train_here(cfg, args.verbose)
 
-            return PREEMPTED_EXIT
-    return 0
+
+def _train_here(cfg, verbose: bool) -> int:
+    """Train in this process. A failure that is not the user's reads as a rank's failure under
+    --nproc does (launch/local.py): one line naming the error and one naming the log that holds
+    its traceback (OUT/logs/rank-0.log), exit code 1; --verbose also shows the traceback here."""
+    import sys
+    import time
+    import traceback
+
+    from .preempt import PREEMPTED_EXIT
+
+    try:
+        return 0 if _train(cfg) is None else PREEMPTED_EXIT
+    except UserError:
+        raise
+    except Exception as e:
+        text = traceback.format_exc()
+        log = Path(cfg.run.out) / "logs" / "rank-0.log"
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("a") as f:
+                f.write(f"==== rank 0 (one process), {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}")
+        except OSError:
+            log = None
+        if verbose or log is None:
+            print(text, end="", file=sys.stderr)
+        summary = traceback.format_exception_only(e)[-1].strip().splitlines()[0]
+        print(f"threefold: failed: {summary}", file=sys.stderr)
+        if log is not None:
+            print(f"threefold: full log: {log}" + ("" if verbose else " (--verbose shows the traceback here)"),
+                  file=sys.stderr)
+        return 1
 
 
 def _launch(cfg, args: argparse.Namespace) -> int:
