@@ -74,7 +74,7 @@ def test_killed_prepare_leaves_no_worker_running(tmp_path):
                               "--no-progress"], env=env, stderr=subprocess.DEVNULL)
     workers = []
     try:
-        parts = tmp_path / "out" / "parts"
+        parts = tmp_path / ".out.preparing" / "parts"  # where it writes until complete
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and child.poll() is None:
             workers = _children(child.pid)

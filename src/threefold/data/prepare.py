@@ -10,6 +10,10 @@ goes to the validation split when a hash of (file, document number) falls below
 after an interruption keeps committed tasks and redoes the rest, so the shards come out
 byte-identical. `index.json`, written last, lists the shards with their token counts,
 document boundaries, largest id and SHA-256, and the tokenizer's identity.
+
+All of it is written into a hidden sibling of `--out` (`work_dir`: `.NAME.preparing`), renamed to
+`--out` once the index is written: a killed or failed preparation leaves nothing at `--out`,
+so nothing there can be trained on half-made, and running the command again resumes it.
 """
 
 from __future__ import annotations
@@ -176,32 +180,64 @@ def _plan(opts: PrepareOptions, identity, tasks: list[list[Unit]]) -> dict:
             "tasks": [[u.to_dict() for u in task] for task in tasks]}
 
 
-def _start(opts: PrepareOptions, plan: dict) -> bool:
-    """Create or resume the output directory; False when it is already complete."""
-    out = opts.out
-    plan_path = out / PLAN
-    if plan_path.is_file():
-        if json.loads(plan_path.read_text()) == plan:
-            return not (out / INDEX).is_file()
-        if (out / INDEX).is_file():
+def work_dir(out: Path) -> Path:
+    """Where the preparation of `out` is written until it is complete: the hidden sibling `.NAME.preparing`,
+    renamed to `out` only once its index is written, so `out` never holds an unfinished preparation."""
+    target = Path(os.path.realpath(out))
+    if not target.name:
+        raise UserError(f"--out '{out}' is the file system's root; choose a directory below it")
+    return target.with_name(f".{target.name}.preparing")
+
+
+def _start(opts: PrepareOptions, plan: dict) -> Path | None:
+    """The directory to prepare into (`work_dir`, created, or resumed after an interruption), or None
+    when `--out` already holds this very preparation."""
+    out, work = opts.out, work_dir(opts.out)
+    if (out / PLAN).is_file():
+        done = (out / INDEX).is_file()
+        if done and json.loads((out / PLAN).read_text()) == plan:
+            return None
+        if done:
             raise UserError(f"--out '{out}' holds the preparation of other sources, options or tokenizer; "
                             "choose a new --out directory or remove it")
-        print(f"threefold: '{out}' holds an unfinished preparation of other sources or options; starting it over",
+        if work.exists():
+            raise UserError(f"--out '{out}' holds an unfinished preparation and '{work}' another one; "
+                            "remove one of them and run again")
+        os.replace(out, work)  # unfinished (an earlier version prepared in place): finished in the sibling
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out '{out}' exists and is not a data directory of `data prepare`; choose a new one")
+    plan_path = work / PLAN
+    if plan_path.is_file():
+        if json.loads(plan_path.read_text()) == plan:
+            return work
+        print(f"threefold: '{work}' holds an unfinished preparation of other sources or options; starting it over",
               file=sys.stderr)
         for sub in ("shards", "parts", "tokenizer"):
-            shutil.rmtree(out / sub, ignore_errors=True)
+            shutil.rmtree(work / sub, ignore_errors=True)
+        (work / INDEX).unlink(missing_ok=True)
         plan_path.unlink()
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out '{out}' exists and is not a data directory of `data prepare`; choose a new one")
+    if work.exists() and any(work.iterdir()):
+        raise UserError(f"'{work}', where `data prepare` writes --out '{out}' until it is complete, holds files "
+                        "it did not write; move them away")
     for sub in ("shards", "parts"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+        (work / sub).mkdir(parents=True, exist_ok=True)
     if opts.tokenizer not in (None, "byte"):
-        (out / "tokenizer").mkdir(exist_ok=True)
+        (work / "tokenizer").mkdir(exist_ok=True)
         for name in (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(opts.tokenizer) / name).is_file():
-                shutil.copyfile(Path(opts.tokenizer) / name, out / "tokenizer" / name)
+                shutil.copyfile(Path(opts.tokenizer) / name, work / "tokenizer" / name)
     _write_json(plan_path, plan)
-    return True
+    return work
+
+
+def _finish(work: Path, out: Path) -> None:
+    """Rename the complete preparation to `out` (replacing an empty directory there): one step, so `out`
+    holds either nothing of it or all of it."""
+    try:
+        os.replace(work, os.path.realpath(out))
+    except OSError as e:
+        raise UserError(f"--out '{out}' cannot take the finished preparation in '{work}' ({e.strerror}); "
+                        f"move '{out}' away and rename '{work}' to it") from None
 
 
 def _committed(out: Path, index: int, itemsize: int) -> dict | None:
@@ -226,11 +262,12 @@ def prepare(opts: PrepareOptions) -> dict:
     empty = [u for u in units if u.kind == "empty"]  # no document: skipped, counted in the index
     tasks = group_tasks([u for u in units if u.kind != "empty"], opts.shard_bytes)
     plan = _plan(opts, tokenizer.identity, tasks)
-    if not _start(opts, plan):
+    work = _start(opts, plan)
+    if work is None:
         return {"index": json.loads((opts.out / INDEX).read_text()), "tokens": 0, "worker_seconds": 0.0,
                 "seconds": 0.0, "workers": 0, "already": True}
     itemsize = np.dtype(plan["dtype"]).itemsize
-    parts = {i: p for i in range(len(tasks)) if (p := _committed(opts.out, i, itemsize)) is not None}
+    parts = {i: p for i in range(len(tasks)) if (p := _committed(work, i, itemsize)) is not None}
     todo = [i for i in range(len(tasks)) if i not in parts]
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(todo) or 1))
     start, tokens, busy = time.perf_counter(), 0, 0.0
@@ -240,13 +277,13 @@ def prepare(opts: PrepareOptions) -> dict:
         global _TOKENIZER
         _TOKENIZER = tokenizer
         for i in todo:
-            tokens, busy = _collect(parts, run_task(i, [u.to_dict() for u in tasks[i]], str(opts.out),
+            tokens, busy = _collect(parts, run_task(i, [u.to_dict() for u in tasks[i]], str(work),
                                                     opts.val_fraction, plan["dtype"], opts.skip_bad), bar, tokens, busy)
             committed()
     elif todo:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
                                  initargs=(opts.tokenizer, os.getpid())) as pool:
-            futures = [pool.submit(run_task, i, [u.to_dict() for u in tasks[i]], str(opts.out), opts.val_fraction,
+            futures = [pool.submit(run_task, i, [u.to_dict() for u in tasks[i]], str(work), opts.val_fraction,
                                    plan["dtype"], opts.skip_bad) for i in todo]
             for future in as_completed(futures):
                 try:
@@ -257,7 +294,8 @@ def prepare(opts: PrepareOptions) -> dict:
                 tokens, busy = _collect(parts, done, bar, tokens, busy)
     if bar is not None:
         bar.close()
-    index = _write_index(opts, plan, [parts[i] for i in range(len(tasks))], len(empty))
+    index = _write_index(opts, work, plan, [parts[i] for i in range(len(tasks))], len(empty))
+    _finish(work, opts.out)
     return {"index": index, "tokens": tokens, "worker_seconds": busy, "seconds": time.perf_counter() - start,
             "workers": workers, "already": False}
 
@@ -292,7 +330,7 @@ def _bar(progress: bool, total: int):
     return tqdm(total=total, desc="prepare", unit="B", unit_scale=True, dynamic_ncols=True, mininterval=0.5)
 
 
-def _write_index(opts: PrepareOptions, plan: dict, parts: list[dict], empty_files: int = 0) -> dict:
+def _write_index(opts: PrepareOptions, work: Path, plan: dict, parts: list[dict], empty_files: int = 0) -> dict:
     splits = {}
     for split in SPLITS:
         shards = [p["shards"][split] for p in parts if p["shards"][split]]
@@ -305,5 +343,5 @@ def _write_index(opts: PrepareOptions, plan: dict, parts: list[dict], empty_file
     index = {"format": FORMAT, "tokenizer": plan["tokenizer"], "dtype": plan["dtype"],
              "val_fraction": plan["val_fraction"], "sources": plan["sources"], "skipped_documents": skipped,
              "empty_files": empty_files, "splits": splits}
-    _write_json(opts.out / INDEX, index)
+    _write_json(work / INDEX, index)
     return index

@@ -22,10 +22,34 @@ from ..errors import UserError
 from .tokenizer import TokenizerIdentity
 
 INDEX = "index.json"
+# what `data prepare` writes before its index (data/prepare.py): found without index.json, a preparation
+# that did not finish (or whose index was removed), never raw text
+PREPARE_WRITES = ("plan.json", "plan.json.tmp", "index.json.tmp", "parts", "shards", "tokenizer/tokenizer.json")
 
 
-def is_prepared(path: str | Path) -> bool:
-    return (Path(path) / INDEX).is_file()
+def is_prepared(path: str | Path, key: str = "data.source") -> bool:
+    """Whether `path` is a directory `threefold data prepare` finished: its index.json is the marker.
+
+    A directory holding what `data prepare` writes (PREPARE_WRITES) but no index.json raises UserError
+    naming `key`, the directory and the fix: read as raw text it would train on its shards' bytes.
+    """
+    path = Path(path)
+    if (path / INDEX).is_file():
+        return True
+    found = unfinished_preparation(path)
+    if found:
+        raise UserError(f"{key}: '{path}' holds an unfinished `threefold data prepare` ({', '.join(found)} but no "
+                        f"{INDEX}: the preparation was killed or failed, or its index was removed), not data to "
+                        f"train on; re-run `threefold data prepare` with its sources and --out {path}")
+    return False
+
+
+def unfinished_preparation(path: str | Path) -> list[str]:
+    """What of `data prepare`'s output (PREPARE_WRITES) directory `path` holds; [] when none or no directory."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return [name for name in PREPARE_WRITES if (path / name).exists()]
 
 
 def read_index(directory: str | Path) -> dict:
@@ -161,7 +185,7 @@ def mixture_of(text: str) -> list[tuple[str, float]]:
                             "e.g. code:0.7,prose:0.3") from None
         if not value > 0:
             raise UserError(f"data.sources: weight of '{path}' must be positive, got {weight}")
-        if not is_prepared(path):
+        if not is_prepared(path, "data.sources"):
             raise UserError(f"data.sources: '{path}' is not a prepared data directory (no {INDEX}); "
                             "make it with `threefold data prepare`")
         out.append((path, value))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from .prepared import is_prepared, unfinished_preparation
 
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_SYMBOLS = 8  # ids the synthetic stream uses
@@ -71,6 +72,14 @@ def _stdlib_files() -> list[Path]:
     return found
 
 
+def _refuse_prepared(path: Path) -> None:
+    """A directory of `data prepare` is never read as raw bytes: finished, it is read through its index
+    (data/build.py); unfinished, `is_prepared` refuses it."""
+    if is_prepared(path):
+        raise UserError(f"data.source: '{path}' is a prepared data directory; it is read through its index "
+                        "(threefold.data.build_samplers), not as raw bytes")
+
+
 def _text_files(paths: list[Path], limit: int | None = None) -> torch.Tensor:
     chunks, size = [], 0
     for path in paths:
@@ -84,9 +93,14 @@ def _text_files(paths: list[Path], limit: int | None = None) -> torch.Tensor:
 
 def _from_path(path: Path) -> torch.Tensor:
     if path.is_dir():
+        _refuse_prepared(path)
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         if not files:
             raise UserError(f"data.source: directory '{path}' holds no files")
+        inner = sorted(d for d in {f.parent for f in files} - {path} if unfinished_preparation(d))
+        if inner:
+            raise UserError(f"data.source: '{path}' holds the output of `threefold data prepare` in '{inner[0]}', "
+                            "whose shards would be read as text bytes; pass that directory itself as --data")
         return _text_files(files)
     if path.suffix == ".npy":
         try:
