@@ -296,6 +296,7 @@ class RunConfig:
     tensorboard: bool = False
     plot: bool = True
     collective_timeout_s: float = 600.0  # the hang watchdog reports and stops the job after this
+    threads: int = 0  # torch's CPU threads per process; 0 = OMP_NUM_THREADS when set, else cores / local processes
 
 
 @dataclass(frozen=True)

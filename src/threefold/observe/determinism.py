@@ -13,7 +13,7 @@ parameters. What makes a run vary, and what fixes it:
   its communicators are created, so its summation order does not depend on message size
   heuristics. threefold's own reductions already run in a fixed order: gradient buckets launch
   strictly in index order (parallel/buckets.py), and every loss / norm is reduced once.
-* threads: the intra-op thread count is fixed per process (train/trainer.py share_cpu_threads).
+* threads: the intra-op thread count is fixed per process (run.threads, train/threads.py).
 
 Deterministic mode does not make different layouts bit-identical to each other (their sums
 associate differently); that is what the parity harness measures, against tolerances.

@@ -35,10 +35,11 @@ from .clock import Mark, StepClock
 from .evaluate import Evaluator
 from .metrics import MetricsLog, PostedRead, plot_run
 from .preempt import Preempted, StopSignals
-from .rundir import check_resume, run_directory, update_run
+from .rundir import check_resume, read_run, run_directory, update_run
 from .step import Device, PendingRead, StepResult, TorchDevice, TrainStep, start_read
 from .two_bw_step import TwoBWStep
 from .summary import print_summary
+from .threads import share_cpu_threads
 
 
 @dataclass
@@ -58,13 +59,6 @@ class LaunchedStep:
     comm: dict  # the step's bytes by axis and op
 
 
-def share_cpu_threads(device: torch.device) -> None:
-    """Give each local process its share of the cores (torch would start one thread per core in each)."""
-    if device.type == "cpu":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
-
-
 class Trainer:
     """Builds the mesh, the parallel model, the optimizer and the data; runs the steps.
 
@@ -77,7 +71,7 @@ class Trainer:
         if cfg.train.deterministic:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
         init_distributed(device, process_group_timeout_s(cfg))
-        share_cpu_threads(device)
+        threads = share_cpu_threads(cfg.run.threads)  # (count, source): printed and in DIR/run.json below
         self.cfg = cfg = cfg.for_device(device.type).validate(dist.get_world_size())
         set_tf32(device, cfg.precision.tf32)
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
@@ -89,6 +83,10 @@ class Trainer:
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
+        if self.is_writer:
+            print(f"threads: {threads[0]} (from {threads[1]})", file=sys.stderr, flush=True)
+            if read_run(self.out) is not None:  # a claimed run directory (a library run may have none)
+                update_run(self.out, "threads", {"count": threads[0], "from": threads[1]})
         t = cfg.train
         self.sampler, val_sampler = build_samplers(cfg.data, t.seq_len, t.global_batch, t.seed, cfg.model.vocab,
                                                    validation=t.eval_every > 0)
