@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import typing
 from pathlib import Path
 
 from ..config import Config, load_config
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..config.presets import PRESETS
 
 # option -> config key; every value goes through the config parser, so errors name the key.
@@ -29,6 +30,7 @@ OPTION_KEYS = {
     "optimizer": "train.optimizer", "beta1": "train.beta1", "beta2": "train.beta2", "eps": "train.eps",
     "weight_decay": "train.weight_decay", "grad_clip": "train.grad_clip", "warmup_steps": "train.warmup_steps",
     "min_lr_ratio": "train.min_lr_ratio",
+    "threads": "run.threads",
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic",
              "peer_checkpoint": "checkpoint.peer_copy", "compile": "train.compile"}
@@ -44,6 +46,7 @@ _NOTES = {  # what a default or a value means, where the type alone does not say
     "train.weight_decay": "adamw: decoupled; sgd: L2 added to the gradient",
     "train.grad_clip": "clip by global norm; 0 disables", "train.warmup_steps": "linear warm-up of the lr",
     "train.min_lr_ratio": "the cosine decay ends at lr x this",
+    "run.threads": "torch's CPU threads per process; 0 = OMP_NUM_THREADS when set, else cores / local processes",
 }
 
 
@@ -107,6 +110,56 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
     return out + list(args.overrides)
 
 
+_LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.cp")  # the factors a world-size error ("parallel") names
+
+
+def _resumed_origin(args: argparse.Namespace, field: str) -> str:
+    """Which parallel.* values behind an error on `field` a resume took from the run's own config.toml
+    (`rundir.resume_defaults`), and how to override them; "" when none did."""
+    import tomllib
+
+    from ..config.sections import ParallelConfig
+    from . import rundir
+
+    if args.config is not None or not field.startswith("parallel"):
+        return ""
+    path = rundir.resume_defaults(load_config(None, overrides_from(args)))
+    if path is None:
+        return ""
+    given = {item.partition("=")[0].strip() for item in overrides_from(args)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+    options = {key: option.replace("_", "-") for option, key in OPTION_KEYS.items()}
+    named, passed, sets = [], [], []
+    for name, value in tomllib.loads(path.read_text(encoding="utf-8")).get("parallel", {}).items():
+        key = f"parallel.{name}"
+        if (key == field or (field == "parallel" and key in _LAYOUT_KEYS)) and key not in given \
+                and name in defaults and value != defaults[name]:
+            text = str(defaults[name]).lower() if isinstance(defaults[name], bool) else str(defaults[name])
+            named.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+            passed.append(f"--{options[key]} {text}" if key in options else f"--set {key}={text}")
+            sets.append(f"--set {key}={text}")
+    if not named:
+        return ""
+    how = " ".join(passed) + (" / " + " ".join(sets) if passed != sets else "")
+    return f"{' and '.join(named)} came from {path} of the resumed run; pass {how} to override"
+
+
+def _naming_resumed_values(command):
+    """A ConfigError on parallel.* of a resumed run says which values came from its config.toml."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except ConfigError as e:
+            if origin := _resumed_origin(args, e.field):
+                e.args = (f"{e.args[0]} ({origin})",)
+            raise
+
+    return run
+
+
+@_naming_resumed_values
 def run(args: argparse.Namespace) -> int:
     from ..launch.local import adopt_slurm_environment, in_launched_world, launched_world_size
     from . import rundir
