@@ -96,6 +96,32 @@ def test_which_linears_convert():
     assert "blocks.1.attn.q.weight" in names  # parameter names (and so checkpoints) unchanged
 
 
+def test_lora_adapters_stay_in_bf16_and_their_base_converts_in_place():
+    """A base linear with LoRA-style adapters (children lora_A / lora_B, a forward hook adding B(A(x)), as
+    parallel/lora.py builds them): the base converts where it is, its adapters and hook kept; the adapters'
+    own linears never convert, and the line counts them apart from the block linears."""
+    from torch import nn
+
+    from threefold.parallel.fp8 import Fp8Linear
+
+    cfg, model = _tiny(["precision.compute=fp8", "precision.fp8_linears=all", "precision.fp8_skip_first_last=false"])
+    q = model.blocks[1].attn.q
+    torch.manual_seed(3)
+    q.lora_A, q.lora_B = nn.Linear(q.in_features, 2, bias=False), nn.Linear(2, q.out_features, bias=False)
+    q.register_forward_hook(lambda module, args, out: out + module.lora_B(module.lora_A(args[0])))
+    report = convert_linears(model, cfg.precision, None, torch.device("cpu"), 256, cfg.model.layers)
+    assert report.adapters == ["blocks.1.attn.q.lora_A", "blocks.1.attn.q.lora_B"]
+    assert len(report.converted) == 4 * 6 and not any("lora" in n for n in report.converted)
+    assert report.line().endswith("24 of 24 block linears compute in fp8; 2 LoRA adapter linears stay in bf16")
+    assert model.blocks[1].attn.q is q and type(q) is Fp8Linear  # in place: its children and hook stay
+    assert type(q.lora_A) is nn.Linear and type(q.lora_B) is nn.Linear
+    x = torch.randn(2, 5, q.in_features)
+    with torch.no_grad():
+        want = reference_linear(x.reshape(-1, q.in_features), q.weight, "tensorwise").reshape(2, 5, -1) \
+            + q.bias + (x @ q.lora_A.weight.t()) @ q.lora_B.weight.t()
+        assert rel_err(q(x), want) <= 1e-6
+
+
 FP8 = ["model.preset=tiny", "train.global_batch=4", "train.seq_len=16", "train.lr=3e-3", "data.source=stdlib",
        "train.eps=1e-6"]
 ALL = ["precision.compute=fp8", "precision.fp8_linears=all", "precision.fp8_skip_first_last=false"]

@@ -24,8 +24,10 @@ Which linears convert: those inside `blocks.<i>`, the stacked experts' matmuls a
 the embedding, the head or a router), not
 the first and last block with `precision.fp8_skip_first_last`, and with `precision.fp8_linears=auto`
 only those whose GEMM shape gains on this device (`planner.compute.fp8_gains`: the per-GPU ratios
-of fp8 to bf16 GEMM time, cast overheads included; no gain anywhere without fp8 tensor cores). The
-parameters stay what they were (bf16 compute copies of fp32 masters): checkpoints hold no fp8
+of fp8 to bf16 GEMM time, cast overheads included; no gain anywhere without fp8 tensor cores). LoRA's
+adapters (`lora_A` / `lora_B`, parallel/lora.py) never convert: they are the trained weights, and their
+low-rank GEMMs stay in the compute precision (bf16); the base linear they sit beside may convert, in
+place, keeping its adapters and their forward hook. The parameters stay what they were (bf16 compute copies of fp32 masters): checkpoints hold no fp8
 state, since dynamic scaling keeps none.
 """
 
@@ -43,6 +45,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import PrecisionConfig
 from ..models.moe import Experts
+from .lora import is_adapter_module
 from .tensor import AXIS, ColumnParallelLinear, RowParallelLinear
 
 Sharded = Literal["in", "out"] | None
@@ -226,12 +229,12 @@ class Fp8Linear(nn.Linear):
     kernel: Fp8Kernel
 
     @classmethod
-    def of(cls, linear: nn.Linear, kernel: Fp8Kernel) -> "Fp8Linear":
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=False)
-        new.weight, new.bias = linear.weight, linear.bias
-        new.kernel = kernel
-        return new
+    def convert(cls, linear: nn.Linear, kernel: Fp8Kernel) -> "Fp8Linear":
+        """`linear` itself, its class changed (as torch.nn.utils.parametrize does): its parameters, children
+        and hooks stay - a LoRA base layer keeps its adapters and the hook that adds them."""
+        linear.__class__ = cls
+        linear.kernel = kernel
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
@@ -242,10 +245,12 @@ class Fp8Linear(nn.Linear):
 
 @dataclass
 class Fp8Report:
-    """What the conversion did: the converted linears and, for each one left in bf16, why."""
+    """What the conversion did: the converted linears, for each one left in bf16, why, and the LoRA
+    adapters' linears (never converted, not counted among the block linears)."""
 
     converted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # name -> reason
+    adapters: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         reasons: dict[str, int] = {}
@@ -254,7 +259,8 @@ class Fp8Report:
         kept = "; ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
         total = len(self.converted) + len(self.kept)
         return (f"threefold: fp8: {len(self.converted)} of {total} block linears compute in fp8"
-                + (f" (kept in bf16: {kept})" if kept else ""))
+                + (f" (kept in bf16: {kept})" if kept else "")
+                + (f"; {len(self.adapters)} LoRA adapter linears stay in bf16" if self.adapters else ""))
 
 
 def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -294,7 +300,6 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
         return report
     recipe = Fp8Recipe.named(cfg.fp8_recipe)
     emulate = not hardware_fp8(device)
-    swaps: list[tuple[str, nn.Linear, Fp8Kernel]] = []
     for name, module in model.named_modules():
         shape = _linear_shape(module)
         if shape is None:
@@ -304,6 +309,9 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
             continue
         block, rest = int(match.group(1)), match.group(2)
         if rest.split(".")[-1] == "router":
+            continue
+        if is_adapter_module(rest):  # LoRA's A / B: the trained weights, in the compute precision
+            report.adapters.append(name)
             continue
         if cfg.fp8_skip_first_last and block in (0, layers - 1):
             report.kept[name] = "in the first or last block (precision.fp8_skip_first_last)"
@@ -324,11 +332,8 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
         elif isinstance(module, Experts):
             module.linear = kernel
         else:
-            swaps.append((name, module, kernel))
+            Fp8Linear.convert(module, kernel)
         report.converted.append(name)
-    for name, linear, kernel in swaps:
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner) if owner else model, attr, Fp8Linear.of(linear, kernel))
     return report
 
 

@@ -110,6 +110,11 @@ def is_adapter(name: str) -> bool:
     return len(parts) >= 2 and parts[-2] in ADAPTER_PARTS
 
 
+def is_adapter_module(name: str) -> bool:
+    """Whether a module name is (inside) a LoRA adapter's: `....q_proj.lora_A`, peft's `....lora_B.default`."""
+    return any(part in ADAPTER_PARTS for part in name.split("."))
+
+
 def adapter_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """A: Kaiming-uniform with a = sqrt(5) (bound 1/sqrt(in)), seeded by name; B: zeros (peft's scheme)."""
     if name.split(".")[-2] == "lora_B":
