@@ -119,6 +119,28 @@ def test_zero3_fp8_gather_sends_the_matmul_weights_once(worlds):
         assert not any(without["equal"].values()) and without["sent"] > with_casts["sent"]
 
 
+def block_linears(model) -> tuple[int, int]:
+    """(the blocks' linears computing in fp8, all the blocks' linears), counted by type: a plain linear
+    converted is an Fp8Linear, a tensor-parallel one carries an Fp8Kernel, stacked experts too."""
+    from torch import nn
+
+    from threefold.models.moe import Experts
+    from threefold.parallel.fp8 import Fp8Kernel, Fp8Linear
+    from threefold.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    fp8 = total = 0
+    for name, module in model.named_modules():
+        if ".blocks." not in f".{name}" or name.endswith("router"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            total, fp8 = total + 1, fp8 + isinstance(module.kernel, Fp8Kernel)
+        elif isinstance(module, Experts):
+            total, fp8 = total + 1, fp8 + isinstance(module.linear, Fp8Kernel)
+        elif isinstance(module, nn.Linear):
+            total, fp8 = total + 1, fp8 + isinstance(module, Fp8Linear)
+    return fp8, total
+
+
 def train_pairs(runs: list[list[str]], out: str) -> list[dict]:
     from threefold.train.trainer import Trainer
 
@@ -128,7 +150,8 @@ def train_pairs(runs: list[list[str]], out: str) -> list[dict]:
         with contextlib.redirect_stderr(err):
             trainer = Trainer(make_config(overrides, out))
             records = trainer.run()
-        reports.append({"losses": [r["loss"] for r in records], "stderr": err.getvalue()})
+        reports.append({"losses": [r["loss"] for r in records], "stderr": err.getvalue(),
+                        "linears": block_linears(trainer.parallel.module)})
     return reports
 
 
@@ -148,9 +171,9 @@ def test_fp8_trains_close_to_bf16(worlds, tmp_path, layout):
     runs = [BASE + LAYOUTS[layout] + ["precision.compute=bf16"], BASE + LAYOUTS[layout] + FP8]
     for bf16, fp8 in worlds(2).run(train_pairs, runs, str(tmp_path)):
         assert all(torch.isfinite(torch.tensor(fp8["losses"])))
-        if "threefold: fp8:" in fp8["stderr"]:  # printed by global rank 0
-            converted = int(fp8["stderr"].split("threefold: fp8: ")[1].split()[0])
-            assert converted > 0, fp8["stderr"]
+        # fp8_linears=all without skipping the first and last block: every block linear of this rank
+        assert fp8["linears"][0] == fp8["linears"][1] > 0, (layout, fp8["linears"])
+        assert bf16["linears"] == (0, fp8["linears"][1]), (layout, bf16["linears"])
         assert fp8["losses"] != bf16["losses"]
         worst = max(abs(a - b) / b for a, b in zip(fp8["losses"], bf16["losses"]))
         assert worst < 2e-2, (layout, worst)
