@@ -1,0 +1,136 @@
+"""Every code block of README.md and docs/*.md that a user would paste works as written.
+
+```sh blocks: each `threefold ...` command is parsed by the real parser and its options and
+`--set` keys resolved by `load_config` (a wrong option, key or value fails here); a script or
+make target they name exists. ```python blocks compile and every threefold name they import
+exists (the runnable ones also run: tests/distributed/test_doc_examples.py). Placeholders are
+parsed but not run: `...` is dropped, `$VAR` takes a sample value, a config file or `hf:` model
+directory that is not in the repository stands for the user's own (the defaults and tiny model).
+"""
+
+import ast
+import contextlib
+import importlib
+import io
+import re
+
+import pytest
+
+from tests.doc_blocks import CODE, COMMAND_LINE, NOT_RUN, ROOT, blocks, commands
+from threefold.cli import build_parser
+from threefold.config import load_config
+from threefold.errors import UserError
+from threefold.train.command import overrides_from
+
+BLOCKS = blocks()
+SAMPLE_ENV = {"STDLIB": "/usr/lib/python3", "USER": "me", "NODE_RANK": "0"}  # what a reader sets before pasting
+OTHER_PROGRAMS = {"pip", ".", "source", "squeue", "tail", "cd", "export"}  # commands of other programs: not checked
+
+
+def test_the_documents_have_code_blocks():
+    assert len([b for b in BLOCKS if b.lang == "sh"]) >= 10 and len([b for b in BLOCKS if b.lang == "python"]) >= 3
+
+
+def test_every_block_is_code_or_marked_as_not_run():
+    for block in BLOCKS:
+        assert block.lang in ("", *CODE, *NOT_RUN), \
+            f"{block.where}: ```{block.lang}: tag it python or sh (checked), or text / json / toml (not run)"
+        if block.lang == "":  # output: a command in it would be pasted and never checked
+            pasted = [line for line in block.text.splitlines() if COMMAND_LINE.match(line)]
+            assert not pasted, (f"{block.where}: {pasted[0]!r} is a command in a block without a tag: tag the "
+                                "block sh (checked) or text (not run), or write a transcript's command as '$ ...'")
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.where)
+def test_python_blocks_compile_and_name_what_threefold_has(block):
+    tree = ast.parse(block.text, filename=block.where)  # a SyntaxError names the block's line
+    modules = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "threefold":
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), \
+                    f"{block.where}: {node.module} has no {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "threefold":
+                    modules[alias.asname or alias.name.split(".")[0]] = importlib.import_module(alias.name.split(".")[0])
+    for node in ast.walk(tree):  # threefold.prepare(...): the attribute exists
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            assert hasattr(modules[node.value.id], node.attr), f"{block.where}: threefold has no {node.attr}"
+
+
+def _expand(word: str, where: str) -> str:
+    def value(found: re.Match) -> str:
+        name = found.group(1) or found.group(2)
+        assert name in SAMPLE_ENV, f"{where}: ${name}: add a sample value for it to SAMPLE_ENV"
+        return SAMPLE_ENV[name]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, word)
+
+
+def _in_repository(path: str) -> bool:
+    return (ROOT / path).exists()
+
+
+def check_threefold(argv: list[str], where: str) -> None:
+    """Parse as `threefold` would; resolve the config of train and plan as they do."""
+    argv = [a for a in argv if a != "..."]  # the rest of a command the reader completes
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: threefold {' '.join(argv)}: {err.getvalue().strip()}")
+    if args.command == "train":
+        config = str(ROOT / args.config) if args.config and _in_repository(args.config) else None
+        overrides = overrides_from(args)
+    elif args.command == "plan":
+        config, overrides = None, [f"model.preset={args.model}", *args.overrides]
+    else:
+        return
+    # a Hugging Face directory the reader has (hf:path/to/llama) stands in as the tiny model
+    overrides = ["model.preset=tiny" if o.startswith("model.preset=hf:") and not _in_repository(o[16:]) else o
+                 for o in overrides]
+    try:
+        load_config(config, overrides)
+    except UserError as e:
+        pytest.fail(f"{where}: threefold {' '.join(argv)}: {e}")
+
+
+def check_command(words: list[str], where: str) -> None:
+    while words and re.match(r"^\w+=", words[0]):  # VAR=value before the command
+        words = words[1:]
+    words = [_expand(w, where) for w in words]
+    head, rest = words[0], words[1:]
+    if head == "threefold":
+        check_threefold(rest, where)
+    elif head == "torchrun":
+        assert "-m" in rest and rest[rest.index("-m") + 1] == "threefold", f"{where}: torchrun of what?"
+        check_threefold(rest[rest.index("-m") + 2:], where)
+    elif head in ("python", "python3") and rest[:2] == ["-m", "threefold"]:
+        check_threefold(rest[2:], where)
+    elif head in ("python", "python3") and rest[0] == "-m":
+        assert rest[1] in ("venv", "pip"), f"{where}: python -m {rest[1]}: not a module this test knows"
+    elif head in ("python", "python3", "bash", "sbatch", "srun"):
+        script = next(w for w in rest if not w.startswith("-") and re.search(r"\.(py|sh|sbatch)$", w))
+        assert _in_repository(script), f"{where}: {script} does not exist"
+        text, extra = (ROOT / script).read_text(), rest[rest.index(script) + 1:]
+        if re.search(r'threefold train .*"\$@"', text):  # a job script whose arguments go to `threefold train`
+            check_threefold(["train", *extra], where)
+        else:
+            for option in (w for w in extra if w.startswith("--")):
+                assert f'"{option.split("=")[0]}"' in text, f"{where}: {script} has no option {option}"
+    elif head == "make":
+        makefile = (ROOT / "Makefile").read_text()
+        for target in rest:
+            assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"{where}: make has no target {target}"
+    else:
+        assert head in OTHER_PROGRAMS, f"{where}: {head}: a command this test does not know (add it to " \
+                                       "OTHER_PROGRAMS if it is another program's)"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "sh"], ids=lambda b: b.where)
+def test_shell_blocks_parse_and_resolve(block):
+    for words in commands(block.text):
+        check_command(words, block.where)
