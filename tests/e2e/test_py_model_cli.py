@@ -4,6 +4,7 @@ the user's plain loop over the same batches; `--tp 2` without a plan is refused 
 exits before any process starts)."""
 
 import json
+import re
 
 from tests.e2e.cli import threefold
 from threefold.cli import main
@@ -64,3 +65,51 @@ def test_tp_without_a_plan_is_refused_in_one_line(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.tp" in err[0] and "plan" in err[0], err
+
+
+EXITS = {"on_import": "import sys\nsys.exit(0)\n",
+         "in_factory": "import sys\n\ndef build():\n    sys.exit(3)\n",
+         "no_params": "from torch import nn\n\nclass M(nn.Module):\n    vocab_size = 64\n\n"
+                      "    def forward(self, x):\n        return x\n\ndef build():\n    return M()\n",
+         "frozen": "from torch import nn\n\nclass M(nn.Module):\n    vocab_size = 64\n\n    def __init__(self):\n"
+                   "        super().__init__()\n        self.e = nn.Embedding(64, 64).requires_grad_(False)\n\n"
+                   "    def forward(self, x):\n        return self.e(x)\n\ndef build():\n    return M()\n"}
+
+
+def _user_module(tmp_path, monkeypatch, kind: str) -> str:
+    """`py:` preset of a module file written for this test (its own name: a failed import is not cached)."""
+    name = "user_" + kind + "_" + re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"{name}.py").write_text(EXITS[kind])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"py:{name}:build"
+
+
+def test_a_module_that_exits_or_has_nothing_to_train_is_refused(tmp_path, monkeypatch):
+    """sys.exit on import or in the factory (any code, 0 too) and a module without trainable parameters:
+    a ConfigError naming model.preset and the module, never a silent exit or an empty run."""
+    import pytest
+
+    from threefold.config import load_config
+    from threefold.errors import ConfigError
+    from threefold.models.registry import model_spec
+
+    want = {"on_import": "called sys.exit(0)", "in_factory": "() called sys.exit(3)",
+            "no_params": "it has no parameters", "frozen": "its 1 parameters all have requires_grad=False"}
+    for kind, says in want.items():
+        preset = _user_module(tmp_path, monkeypatch, kind)
+        cfg = load_config(None, [f"model.preset={preset}", "model.vocab=64"])
+        with pytest.raises(ConfigError) as e:
+            model_spec(cfg.model, 0).build()
+        line = str(e.value)
+        assert line.startswith("model.preset: ") and says in line and preset.split(":")[1] in line, line
+        assert "\n" not in line
+
+
+def test_train_of_a_module_that_exits_on_import_is_one_line_exit_2(tmp_path, monkeypatch, capsys, alone):
+    preset = _user_module(tmp_path, monkeypatch, "on_import")
+    code = main(["train", "--model", preset, "--set", "model.vocab=64", "--steps", "1", "--no-progress",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if "error" in line.lower() or "Traceback" in line]
+    assert code == 2 and errors == err[-1:] and "model.preset: importing 'user_on_import" in err[-1], (code, err)
+    assert "called sys.exit(0)" in err[-1]

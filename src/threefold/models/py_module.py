@@ -2,7 +2,9 @@
 
 The contract: MODULE is importable from the working directory or PYTHONPATH; FACTORY() takes no
 arguments and returns an nn.Module that maps token ids (batch, seq) to logits (batch, seq, V) and
-has an integer attribute `vocab_size` (= V, which `model.vocab` must equal). The loss is the summed
+has an integer attribute `vocab_size` (= V, which `model.vocab` must equal) and at least one
+parameter that requires a gradient. Importing MODULE or calling FACTORY must not exit: a
+`sys.exit` there (any code) is refused in one line naming it, as is a module with nothing to train. The loss is the summed
 next-token cross-entropy of the batch's targets, unless the module defines `loss(batch)`: then that
 (a 0-dim tensor, summed over the batch's tokens; `batch.inputs`, `batch.targets` are (b, s) ids).
 threefold divides it by the global batch's token count, as for its own families.
@@ -41,6 +43,9 @@ def load_factory(preset: str):
     except ImportError as e:
         raise ConfigError("model.preset", f"cannot import '{module_name}' ({e}); run from its directory or add it "
                           "to PYTHONPATH") from None
+    except SystemExit as e:
+        raise ConfigError("model.preset", f"importing '{module_name}' called sys.exit({e.code!r}); a model module "
+                          "must not exit on import (put its script part under if __name__ == '__main__')") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ConfigError("model.preset", f"'{module_name}' has no callable '{factory_name}'")
@@ -60,9 +65,18 @@ def py_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
     factory = load_factory(cfg.preset)
 
     def build() -> nn.Module:
-        module = factory()
+        try:
+            module = factory()
+        except SystemExit as e:
+            raise ConfigError("model.preset", f"{cfg.preset}() called sys.exit({e.code!r}); the factory must "
+                              "return the nn.Module") from None
         if not isinstance(module, nn.Module):
             raise ConfigError("model.preset", f"{cfg.preset}() returned {type(module).__name__}, not an nn.Module")
+        params = list(module.parameters())
+        if not any(p.requires_grad for p in params):
+            held = f"its {len(params)} parameters all have requires_grad=False" if params else "it has no parameters"
+            raise ConfigError("model.preset", f"{cfg.preset}() returned a module with nothing to train ({held}); "
+                              "return one with trainable parameters")
         vocab = getattr(module, "vocab_size", None)
         if not isinstance(vocab, int):
             raise ConfigError("model.preset", f"{cfg.preset}(): the module needs an integer attribute vocab_size")
