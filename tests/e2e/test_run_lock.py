@@ -128,6 +128,33 @@ def test_overwrite_refuses_while_the_run_runs_and_a_killed_run_leaves_no_lock(ch
     assert json.loads((out / ".lock").read_text())["pid"] == after.proc.pid
 
 
+def test_removing_the_lock_file_frees_nothing_while_the_run_runs(children, tmp_path):
+    """`rm DIR/.lock` while a run runs, then `--overwrite`: exit 2 naming the running process, nothing
+    moved; the running run ends as it would have, and only then is it moved aside."""
+    out = tmp_path / "run"
+    holder, other = children(), children()
+    holder.start(out)
+    assert holder.answer() == {"won": holder.proc.pid}
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / ".lock").unlink()
+    for args in (["--overwrite"], ["--resume", "auto"]):
+        other.start(out, *args)
+        refused = other.answer()
+        assert "won" not in refused, f"{args} took the directory of the running run"
+        lines = refused["err"].strip().splitlines()
+        assert refused["rc"] == 2 and len(lines) == 1, refused
+        assert holder_named(lines[0], holder.proc.pid) and "whose .lock was removed" in lines[0], lines[0]
+    assert not list(tmp_path.glob("run.old-*")) and (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    holder.send("done")
+    assert holder.answer() == {"rc": 0, "err": ""}
+    other.start(out, "--overwrite")
+    assert other.answer() == {"won": other.proc.pid}
+    assert [json.loads((p / "metrics.jsonl").read_text()) for p in tmp_path.glob("run.old-*")] == [{"step": 1}]
+    other.send("done")
+    ended = other.answer()
+    assert ended["rc"] == 0 and ended["err"].startswith(f"threefold: moved the previous run in {out} to"), ended
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Two real runs started at once into one directory: one trains (saving at step 2), the other

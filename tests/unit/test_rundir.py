@@ -143,6 +143,29 @@ def test_a_running_run_holds_its_directory_until_it_ends(tmp_path):
     assert claim(out, "checkpoint.resume=auto").run.id == cfg.run.id  # once it ended, it can be continued
 
 
+def test_a_removed_lock_file_frees_nothing_while_the_run_runs(tmp_path):
+    """`rm DIR/.lock` under a running run: a new run, --overwrite too, still exits 2 naming the holder
+    (from the kernel's lock table, the file that named it being gone), and nothing is moved."""
+    import socket
+
+    out = tmp_path / "run"
+    cfg, lock = rundir.claim(load_config(None, [f"run.out={out}"]))
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / ".lock").unlink()
+    with lock:
+        for overwrite in (True, False, True):  # the second try meets the .lock file the first one created
+            with pytest.raises(UserError) as err:
+                claim(out, overwrite=overwrite)
+            text = str(err.value)
+            assert f"(host {socket.gethostname()}, pid {os.getpid()}, whose .lock was removed)" in text, text
+            assert text.startswith(f"run.out: '{out}' is in use by a run that is still running"), text
+            assert ("--overwrite moves aside only a run that has ended" in text) == overwrite, text
+        assert not list(tmp_path.glob("run.old-*")) and (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+        assert json.loads((out / "run.json").read_text())["run_id"] == cfg.run.id
+    claim(out, overwrite=True)  # the run ended: now it is moved aside
+    assert len(list(tmp_path.glob("run.old-*"))) == 1
+
+
 def test_the_holder_named_is_the_one_holding_the_lock_not_an_earlier_one(tmp_path):
     """Between taking the lock and writing its host and pid, a new holder's lock file still holds
     what an earlier holder left: a second run started in that moment waits for the new lines."""

@@ -8,9 +8,11 @@ never deletes it). `--resume auto` continues only a run of the same model. Witho
 every run gets a fresh `runs/<date>-<time>` directory and `runs/latest` points at it.
 
 While a run runs, it holds an exclusive kernel lock (`fcntl.flock`) on `DIR/.lock`, which names
-its host and pid: a second run started there, at the same instant or later, exits 2 naming the
-holder, and `--overwrite` refuses to move a running run aside. The kernel releases the lock when
-the holder ends, however it ends (a kill too), so a stale `.lock` file never blocks a new run.
+its host and pid, and one on the directory `DIR` itself, which `rm DIR/.lock` cannot take away: a
+second run started there, at the same instant or later (or after `.lock` was removed), exits 2
+naming the holder, and `--overwrite` refuses to move a running run aside. The kernel releases the
+locks when the holder ends, however it ends (a kill too), so a stale `.lock` file never blocks a
+new run.
 
 A resume takes only its own run's state (`check_resume`): `--resume auto` refuses a checkpoint of
 another run, and an explicit `--resume PATH` refuses a checkpoint of a model that computes another
@@ -28,6 +30,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -39,7 +42,7 @@ from ..config.sections import ModelConfig
 from ..errors import ConfigError, UserError
 
 RUN_FILE = "run.json"
-LOCK_FILE = ".lock"  # flock-ed by the run that runs in the directory; holds its host and pid
+LOCK_FILE = ".lock"  # flock-ed (with the directory) by the run that runs in the directory; holds its host and pid
 RUNS_ROOT = Path("runs")
 _STARTUP_FILES = {RUN_FILE, "config.toml", "logs"}  # written before a run's first step
 
@@ -89,17 +92,22 @@ def default_out(root: Path = RUNS_ROOT) -> Path:
 
 
 class RunLock:
-    """The exclusive lock of a run on its directory (`DIR/.lock`), held until `release` or until
-    the process ends; the kernel drops it when the holder dies, however it dies."""
+    """The exclusive lock of a run on its directory, held until `release` or until the process ends; the
+    kernel drops it when the holder dies, however it dies. Two flocks: on `DIR/.lock` (which names the
+    holder) and on the directory itself, which `rm DIR/.lock` cannot take away (None where the file
+    system cannot lock a directory)."""
 
-    def __init__(self, path: Path, fd: int):
-        self.path, self._fd = path, fd
+    def __init__(self, path: Path, fd: int, dir_fd: int | None = None):
+        self.path, self._fd, self._dir_fd = path, fd, dir_fd
 
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # still held: the next holder's lock file names only the next holder
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __enter__(self) -> RunLock:
         return self
@@ -113,43 +121,68 @@ def lock_directory(out: Path, overwrite: bool = False) -> RunLock:
     """Take the exclusive lock of directory `out` (created if absent) for this process.
 
     Raises UserError (exit 2, one line naming the holder's host and pid) when another process holds
-    it. Atomic: of any number of processes starting at the same instant exactly one gets it.
+    it, also when its `DIR/.lock` was removed (the holder still holds the directory). Atomic: of any
+    number of processes starting at the same instant exactly one gets it.
     """
     path = out / LOCK_FILE
     while True:
         try:
             out.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            dir_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise ConfigError("run.out", f"cannot create the run directory's lock file {path} ({e.strerror}); "
                               "choose a writable --out") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
+        try:  # the file, then the directory: one finds the directory held only when its .lock was removed
+            _flock(fd, out, overwrite, lambda: _holder(fd))
+            if not _flock(dir_fd, out, overwrite, lambda: _directory_holder(dir_fd)):
+                os.close(dir_fd)  # the file system cannot lock a directory: the file's lock alone guards it
+                dir_fd = None
+        except BaseException:
             os.close(fd)
-            if overwrite:
-                raise UserError(f"run.out: '{out}' is in use by a run that is still running ({holder}); --overwrite "
-                                "moves aside only a run that has ended: stop that run first, or choose a new "
-                                "--out") from None
-            raise UserError(f"run.out: '{out}' is in use by a run that is still running ({holder}); wait for it to "
-                            "end (then --resume auto continues it), or choose a new --out") from None
-        except OSError as e:
-            os.close(fd)
-            raise ConfigError("run.out", f"cannot lock {path} ({e.strerror}): the file system of --out does not "
-                              "support file locks; choose --out on another file system") from None
-        try:
-            here, mine = os.stat(path), os.fstat(fd)
-            if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
-                break
-        except FileNotFoundError:
-            pass
+            if dir_fd is not None:
+                os.close(dir_fd)
+            raise
+        if _same_file(path, fd) and (dir_fd is None or _same_file(out, dir_fd)):
+            break
         os.close(fd)  # the directory was moved aside (--overwrite) between open and lock: lock the new one
+        if dir_fd is not None:
+            os.close(dir_fd)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}) + "\n")
               .encode(), 0)
-    return RunLock(path, fd)
+    return RunLock(path, fd, dir_fd)
+
+
+def _flock(fd: int, out: Path, overwrite: bool, holder) -> bool:
+    """Take the flock of `fd` (the lock file or the directory); raises UserError naming `holder()` when
+    another process holds it. False when the file system cannot lock this kind of file (a directory on
+    some network mounts); the lock file's own refusal is ConfigError."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        if overwrite:
+            raise UserError(f"run.out: '{out}' is in use by a run that is still running ({holder()}); --overwrite "
+                            "moves aside only a run that has ended: stop that run first, or choose a new "
+                            "--out") from None
+        raise UserError(f"run.out: '{out}' is in use by a run that is still running ({holder()}); wait for it to "
+                        "end (then --resume auto continues it), or choose a new --out") from None
+    except OSError as e:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            return False
+        raise ConfigError("run.out", f"cannot lock {out / LOCK_FILE} ({e.strerror}): the file system of --out does "
+                          "not support file locks; choose --out on another file system") from None
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether `path` still names the file (or directory) open as `fd`."""
+    try:
+        here, mine = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _holder(fd: int, wait_s: float = 10.0) -> str:
@@ -168,6 +201,23 @@ def _holder(fd: int, wait_s: float = 10.0) -> str:
         if time.monotonic() > deadline:
             return "a process that has not written its host and pid"
         time.sleep(0.01)
+
+
+def _directory_holder(dir_fd: int) -> str:
+    """`host H, pid P, ...` of the process that holds the flock of the directory open as `dir_fd`, from the
+    kernel's table of locks (Linux /proc/locks: `N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF`, the
+    device numbers in hex): its lock file, which would name it, was removed."""
+    st = os.fstat(dir_fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        table = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        table = []
+    for line in table:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key and int(fields[4]) > 0:
+            return f"host {socket.gethostname()}, pid {fields[4]}, whose {LOCK_FILE} was removed"
+    return f"a process that holds the directory, whose {LOCK_FILE} was removed"
 
 
 def _running(pid: int) -> bool:
