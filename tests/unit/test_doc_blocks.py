@@ -5,13 +5,15 @@
 make target they name exists. ```python blocks compile and every threefold name they import
 exists (the runnable ones also run: tests/distributed/test_doc_examples.py). Placeholders are
 parsed but not run: `...` is dropped, `$VAR` takes a sample value, a config file or `hf:` model
-directory that is not in the repository stands for the user's own (the defaults and tiny model).
+directory that is not in the repository stands for the user's own (the defaults; a small Llama
+config.json). A train command is also checked against the world it names, as the launcher checks it.
 """
 
 import ast
 import contextlib
-import importlib
+import importlib.util
 import io
+import json
 import re
 
 import pytest
@@ -19,11 +21,12 @@ import pytest
 from tests.doc_blocks import CODE, COMMAND_LINE, NOT_RUN, ROOT, blocks, commands
 from threefold.cli import build_parser
 from threefold.config import load_config
-from threefold.errors import UserError
+from threefold.errors import ConfigError, UserError
 from threefold.train.command import overrides_from
 
 BLOCKS = blocks()
 SAMPLE_ENV = {"STDLIB": "/usr/lib/python3", "USER": "me", "NODE_RANK": "0"}  # what a reader sets before pasting
+READERS_FILES = ("data.source", "checkpoint.init_from")  # paths to the reader's own files: checked when they run
 OTHER_PROGRAMS = {"pip", ".", "source", "squeue", "tail", "cd", "export"}  # commands of other programs: not checked
 
 
@@ -73,8 +76,22 @@ def _in_repository(path: str) -> bool:
     return (ROOT / path).exists()
 
 
-def check_threefold(argv: list[str], where: str) -> None:
-    """Parse as `threefold` would; resolve the config of train and plan as they do."""
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> str:
+    """A Hugging Face Llama directory (its config.json: all that resolving a config reads) standing for
+    the reader's own (`--model hf:path/to/llama`)."""
+    path = tmp_path_factory.mktemp("llama")
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "hidden_act": "silu"}))
+    return str(path)
+
+
+def check_threefold(argv: list[str], where: str, standin: str, world_known: bool = True) -> None:
+    """Parse as `threefold` would; resolve the config of train and plan as they do. A train command
+    whose config is all on the line, on a world it names itself (--nproc, --nnodes; not torchrun's),
+    is also checked against that world as the launcher checks it before starting a process."""
     argv = [a for a in argv if a != "..."]  # the rest of a command the reader completes
     err = io.StringIO()
     try:
@@ -89,27 +106,31 @@ def check_threefold(argv: list[str], where: str) -> None:
         config, overrides = None, [f"model.preset={args.model}", *args.overrides]
     else:
         return
-    # a Hugging Face directory the reader has (hf:path/to/llama) stands in as the tiny model
-    overrides = ["model.preset=tiny" if o.startswith("model.preset=hf:") and not _in_repository(o[16:]) else o
-                 for o in overrides]
+    overrides = [f"model.preset=hf:{standin}" if o.startswith("model.preset=hf:") and not _in_repository(o[16:])
+                 else o for o in overrides]
     try:
-        load_config(config, overrides)
+        cfg = load_config(config, overrides)
+        if args.command == "train" and world_known and (config is not None or not args.config):
+            cfg.validate((args.nproc or 1) * int(str(args.nnodes or 1).split(":")[-1]))
+    except ConfigError as e:
+        if e.field not in READERS_FILES:
+            pytest.fail(f"{where}: threefold {' '.join(argv)}: {e}")
     except UserError as e:
         pytest.fail(f"{where}: threefold {' '.join(argv)}: {e}")
 
 
-def check_command(words: list[str], where: str) -> None:
+def check_command(words: list[str], where: str, standin: str) -> None:
     while words and re.match(r"^\w+=", words[0]):  # VAR=value before the command
         words = words[1:]
     words = [_expand(w, where) for w in words]
     head, rest = words[0], words[1:]
     if head == "threefold":
-        check_threefold(rest, where)
+        check_threefold(rest, where, standin)
     elif head == "torchrun":
         assert "-m" in rest and rest[rest.index("-m") + 1] == "threefold", f"{where}: torchrun of what?"
-        check_threefold(rest[rest.index("-m") + 2:], where)
+        check_threefold(rest[rest.index("-m") + 2:], where, standin, world_known=False)  # torchrun's options say the world
     elif head in ("python", "python3") and rest[:2] == ["-m", "threefold"]:
-        check_threefold(rest[2:], where)
+        check_threefold(rest[2:], where, standin)
     elif head in ("python", "python3") and rest[0] == "-m":
         assert rest[1] in ("venv", "pip"), f"{where}: python -m {rest[1]}: not a module this test knows"
     elif head in ("python", "python3", "bash", "sbatch", "srun"):
@@ -117,7 +138,7 @@ def check_command(words: list[str], where: str) -> None:
         assert _in_repository(script), f"{where}: {script} does not exist"
         text, extra = (ROOT / script).read_text(), rest[rest.index(script) + 1:]
         if re.search(r'threefold train .*"\$@"', text):  # a job script whose arguments go to `threefold train`
-            check_threefold(["train", *extra], where)
+            check_threefold(["train", *extra], where, standin)
         else:
             for option in (w for w in extra if w.startswith("--")):
                 assert f'"{option.split("=")[0]}"' in text, f"{where}: {script} has no option {option}"
@@ -131,6 +152,6 @@ def check_command(words: list[str], where: str) -> None:
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "sh"], ids=lambda b: b.where)
-def test_shell_blocks_parse_and_resolve(block):
+def test_shell_blocks_parse_and_resolve(block, standin):
     for words in commands(block.text):
-        check_command(words, block.where)
+        check_command(words, block.where, standin)
