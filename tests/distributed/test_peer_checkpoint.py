@@ -130,7 +130,8 @@ def _job_beside(out: str, case: str) -> dict:
                             s.recv(1)
                 with socket.create_connection((host, int(port))) as s:
                     s.sendall(b'{"op": "get", "step": 2, "name": "rank-00001.safetensors"}\n')
-                    stolen = s.recv(1 << 16)
+                    answer = b"".join(iter(lambda: s.recv(1 << 16), b""))  # to the keeper's close
+                    stolen = answer.split(b"\n", 1)[1]  # what follows its challenge (the nonce line)
             start = time.monotonic()
             trainer = Trainer(make_config(BASE + ["train.steps=4", "checkpoint.peer_copy=true"], f"{out}/{case}"))
             trainer.run()

@@ -81,11 +81,12 @@ def test_a_one_node_launch_listens_on_loopback_only_and_its_keeper_drops_strange
         assert keeper in listening[launcher.pid] and len(secret) == 32
         for pid in tree:
             assert secret.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
-        for step in (1, 2):  # anyone's get of rank 0's file: the connection closes, nothing sent
+        for step in (1, 2):  # anyone's get of rank 0's file: the connection closes, nothing sent but the challenge
             host, _, port = keeper.rpartition(":")
             with socket.create_connection((host, int(port)), timeout=30) as s:
                 s.sendall(json.dumps({"op": "get", "step": step, "name": "rank-00000.safetensors"}).encode() + b"\n")
-                assert s.recv(1 << 16) == b""
+                nonce, _, rest = b"".join(iter(lambda: s.recv(1 << 16), b"")).partition(b"\n")
+                assert set(json.loads(nonce)) == {"nonce"} and rest == b""
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)
         _, err = launcher.communicate(timeout=60)

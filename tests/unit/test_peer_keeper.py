@@ -1,7 +1,8 @@
 """The peer keeper (checkpoint/peer.py) lets no one in and holds only what the job writes: a
-request without the keeper's secret, a put over its bounds, a claimed length of 10^12 bytes and
-a keeper that never answers each cost at most one warning line, and the bytes it holds stay
-bounded. A launch of one node puts its rendezvous stores and its keeper on 127.0.0.1 only."""
+request without the keeper's secret, a captured request sent again, a put over its bounds, a
+claimed length of 10^12 bytes and a keeper that never answers each cost at most one warning
+line, and the bytes it holds stay bounded; idle or slow connections do not keep the job's own
+requests out. A launch of one node puts its rendezvous stores and its keeper on 127.0.0.1 only."""
 
 import hashlib
 import json
@@ -13,7 +14,7 @@ import tracemalloc
 
 import pytest
 
-from threefold.checkpoint import peer
+from threefold.checkpoint import peer, peer_wire
 
 NAME = "rank-00000.safetensors"
 
@@ -22,11 +23,26 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def raw(address: str, header: dict | bytes, payload: bytes = b"", timeout_s: float = 10.0) -> bytes:
-    """Send one request line (and payload) as anyone could; everything the keeper answers."""
-    line = header if isinstance(header, bytes) else json.dumps(header).encode()
+def challenge(sock: socket.socket) -> str:
+    """The nonce line a keeper sends first on every connection, read byte by byte (nothing after it)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = sock.recv(1)
+        assert byte, f"closed after {line!r}"
+        line += byte
+    return json.loads(line)["nonce"]
+
+
+def raw(address: str, header: dict | bytes, payload: bytes = b"", timeout_s: float = 10.0,
+        secret: str | None = None) -> bytes:
+    """Send one request line (and payload) as anyone could, signed for this connection with
+    `secret` if one is given; everything the keeper answers after its challenge."""
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        nonce = challenge(sock)
+        if secret is not None:
+            header = peer_wire.signed(secret, header, nonce)
+        line = header if isinstance(header, bytes) else json.dumps(header).encode()
         try:
             sock.sendall(line + b"\n")
             for start in range(0, len(payload), 1 << 20):
@@ -58,9 +74,9 @@ def test_a_request_without_the_secret_is_dropped_with_one_warning(keeper, capfd)
     data = os.urandom(1000)
     peer.put(keeper.address, keeper.secret, 2, NAME, sha(data), data)
     get = {"op": "get", "step": 2, "name": NAME}
-    assert raw(keeper.address, peer._signed(keeper.secret, get)).endswith(data)  # the job's own request
+    assert raw(keeper.address, get, secret=keeper.secret).endswith(data)  # the job's own request
     assert raw(keeper.address, get) == b""  # no MAC: nothing of rank 0's bytes
-    assert raw(keeper.address, peer._signed("0" * 32, get)) == b""  # another secret
+    assert raw(keeper.address, get, secret="0" * 32) == b""  # another secret
     assert raw(keeper.address, {"op": "list", "step": 2, "mac": "f" * 64}) == b""
     assert raw(keeper.address, b"[" * 30_000 + b"]" * 30_000) == b""  # too deep to parse
     for step in range(5):  # 5 x 100 MB claimed (1 MB sent each): never read, never held
@@ -75,6 +91,76 @@ def test_a_request_without_the_secret_is_dropped_with_one_warning(keeper, capfd)
     assert len(warnings(err)) == 1 and "Traceback" not in err, err
     assert warnings(err)[0].startswith(f"threefold: warning: checkpoint.peer_copy: the keeper at {keeper.address} "
                                        "dropped a request from 127.0.0.1:"), err
+
+
+def test_a_captured_request_sent_again_is_dropped(keeper, monkeypatch, capfd):
+    data = os.urandom(1000)
+    sent = []
+    send = peer_wire.send
+    monkeypatch.setattr(peer_wire, "send", lambda sock, header, payload=b"": (sent.append((header, bytes(payload))),
+                                                                            send(sock, header, payload))[1])
+    peer.put(keeper.address, keeper.secret, 2, NAME, sha(data), data)
+    assert peer.get(keeper.address, keeper.secret, 2, NAME, 1000) == data
+    monkeypatch.undo()
+    (put, payload), (get, _) = sent  # what a listener on the wire saw, MAC and all
+    assert put["op"] == "put" and payload == data and get["op"] == "get"
+    assert raw(keeper.address, json.dumps(get).encode()) == b"", "a replayed get: none of the bytes"
+    keeper.files.clear()
+    assert raw(keeper.address, json.dumps(put).encode(), payload) == b"" and keeper.files == {}, "a replayed put"
+    assert keeper.dropped == 2 and keeper.refused == 0
+    err = capfd.readouterr().err
+    assert len(warnings(err)) == 1 and "signed for another connection (a replay)" in err, err
+    peer.put(keeper.address, keeper.secret, 2, NAME, sha(data), data)  # the job's own requests still pass
+    assert peer.get(keeper.address, keeper.secret, 2, NAME, 1000) == data
+
+
+def test_idle_connections_do_not_keep_the_job_out():
+    """One more idle connection than the keeper serves at once, then the job's own request: the
+    oldest idle connections give their places up (each sees its connection closed), the job's
+    request is answered, and the later idle connections keep theirs. Every wait is bounded."""
+    keeper = peer.Keeper(max_connections=4, timeout_s=60.0)  # idle ones would hold a place for a minute
+    idle = []
+    try:
+        for _ in range(5):
+            sock = socket.create_connection(keeper.address.rsplit(":", 1), timeout=10)
+            challenge(sock)  # it has a place (the fifth took the oldest one's)
+            idle.append(sock)
+        assert peer.listing(keeper.address, keeper.secret, 2, timeout_s=10) == {}  # the job's: served
+        assert [sock.recv(1) for sock in idle[:2]] == [b"", b""], "the two oldest were closed"
+        for sock in idle[2:]:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still open, nothing sent to them
+                sock.recv(1)
+        assert keeper.dropped == 2
+    finally:
+        for sock in idle:
+            sock.close()
+        keeper.close()
+
+
+def test_a_request_line_that_trickles_in_is_dropped_at_its_deadline():
+    """A byte every 50 ms never trips the 60 s silence timeout; the line's deadline (1 s) ends it."""
+    keeper = peer.Keeper(timeout_s=60.0, request_deadline_s=1.0)
+    try:
+        with socket.create_connection(keeper.address.rsplit(":", 1), timeout=10) as sock:
+            challenge(sock)
+            sent = 0
+            while sent < 1200:  # 60 s of trickling at most: the bound of this wait, not a measured time
+                try:
+                    sock.sendall(b"{")
+                except OSError:
+                    break
+                sent += 1
+                sock.settimeout(0.05)
+                try:
+                    if sock.recv(1) == b"":
+                        break  # closed by the keeper
+                except TimeoutError:
+                    pass
+            assert sent < 1200, "the keeper kept reading the line"
+        assert keeper.dropped == 1
+    finally:
+        keeper.close()
 
 
 def test_puts_over_the_bounds_are_refused_and_memory_stays_bounded(keeper, capfd):
@@ -113,7 +199,7 @@ def test_a_length_of_10_to_the_12_is_never_allocated(keeper, capfd):
     try:
         put = {"op": "put", "step": 2, "name": NAME, "sha256": "0" * 64, "bytes": 10**12}
         assert raw(keeper.address, put, b"x" * 1000) == b""  # anyone's: dropped before its length is read
-        answer = json.loads(raw(keeper.address, peer._signed(keeper.secret, put), b"x" * 1000))
+        answer = json.loads(raw(keeper.address, put, b"x" * 1000, secret=keeper.secret))
         assert answer["ok"] is False and "do not fit" in answer["error"]  # the job's: refused, nothing allocated
         # and a rank never allocates what a keeper (or something in its place) claims to send
         with socket.create_server(("127.0.0.1", 0)) as liar:
@@ -122,6 +208,7 @@ def test_a_length_of_10_to_the_12_is_never_allocated(keeper, capfd):
             def lie():
                 conn, _ = liar.accept()
                 with conn:
+                    conn.sendall(b'{"nonce": "n"}\n')
                     conn.recv(1 << 16)
                     conn.sendall(json.dumps({"bytes": 10**12}).encode() + b"\n" + b"x" * 1000)
 

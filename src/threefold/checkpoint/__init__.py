@@ -8,6 +8,7 @@
     verify.py        checksums, completeness, which checkpoint to resume from
     checkpointer.py  the distributed orchestration (save / resume / load)
     peer.py          in-memory copies on this node's and a peer node's launcher (checkpoint.peer_copy)
+    peer_wire.py     the keeper's wire format: challenge, signed request, reply
     export.py        one Hugging Face-style safetensors file: export and import
     command.py       `threefold ckpt inspect | verify | export`
 """

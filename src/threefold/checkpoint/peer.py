@@ -18,23 +18,19 @@ hands the secret to the processes it starts in the environment (`THREEFOLD_PEER_
 on a command line), and the ranks of a world exchange their keepers' `secret@host:port` with
 one all-reduce, so every rank can reach every keeper of its world and nothing else can. Every
 request carries an HMAC-SHA256 under the keeper's secret of the request's header, which names
-the payload's sha256 (`put`); the keeper checks the MAC before it looks at anything else and
-the payload's sha256 once it has it. A request without a valid MAC is dropped, and the first
-one dropped costs one warning line on the launcher's terminal. What a keeper holds is bounded
+the payload's sha256 (`put`) and the nonce the keeper sent when the connection opened (so a
+captured request does not replay); the keeper checks the MAC before it looks at anything else
+and the payload's sha256 once it has it. A request without a valid MAC for its connection is
+dropped, and the first one dropped costs one warning line on the launcher's terminal. What a keeper holds is bounded
 by what the job writes: the `KEPT_STEPS` newest steps, at most `max_files` files a step (the
 node's processes and its ring peer's), names of the form `rank-NNNNN.safetensors`, and
 `max_bytes` in all (a length is checked against that before anything is allocated). Every
 socket, the keeper's and the ranks', has a timeout: a keeper that stops answering costs a rank
-one warning line and the rest of its copies, not the save.
-
-Wire format (no pickle): a request is one JSON line, then for `put` the file's bytes; a reply
-is one JSON line, then for `get` the bytes. `mac` is the hex HMAC-SHA256 of the request's other
-fields as compact JSON with sorted keys.
-
-    {"op": "put", "step": S, "name": "rank-00002.safetensors", "sha256": H, "bytes": N, "mac": M}
-        ->  {"ok": true}  or  {"ok": false, "error": WHY}
-    {"op": "list", "step": S, "mac": M}  ->  {"files": {name: {"sha256": H, "bytes": N}}}
-    {"op": "get", "step": S, "name": NAME, "mac": M}  ->  {"bytes": N} (N = -1: not held)
+one warning line and the rest of its copies, not the save. Connections are bounded too: at most
+`max_connections` at once, each sends its whole request line within `request_deadline_s`
+however slowly its bytes come, and when every place is taken a new connection takes the place of
+the oldest one that has not yet sent a valid request, so idle or slow connections cannot keep
+the job's own requests out. The wire format is in peer_wire.py.
 """
 
 from __future__ import annotations
@@ -49,61 +45,17 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
+from .peer_wire import FILE_NAME, IO_TIMEOUT_S, MAX_LINE, MAX_STEP, asking, mac, read_exact, read_line, send, whole
+
 KEEPER_ENV = "THREEFOLD_PEER_KEEPER"  # host:port of this node's keeper, set by the launcher for its processes
 SECRET_ENV = "THREEFOLD_PEER_SECRET"  # that keeper's secret, set by the launcher for its processes
 KEPT_STEPS = 2  # the newest complete checkpoint and the one being written
-CONNECT_TIMEOUT_S = 5.0
-IO_TIMEOUT_S = 15.0  # the longest a socket waits for the other side to move (connect, each send and receive)
-MAX_LINE = 1 << 16  # a request or reply line
-MAX_CONNECTIONS = 64  # served at once; more wait for a place (up to the timeout)
-MAX_STEP = 1 << 62
-CHUNK = 1 << 20
-FILE_NAME = re.compile(r"rank-\d{5,9}\.safetensors")
-
-
-def _mac(secret: str, request: Mapping) -> str:
-    body = json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-def _signed(secret: str, request: dict) -> dict:
-    return {**request, "mac": _mac(secret, request)}
-
-
-def _send(sock: socket.socket, header: dict, payload: bytes | memoryview = b"") -> None:
-    """One JSON line, then `payload` in pieces (each has the socket's timeout; a whole `sendall`
-    would have it for all the bytes together)."""
-    sock.sendall(json.dumps(header).encode() + b"\n")
-    view = memoryview(payload)
-    for start in range(0, len(view), CHUNK):
-        sock.sendall(view[start:start + CHUNK])
-
-
-def _read_line(stream) -> dict:
-    line = stream.readline(MAX_LINE)
-    if not line.endswith(b"\n"):
-        raise ConnectionError("connection closed or line longer than 64 KiB" if line else "connection closed")
-    value = json.loads(line)
-    if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
-    return value
-
-
-def _read_exact(stream, n: int) -> bytes:
-    data = stream.read(n)
-    if data is None or len(data) != n:
-        raise ConnectionError(f"connection closed after {0 if data is None else len(data)} of {n} bytes")
-    return data
-
-
-def _whole(value, low: int, high: int, what: str) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise ValueError(f"{what} is not a whole number in {low}..{high}")
-    return value
+MAX_CONNECTIONS = 64  # served at once; a new one takes the place of the oldest that has sent no valid request
 
 
 def memory_cap() -> int:
@@ -133,21 +85,27 @@ class Keeper:
     processes that know its secret.
 
     `max_files`: files a step (the ranks of this node and of its ring peer); `max_bytes`: bytes
-    held and being received, in all; `timeout_s`: how long a connection may stay silent.
+    held and being received, in all; `timeout_s`: how long a connection may stay silent;
+    `max_connections`: connections served at once; `request_deadline_s`: how long a connection
+    may take to send its whole request line (default `timeout_s`).
     """
 
     def __init__(self, bind: str = "127.0.0.1", advertise: str | None = None, secret: str | None = None,
-                 max_files: int = 64, max_bytes: int | None = None, timeout_s: float = IO_TIMEOUT_S):
+                 max_files: int = 64, max_bytes: int | None = None, timeout_s: float = IO_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS, request_deadline_s: float | None = None):
         self.files: dict[int, dict[str, tuple[str, bytes]]] = {}  # step -> name -> (sha256, bytes)
         self.secret = secret or secrets.token_hex(16)
         self.max_files = max_files
         self.max_bytes = memory_cap() if max_bytes is None else max_bytes
         self.timeout_s = timeout_s
+        self.request_deadline_s = timeout_s if request_deadline_s is None else request_deadline_s
+        self.max_connections = max_connections
         self.reserved = 0  # bytes of puts being received
         self.dropped = 0  # requests dropped (not from this job, or not requests)
         self.refused = 0  # requests of this job refused (over a bound)
         self.lock = threading.Lock()
-        self.places = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.places = threading.BoundedSemaphore(max_connections)
+        self.unproven: dict[socket.socket, tuple] = {}  # connections with a place and no valid request yet, oldest first
         keeper = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -176,10 +134,15 @@ class Keeper:
 
     def _handle(self, rfile, sock: socket.socket, client) -> None:
         """One connection; nothing it sends can raise past here (no traceback on the terminal)."""
-        if not self.places.acquire(timeout=self.timeout_s):
-            return self._drop(client, f"more than {MAX_CONNECTIONS} connections at once")
+        if not self._enter(sock, client):
+            return self._drop(client, f"more than {self.max_connections} connections at once")
         try:
-            self._serve(self._request(rfile), rfile, sock)
+            nonce = secrets.token_hex(16)
+            try:
+                send(sock, {"nonce": nonce})  # the challenge a request of this connection is signed for
+            except OSError:
+                raise _Silent() from None
+            self._serve(self._request(rfile, sock, nonce), rfile, sock)
         except _Dropped as e:
             self._drop(client, str(e))
         except _Silent:
@@ -188,20 +151,59 @@ class Keeper:
             with self.lock:
                 self.refused += 1
             try:
-                _send(sock, {"ok": False, "error": str(e)})
+                send(sock, {"ok": False, "error": str(e)})
             except OSError:
                 pass
         except (OSError, ValueError, MemoryError):
             pass  # an authenticated client went away mid-request: it sees a closed connection, uses storage
         finally:
+            with self.lock:
+                self.unproven.pop(sock, None)
             self.places.release()
 
-    def _request(self, rfile) -> dict:
-        """The request line, authenticated and checked field by field."""
-        try:
-            line = rfile.readline(MAX_LINE)
-        except OSError as e:
-            raise _Dropped(f"no request ({e or type(e).__name__})") from None
+    def _enter(self, sock: socket.socket, client) -> bool:
+        """A place among `max_connections`. When every place is taken, the oldest connection that has
+        not sent a valid request yet is closed and this one waits for its place (a connection of the
+        job sends its request at once, so only idle or slow ones give way)."""
+        if not self.places.acquire(blocking=False):
+            with self.lock:
+                oldest = next(iter(self.unproven), None)
+                evicted = None if oldest is None else self.unproven.pop(oldest)
+            if oldest is not None:
+                self._drop(evicted, f"no valid request while {self.max_connections} connections were open")
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # its handler sees the end of the stream and leaves
+                except OSError:
+                    pass
+            if not self.places.acquire(timeout=self.timeout_s):
+                return False
+        with self.lock:
+            self.unproven[sock] = client
+        return True
+
+    def _request_line(self, rfile, sock: socket.socket) -> bytes:
+        """The request line, whole within `request_deadline_s` however slowly its bytes come."""
+        deadline = time.monotonic() + self.request_deadline_s
+        line = b""
+        while not line.endswith(b"\n") and len(line) < MAX_LINE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Dropped(f"no whole request line within {self.request_deadline_s:g} s")
+            sock.settimeout(left)
+            try:
+                ahead = rfile.peek(1)  # at most one receive
+            except OSError as e:
+                raise _Dropped(f"no request ({e or type(e).__name__})") from None
+            if not ahead:
+                break  # closed
+            cut = ahead.find(b"\n")
+            line += rfile.read(min(len(ahead) if cut < 0 else cut + 1, MAX_LINE - len(line)))
+        sock.settimeout(self.timeout_s)
+        return line
+
+    def _request(self, rfile, sock: socket.socket, nonce: str) -> dict:
+        """The request line, authenticated for this connection's `nonce` and checked field by field."""
+        line = self._request_line(rfile, sock)
         if not line:
             raise _Silent()  # connected and closed: not a request
         if not line.endswith(b"\n"):
@@ -213,18 +215,22 @@ class Keeper:
             raise _Dropped("not a JSON request") from None
         if not isinstance(request, dict) or not isinstance(request.get("mac"), str):
             raise _Dropped("no MAC")
-        mac = request.pop("mac")
-        if not hmac.compare_digest(mac.encode(), _mac(self.secret, request).encode()):
+        given = request.pop("mac")
+        if not hmac.compare_digest(given.encode(), mac(self.secret, request).encode()):
             raise _Dropped("a wrong MAC")
+        if request.get("nonce") != nonce:
+            raise _Dropped("a request signed for another connection (a replay)")
+        with self.lock:
+            self.unproven.pop(sock, None)  # the job's own: it keeps its place
         try:  # from a process of this job: checked all the same
             if request.get("op") not in ("put", "list", "get"):
                 raise ValueError(f"op {request.get('op')!r} is not put, list or get")
-            _whole(request.get("step"), 0, MAX_STEP, "step")
+            whole(request.get("step"), 0, MAX_STEP, "step")
             if request["op"] != "list" and not (isinstance(request.get("name"), str)
                                                 and FILE_NAME.fullmatch(request["name"])):
                 raise ValueError(f"name {request.get('name')!r} is not rank-NNNNN.safetensors")
             if request["op"] == "put":
-                _whole(request.get("bytes"), 0, MAX_STEP, "bytes")
+                whole(request.get("bytes"), 0, MAX_STEP, "bytes")
                 if not (isinstance(request.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", request["sha256"])):
                     raise ValueError("sha256 is not 64 hex digits")
         except ValueError as e:
@@ -246,25 +252,25 @@ class Keeper:
             name, size = request["name"], request["bytes"]
             self._admit(step, name, size)
             try:
-                data = _read_exact(rfile, size)
+                data = read_exact(rfile, size)
                 if hashlib.sha256(data).hexdigest() != request["sha256"]:
                     raise _Refused("the bytes do not have the sha256 the request names")
                 self.keep(step, name, request["sha256"], data)
             finally:
                 with self.lock:
                     self.reserved -= size
-            _send(sock, {"ok": True})
+            send(sock, {"ok": True})
         elif op == "list":
             with self.lock:
                 held = dict(self.files.get(step, {}))
-            _send(sock, {"files": {n: {"sha256": h, "bytes": len(d)} for n, (h, d) in held.items()}})
+            send(sock, {"files": {n: {"sha256": h, "bytes": len(d)} for n, (h, d) in held.items()}})
         else:
             with self.lock:
                 found = self.files.get(step, {}).get(request["name"])
             if found is None:
-                _send(sock, {"bytes": -1})
+                send(sock, {"bytes": -1})
             else:
-                _send(sock, {"bytes": len(found[1])}, memoryview(found[1]))
+                send(sock, {"bytes": len(found[1])}, memoryview(found[1]))
 
     def _admit(self, step: int, name: str, size: int) -> None:
         """Make room for a put of `size` bytes (reserved until it is kept or fails), or refuse it."""
@@ -306,27 +312,18 @@ def start_keeper(on_loopback: bool, max_files: int) -> Keeper:
 
 # ---------------------------------------------------------------- clients (in the workers)
 
-def _connect(address: str, timeout_s: float) -> socket.socket:
-    host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host, int(port)), timeout=min(CONNECT_TIMEOUT_S, timeout_s))
-    sock.settimeout(timeout_s)
-    return sock
-
-
 def put(address: str, secret: str, step: int, name: str, sha256: str, data: bytes,
         timeout_s: float = IO_TIMEOUT_S) -> None:
-    with _connect(address, timeout_s) as sock:
-        request = {"op": "put", "step": step, "name": name, "sha256": sha256, "bytes": len(data)}
-        _send(sock, _signed(secret, request), data)
-        reply = _read_line(sock.makefile("rb"))
+    request = {"op": "put", "step": step, "name": name, "sha256": sha256, "bytes": len(data)}
+    with asking(address, secret, request, timeout_s, data) as stream:
+        reply = read_line(stream)
     if reply.get("ok") is not True:
         raise ValueError(f"the keeper refused it: {reply.get('error', 'no reason given')}")
 
 
 def listing(address: str, secret: str, step: int, timeout_s: float = IO_TIMEOUT_S) -> dict[str, dict]:
-    with _connect(address, timeout_s) as sock:
-        _send(sock, _signed(secret, {"op": "list", "step": step}))
-        files = _read_line(sock.makefile("rb")).get("files")
+    with asking(address, secret, {"op": "list", "step": step}, timeout_s) as stream:
+        files = read_line(stream).get("files")
     if not isinstance(files, dict):
         raise ValueError("not a file listing")
     return files
@@ -335,15 +332,13 @@ def listing(address: str, secret: str, step: int, timeout_s: float = IO_TIMEOUT_
 def get(address: str, secret: str, step: int, name: str, size: int, timeout_s: float = IO_TIMEOUT_S) -> bytes | None:
     """The file's bytes, None when not held; a keeper that offers another size than `size` (the
     manifest's) is not read from."""
-    with _connect(address, timeout_s) as sock:
-        _send(sock, _signed(secret, {"op": "get", "step": step, "name": name}))
-        stream = sock.makefile("rb")
-        offered = _read_line(stream).get("bytes")
+    with asking(address, secret, {"op": "get", "step": step, "name": name}, timeout_s) as stream:
+        offered = read_line(stream).get("bytes")
         if offered == -1:
             return None
         if offered != size or type(offered) is not int:
             raise ValueError(f"the keeper offers {offered!r} bytes, the manifest says {size}")
-        return _read_exact(stream, size)
+        return read_exact(stream, size)
 
 
 def _address_and_secret(keeper: str) -> tuple[str, str]:
