@@ -102,3 +102,92 @@ def test_a_stale_scratch_file_of_a_dead_process_is_removed(tmp_path):
     path = nvme.path
     nvme.close()
     assert not path.exists()
+
+
+def _streamed(tmp_path, numel=3000, block_units=1024):
+    """An AdamW NvmeOptimizer over one parameter of `numel` elements in units of `block_units` elements."""
+    cfg = TrainConfig(lr=1e-2, optimizer="adamw")
+    param, grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)), torch.ones(numel)
+    settings = ScratchSettings(tmp_path, 1, 3 * 4 * block_units / 2**20)
+    nvme = NvmeOptimizer(flat_pieces(param, grad, [numel // 2]), cfg, settings)
+    return nvme, param
+
+
+def _step(opt):
+    opt.prepare_grads(1.0)
+    opt.step()
+
+
+def _overwrite(path: Path, offset: int, nbytes: int) -> None:
+    """What another writer (a bad disk, a stray process) does to the file: other bytes in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes((7 * i + 1) % 256 for i in range(nbytes)))
+
+
+def test_a_corrupted_scratch_block_stops_the_step_with_one_line_naming_file_and_unit(tmp_path):
+    """The issue's attack: the first 64 KiB of the scratch file overwritten between steps. The next step's read
+    of unit 0 fails its checksum: a ConfigError naming the file, the unit and the corruption, before anything of
+    the corrupted unit reaches the model (the parameter keeps its last step's values)."""
+    nvme, param = _streamed(tmp_path, numel=3 * 16384, block_units=16384)  # units of 3 x 64 KiB
+    _step(nvme)
+    before = param.clone()
+    _overwrite(nvme.path, 0, 65536)
+    with pytest.raises(ConfigError) as err:
+        _step(nvme)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("parallel.offload_dir: ") and str(nvme.path) in line
+    assert "unit 0 (bytes 0-196607)" in line and "the scratch storage corrupted data" in line
+    assert torch.equal(param, before)
+    nvme.close()
+
+
+@pytest.mark.parametrize("reader", ["step", "named_state", "after_load"])
+def test_every_read_of_a_scratch_block_is_checked(tmp_path, reader):
+    """Each way the optimizer reads the file (a step's stream, a checkpoint's named_state, checkpoint.init_from's
+    masters into kept moments) verifies every unit it reads: the count of checks is the count of units read
+    (from the bytes read), and one changed byte in the middle unit is refused on that path."""
+    nvme, _ = _streamed(tmp_path)
+    unit_bytes = [u.padded * 4 * 3 for u in nvme.units]
+    assert len(unit_bytes) == 3
+    _step(nvme)
+    assert nvme.sums.checked == 3 and nvme.stats.read_bytes == sum(unit_bytes)
+    run = {"step": lambda: _step(nvme), "named_state": nvme.named_state,
+           "after_load": lambda: nvme.after_load(1, masters_loaded=False)}[reader]
+    run()
+    assert nvme.sums.checked == 6 and nvme.stats.read_bytes == 2 * sum(unit_bytes)
+    middle = nvme.units[1]
+    with open(nvme.path, "r+b") as f:  # one byte of unit 1's second moment flipped
+        f.seek(middle.offset + unit_bytes[1] - 5)
+        byte = f.read(1)
+        f.seek(middle.offset + unit_bytes[1] - 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    nvme._loaded = None  # named_state reads the file again
+    with pytest.raises(ConfigError, match=rf"{nvme.path.name}: unit 1 \(bytes {middle.offset}-"):
+        run()
+    nvme.close()
+
+
+def test_zero3_shard_store_checks_every_shard_read(tmp_path):
+    """ZeRO-3's parameter shards in their (unlinked) scratch file: every read is checked against the sum taken at
+    its write; bytes changed under a released shard stop its next load with the same one line."""
+    from threefold.parallel.shard_store import ShardStore
+
+    store = ShardStore(ScratchSettings(tmp_path))
+    values = [torch.arange(n, dtype=torch.float32) + 0.5 for n in (1000, 3000, 10)]
+    shards = [v.clone() for v in values]
+    for index, shard in enumerate(shards):
+        store.add(index, shard, [f"p{index}"])
+    assert [s.untyped_storage().nbytes() for s in shards] == [0, 0, 0]  # released after the write
+    store.settle()
+    assert all(torch.equal(s, v) for s, v in zip(shards, values)) and store.sums.checked == 3
+    store.begin_pass()
+    import os
+
+    os.pwrite(store.fd, b"\xff" * 8, store.offsets[1] + 100)
+    store.load(0)  # reads unit 0 and starts the read of unit 1 ahead
+    assert torch.equal(shards[0], values[0])
+    with pytest.raises(ConfigError, match=r"-params.scratch: params unit 1 \(bytes 4096-16095\) read back other"):
+        store.load(1)
+    assert store.sums.checked == 5
+    store.close()

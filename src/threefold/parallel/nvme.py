@@ -19,30 +19,27 @@ Gradients are what `parallel.offload=optimizer` gives its host pool (fp32, unsca
 host buffer; the model's own fp32 gradient when there is nothing to convert); the norm and the
 clipping act on them through `masters`, one zero-storage holder per piece whose `.grad` is that
 gradient (resident: the norm is taken over them before any update). Under ZeRO-3 the parameter
-shards live in a scratch file of their own between gathers (`ShardStore`, below): the step writes
-each updated unit's shard back there; under ZeRO-1/2 the parameters stay in memory.
+shards live in a scratch file of their own between gathers (`ShardStore`, parallel/shard_store.py):
+the step writes each updated unit's shard back there; under ZeRO-1/2 the parameters stay in memory.
+Every unit written carries a checksum, verified when it is read back (parallel/scratch.py): bytes the
+storage changed stop the run with one line naming the file and the unit, never reach the model.
 
 The file is scratch, not a checkpoint: it is rewritten at every start from the initial values
 (or, on a resume, from the checkpoint, which still holds the usual safetensors at any layout),
 and removed when the optimizer goes (at the interpreter's exit at the latest). A file left by a
 killed process (`threefold-<host>-rank<R>-<pid>.scratch`, its pid gone) is removed at the next
-start of that rank on that host: nothing is read from it, the states come from the checkpoint. `named_state()` reads the states into host tensors for a
-checkpoint (kept until the next step, so a load can fill them in place and `after_load` writes
-them back).
+start of that rank on that host: nothing is read from it, the states come from the checkpoint.
+`named_state()` reads the states into host tensors for a checkpoint (kept until the next step, so a
+load can fill them in place and `after_load` writes them back).
 
 Before the first step the directory is checked: writable, with room for the file's bytes
 (`scratch_bytes`); else a ConfigError naming `parallel.offload_dir` and the bytes needed.
 """
 
+
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
-import shutil
-import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -61,32 +58,12 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..sharding import Placement
 from .master import STATE_KINDS, Piece, ShardedOptimizer, fp32_grads
+from .scratch import (ALIGN, FLOATS, BlockSums, IoStats, ScratchSettings, aligned_buffer, check_scratch, close_scratch,
+                      open_scratch, read_block, remove_stale, return_freed_memory, scratch_name, write_block)
+from .shard_store import OpenUnit, ShardStore
 
-ALIGN = 4096  # bytes: every block's offset and length (O_DIRECT's granularity on common filesystems)
-FLOATS = ALIGN // 4
-
-
-@dataclass(frozen=True)
-class ScratchSettings:
-    directory: Path
-    prefetch: int = 2  # units read ahead of the one being updated
-    block_mb: float = 64.0  # bytes of states per unit (all kinds together)
-    rank: int = 0  # the global rank: names the file
-
-
-@dataclass
-class IoStats:
-    """Seconds and bytes of the scratch traffic since the last `reset()`."""
-    read_s: float = 0.0  # time the reader spent in reads
-    write_s: float = 0.0
-    wait_s: float = 0.0  # time the step waited for a read to complete
-    step_s: float = 0.0  # time in the streamed update
-    read_bytes: int = 0
-    write_bytes: int = 0
-
-    def reset(self) -> None:
-        self.read_s = self.write_s = self.wait_s = self.step_s = 0.0
-        self.read_bytes = self.write_bytes = 0
+__all__ = ["ALIGN", "IoStats", "NvmeOptimizer", "ScratchSettings", "ShardStore", "layout_units", "return_freed_memory",
+           "scratch_bytes", "scratch_name"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +80,7 @@ class Unit:
     numel: int  # elements of states per kind (the sum of the segments)
     padded: int  # numel rounded up to a whole aligned block
     segments: list[Segment] = field(default_factory=list)
+    index: int = 0  # its place in the file's units (names it in a checksum error)
 
 
 def _pad(n: int) -> int:
@@ -128,7 +106,8 @@ def layout_units(numels: list[int], kinds: int, block_bytes: int) -> list[Unit]:
     if current.numel:
         units.append(current)
     offset = 0
-    for unit in units:
+    for index, unit in enumerate(units):
+        unit.index = index
         unit.padded = _pad(unit.numel)
         unit.offset = offset
         offset += unit.padded * 4 * (1 + kinds)
@@ -138,125 +117,6 @@ def layout_units(numels: list[int], kinds: int, block_bytes: int) -> list[Unit]:
 def scratch_bytes(numels: list[int], kinds: int, block_mb: float) -> int:
     """Bytes of the scratch file for pieces of `numels` elements with `kinds` moments each."""
     return sum(u.padded * 4 * (1 + kinds) for u in layout_units(numels, kinds, int(block_mb * 2**20)))
-
-
-def check_scratch(directory: Path, needed: int) -> None:
-    """The directory exists, takes a file, and has `needed` bytes free (ConfigError otherwise)."""
-    key = "parallel.offload_dir"
-    if not directory.is_dir():
-        raise ConfigError(key, f"{directory} is not a directory; create it or name another one")
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as err:
-        raise ConfigError(key, f"{directory} is not writable ({err.strerror}); name a directory this user can "
-                          "write") from None
-    free = shutil.disk_usage(directory).free
-    if free < needed:
-        raise ConfigError(key, f"{directory} has {free} bytes free, the optimizer states need {needed} bytes "
-                          f"({needed / 2**30:.2f} GiB); free space there or name another filesystem")
-
-
-MMAP_THRESHOLD = 1 << 18  # bytes: host allocations at least this large are mapped, and unmapped when freed
-
-
-def return_freed_memory() -> bool:
-    """Have glibc's malloc give freed blocks of `MMAP_THRESHOLD` bytes and more back to the system.
-
-    By default glibc raises its mmap threshold to the size of each mapped block freed (up to 32 MiB),
-    so once a unit's buffers were freed the next ones come from the heap, which keeps what is freed:
-    a run streaming its states would hold the gathered units and gradients of a whole pass resident
-    (measured: 400 MB for a 160M-parameter model, 50 units of 13 MB). A fixed threshold (`mallopt`,
-    which also stops the dynamic adjustment) returns them. A setting of the process; False where the
-    C library is not glibc (nothing is changed)."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    M_MMAP_THRESHOLD = -3
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-
-
-def _aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    start = (-raw.data_ptr()) % ALIGN
-    return raw[start: start + nbytes]
-
-
-def _open(path: Path) -> tuple[int, bool]:
-    """The file opened for reads and writes, with O_DIRECT where the filesystem accepts it."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            fd = os.open(path, flags | direct, 0o600)
-        except OSError:
-            pass
-        else:
-            probe = _aligned_buffer(ALIGN, False)
-            try:
-                os.pwrite(fd, memoryview(probe.numpy()), 0)
-                return fd, True
-            except OSError:
-                os.close(fd)
-    return os.open(path, flags, 0o600), False
-
-
-def scratch_name(rank: int, pid: int | None = None) -> str:
-    """The scratch file's name: host, global rank and the owning process (stale files are found by it)."""
-    return f"threefold-{socket.gethostname()}-rank{rank}-{os.getpid() if pid is None else pid}.scratch"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale(directory: Path, rank: int) -> list[Path]:
-    """Remove this host's scratch files of `rank` whose process is gone (a killed run: SIGKILL, a crash
-    of the machine); their contents are never read, a start rebuilds the states from the checkpoint
-    or the initial values. Files of live processes, and of other hosts sharing the directory, stay."""
-    prefix = scratch_name(rank, 0)[: -len("0.scratch")]
-    removed = []
-    for path in directory.glob(f"{prefix}*.scratch"):
-        pid = path.name[len(prefix): -len(".scratch")].split("-")[0]  # <pid>.scratch or <pid>-params.scratch
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
-
-
-def _close(fd: int, path: Path, pool: ThreadPoolExecutor) -> None:
-    pool.shutdown(wait=True)
-    os.close(fd)
-    path.unlink(missing_ok=True)
-
-
-class OpenUnit:
-    """One unit of a ShardStore held open through one of its context managers (`updating`, `reading`)
-    while consecutive pieces use it; opening another closes the one before (written back by `updating`)."""
-
-    def __init__(self):
-        self.index: int | None = None
-        self._ctx: contextlib.AbstractContextManager | None = None
-
-    def at(self, index: int | None, opener: Callable[[int], contextlib.AbstractContextManager] | None = None) -> None:
-        """Have unit `index` open through `opener(index)`; None: close the open one."""
-        if index == self.index:
-            return
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-        self.index = index
-        if index is not None:
-            self._ctx = opener(index)
-            self._ctx.__enter__()
 
 
 class NvmeOptimizer:
@@ -296,15 +156,16 @@ class NvmeOptimizer:
         check_scratch(directory, self.nbytes)
         self.path = directory / scratch_name(settings.rank)
         try:
-            self.fd, self.direct = _open(self.path)
+            self.fd, self.direct = open_scratch(self.path)
         except OSError as err:
             raise ConfigError("parallel.offload_dir", f"cannot create {self.path}: {err.strerror}; "
                               "name a writable directory") from None
         self.prefetch = max(0, settings.prefetch)
+        self.sums = BlockSums(self.path)  # every unit's checksum, verified on each read
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="threefold-scratch")
-        self._finalizer = weakref.finalize(self, _close, self.fd, self.path, self.io)
+        self._finalizer = weakref.finalize(self, close_scratch, self.fd, self.path, self.io)
         largest = max((u.padded for u in self.units), default=FLOATS) * 4 * (1 + len(self.kinds))
-        self.buffers = [_aligned_buffer(largest, self.pin) for _ in range(min(len(self.units), self.prefetch + 1) or 1)]
+        self.buffers = [aligned_buffer(largest, self.pin) for _ in range(min(len(self.units), self.prefetch + 1) or 1)]
         self.stats = IoStats()
         self._lock = threading.Lock()
         # zero-storage holders: the norm and the clipping read and scale their `.grad`
@@ -329,7 +190,10 @@ class NvmeOptimizer:
         return {}  # nothing per parameter in memory
 
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
+        """`hook()` before each step, and under ZeRO-3 before the shards a checkpoint read leave memory."""
         self._pre_hooks.append(hook)
+        if self.home is not None:
+            self.home.register_update_pre_hook(hook)
 
     # ------------------------------------------------------------ scratch I/O (the reader thread)
 
@@ -339,16 +203,15 @@ class NvmeOptimizer:
         return list(flat.view(1 + len(self.kinds), unit.padded).unbind(0))
 
     def _read(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
+        """Unit `unit` into `buf`, its checksum verified (a ConfigError when the storage changed it)."""
         start = time.perf_counter()
         n = unit.padded * 4 * (1 + len(self.kinds))
         view = memoryview(buf.numpy())[:n]
-        done = 0
-        while done < n:
-            got = os.preadv(self.fd, [view[done:]], unit.offset + done)
-            if got <= 0:
-                raise OSError(f"short read of {self.path} at {unit.offset + done}")
-            done += got
+        read_block(self.fd, view, unit.offset, self.path)
+        summed = time.perf_counter()
+        self.sums.check(unit.index, view, unit.offset)
         with self._lock:
+            self.stats.sum_s += time.perf_counter() - summed
             self.stats.read_s += time.perf_counter() - start
             self.stats.read_bytes += n
         return buf
@@ -357,10 +220,11 @@ class NvmeOptimizer:
         start = time.perf_counter()
         n = unit.padded * 4 * (1 + len(self.kinds))
         view = memoryview(buf.numpy())[:n]
-        done = 0
-        while done < n:
-            done += os.pwritev(self.fd, [view[done:]], unit.offset + done)
+        self.sums.record(unit.index, view)
+        summed = time.perf_counter() - start
+        write_block(self.fd, view, unit.offset)
         with self._lock:
+            self.stats.sum_s += summed
             self.stats.write_s += time.perf_counter() - start
             self.stats.write_bytes += n
 
@@ -579,190 +443,6 @@ class NvmeOptimizer:
         self._write_all(states)
         self._loaded = None
         self.steps = step
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-class ShardStore:
-    """ZeRO-3's parameter shards (each unit's flat shard buffer, parallel/zero3.py) in a scratch file.
-
-    Every unit's shard has a region of its own (aligned to 4096 bytes) in
-    `threefold-<host>-rank<R>-<pid>-params.scratch`. Between uses the shard's storage is resized to
-    zero (the views `named_parameters()` lists keep their identity); `load(i)` gives it storage back
-    and reads it - normally already read ahead: each load starts the read of the unit after it in
-    the direction of travel (forward up, backward down), so at most one shard is in flight beyond
-    the ones in use - and `drop(i)` releases it once its gather has completed. The optimizer step
-    takes each unit with `updating(i)`: read, the masters copied in, written back, released.
-
-    The file is unlinked as soon as it is open: the kernel frees its blocks when the descriptor
-    closes, whatever ends the process, so it never goes stale.
-
-    Each shard is written to the file as the build makes it (`add`) and released, so no more than one
-    unit's shard is in memory from the build on. After `settle()` (a checkpoint reads or fills the
-    shards in place, a reader outside a pass asks for them) every shard is resident; the next pass
-    writes them all back and releases them. Reads and writes are buffered (the shard
-    buffers are the model's own allocations, not aligned blocks)."""
-
-    def __init__(self, settings: ScratchSettings, kind: str = "params"):
-        directory = Path(settings.directory)
-        if directory.is_dir():
-            remove_stale(directory, settings.rank)
-        check_scratch(directory, 0)
-        self.path = directory / scratch_name(settings.rank).replace(".scratch", f"-{kind}.scratch")
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as err:
-            raise ConfigError("parallel.offload_dir", f"cannot create {self.path}: {err.strerror}; "
-                              "name a writable directory") from None
-        # unlinked at once: the blocks live while the descriptor does, so no crash or kill leaves the file
-        # behind (the hooks ZeRO-3 puts on its parameters keep it alive until its process ends)
-        self.path.unlink()
-        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="threefold-shards")
-        self._finalizer = weakref.finalize(self, _close, self.fd, self.path, self.io)
-        self.shards: list[torch.Tensor] = []  # each unit's flat shard buffer
-        self.offsets: list[int] = []
-        self.unit_of: dict[str, int] = {}  # local parameter name -> unit index
-        self.nbytes = 0
-        self.resident: set[int] = set()
-        self.pending: dict[int, Future] = {}  # reads in flight
-        self.pinned = False  # every shard resident (after settle, until the next pass)
-        self.last = -1  # the unit loaded last: the direction of the read-ahead
-        self.stats = IoStats()
-        self.peak_resident = 0  # the most shards in memory or being read at once outside the pinned state
-
-    def file_bytes(self) -> int:
-        """The bytes the (unlinked) file holds on its filesystem."""
-        return os.fstat(self.fd).st_size
-
-    def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None:
-        """Register unit `index`'s flat shard buffer (resident now, holding its values) and its parameters'
-        names; the values go to the file and the storage is released at once (the build holds one unit)."""
-        assert index == len(self.shards)
-        self.shards.append(shard)
-        self.offsets.append(self.nbytes)
-        self.nbytes += -(-shard.numel() * shard.element_size() // ALIGN) * ALIGN
-        for name in names:
-            self.unit_of[name] = index
-        if shard.numel():
-            self._write(index)
-        self._release(index)
-
-    def _bytes(self, index: int) -> memoryview:
-        """The shard's bytes (not through numpy: a storage numpy has seen can no longer be resized)."""
-        shard = self.shards[index]
-        nbytes = shard.numel() * shard.element_size()
-        return memoryview((ctypes.c_ubyte * nbytes).from_address(shard.data_ptr())).cast("B")
-
-    def _read(self, index: int) -> None:
-        start = time.perf_counter()
-        view, done = self._bytes(index), 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], self.offsets[index] + done)
-            if got <= 0:
-                raise OSError(f"short read of {self.path} at {self.offsets[index] + done}")
-            done += got
-        self.stats.read_s += time.perf_counter() - start
-        self.stats.read_bytes += len(view)
-
-    def _write(self, index: int) -> None:
-        start = time.perf_counter()
-        view, done = self._bytes(index), 0
-        while done < len(view):
-            done += os.pwritev(self.fd, [view[done:]], self.offsets[index] + done)
-        self.stats.write_s += time.perf_counter() - start
-        self.stats.write_bytes += len(view)
-
-    def _start_read(self, index: int) -> None:
-        if index in self.resident or index in self.pending or not 0 <= index < len(self.shards):
-            return
-        shard = self.shards[index]
-        if shard.numel() == 0:
-            return
-        shard.untyped_storage().resize_(shard.numel() * shard.element_size())
-        self.pending[index] = self.io.submit(self._read, index)
-
-    def load(self, index: int) -> None:
-        """Unit `index`'s shard in memory (waiting for its read), and the next one's read started."""
-        ahead = index + (1 if index >= self.last else -1)
-        self.last = index
-        if index not in self.resident and self.shards[index].numel():
-            self._start_read(index)
-            start = time.perf_counter()
-            self.pending.pop(index).result()
-            self.stats.wait_s += time.perf_counter() - start
-            self.resident.add(index)
-        for other in [i for i in self.pending if i != ahead]:  # a read ahead the other way: not needed now
-            self.pending.pop(other).result()
-            self._release(other)
-        self._start_read(ahead)
-        if not self.pinned:
-            self.peak_resident = max(self.peak_resident, len(self.resident) + len(self.pending))
-
-    def _release(self, index: int) -> None:
-        self.resident.discard(index)
-        self.shards[index].untyped_storage().resize_(0)
-
-    def drop(self, index: int) -> None:
-        """Release unit `index`'s shard (its gather has completed); kept while pinned."""
-        if not self.pinned and index in self.resident:
-            self._release(index)
-
-    @contextlib.contextmanager
-    def updating(self, index: int):
-        """The shard resident for the optimizer to write into, then written back and released."""
-        self.load(index)
-        yield self.shards[index]
-        self._write(index)
-        self.drop(index)
-
-    @contextlib.contextmanager
-    def reading(self, index: int):
-        """The shard resident to be read, then released (kept while pinned); nothing is written."""
-        self.load(index)
-        yield self.shards[index]
-        self.drop(index)
-
-    @torch.no_grad()
-    def accumulate(self, index: int, values: torch.Tensor, fresh: bool) -> None:
-        """shard += values (fresh: the shard is zeros, nothing read), written back and released (a gradient
-        store: each micro-batch's reduced chunk added to what the earlier ones left in the file)."""
-        shard = self.shards[index]
-        if fresh:
-            if index in self.pending:
-                self.pending.pop(index).result()
-            shard.untyped_storage().resize_(shard.numel() * shard.element_size())
-            self.resident.add(index)
-            shard.zero_()
-        else:
-            self.load(index)
-        shard.add_(values)
-        self._write(index)
-        self.drop(index)
-
-    def settle(self) -> None:
-        """Every shard resident until the next pass (checkpoints, evaluations, the end of a run)."""
-        self.pinned = True
-        for index in range(len(self.shards)):
-            self.load(index)
-        for index in list(self.pending):
-            self.pending.pop(index).result()
-            self.resident.add(index)
-        self.pinned = True
-
-    def begin_pass(self) -> None:
-        """Leave the pinned state: every shard written to the file (a load may have filled it), released."""
-        if not self.pinned:
-            return
-        for index in range(len(self.shards)):
-            if index in self.pending:
-                self.pending.pop(index).result()
-                self.resident.add(index)
-            if index in self.resident:
-                self._write(index)
-                self._release(index)
-        self.pinned = False
-        self.last = -1
 
     def close(self) -> None:
         self._finalizer()

@@ -139,7 +139,7 @@ class MatmulCast(Protocol):
 
 
 class ShardHome(Protocol):
-    """Where the units' flat shards live between gathers when not in memory (parallel/nvme.py ShardStore):
+    """Where the units' flat shards live between gathers when not in memory (parallel/shard_store.py ShardStore):
     `load` before a gather reads a shard, `drop` once the gather has completed, `begin_pass` at each pass."""
 
     def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
@@ -150,7 +150,7 @@ class ShardHome(Protocol):
 
 class GradHome(Protocol):
     """Where the units' reduced gradient shards live between micro-batches and until the step reads them
-    (parallel/nvme.py ShardStore, a file of its own): each reduce-scatter's result is added in place."""
+    (parallel/shard_store.py ShardStore, a file of its own): each reduce-scatter's result is added in place."""
 
     def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
     def accumulate(self, index: int, values: torch.Tensor, fresh: bool) -> None: ...
