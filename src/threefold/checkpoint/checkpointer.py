@@ -147,6 +147,8 @@ class Checkpointer:
             begin = time.perf_counter()
             try:
                 pieces = snapshot(entries, self.coords, staging, ready)
+            except Exception as e:
+                raise self._failure(step, e) from e
             finally:
                 staged.set()
             try:
@@ -155,6 +157,8 @@ class Checkpointer:
                     finalize(partial, step, world_size, meta, keep, timeout_s)
             except OSError as e:  # a full disk, a directory removed or made read-only meanwhile
                 raise CheckpointError(save_failure(step, self.root, e, keep)) from None
+            except Exception as e:
+                raise self._failure(step, e) from e
             self.last_write_s = time.perf_counter() - begin
 
         self.last_stall_s = 0.0
@@ -167,6 +171,16 @@ class Checkpointer:
             job()
             self._agree(0)  # visible to every rank on return
         self.last_stall_s += time.perf_counter() - start
+
+    def _failure(self, step: int, error: Exception) -> Exception:
+        """A save's error as one line (a CheckpointError as it is); under async_save it reaches the
+        training thread at its next step (`_before_update`), or at the next save or the end."""
+        if isinstance(error, CheckpointError) or not self.async_save:
+            return error
+        text = (str(error).strip().splitlines() or [""])[0]
+        return CheckpointError(f"checkpoint: the asynchronous save of step {step} failed ({type(error).__name__}: "
+                               f"{text}); step {step} was not saved (its partial directory stays invisible; "
+                               "--resume auto takes the last complete checkpoint)")
 
     def _make_room(self, step: int, need: int, run_id: str) -> int:
         """Rank 0, before a save: when the disk has less than `need` bytes free, remove this run's
@@ -194,8 +208,14 @@ class Checkpointer:
 
     def _guard(self, updater: UpdateGuard) -> None:
         if not any(u is updater for u in self._guarded_states):
-            updater.register_update_pre_hook(self.wait_staged)
+            updater.register_update_pre_hook(self._before_update)
             self._guarded_states.append(updater)
+
+    def _before_update(self) -> None:
+        """Before an in-place update (every step): the snapshot in flight is complete, and the error of
+        an async save that has failed meanwhile is raised here, at the step boundary, not at a later save."""
+        self.wait_staged()
+        self.writer.check()
 
     def wait_staged(self) -> None:
         """Block until the snapshot of the save in flight is in host memory (counted as stall)."""

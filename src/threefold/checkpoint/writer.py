@@ -259,7 +259,8 @@ def remove_partials(root: Path) -> None:
 
 
 class BackgroundWriter:
-    """Runs one save job at a time on a daemon thread; `wait()` joins it and re-raises its error.
+    """Runs one save job at a time on a daemon thread; `wait()` joins it and re-raises its error,
+    `check()` re-raises it once the job has ended (the training loop asks at every step).
 
     Daemon: if training dies, the process exits without finishing the write, and the partial
     checkpoint stays invisible.
@@ -283,6 +284,11 @@ class BackgroundWriter:
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Re-raise the error of a job that has ended, without waiting for one still running."""
+        if not self.busy():
+            self.wait()
 
     def wait(self) -> None:
         if self._thread is not None:
