@@ -104,8 +104,9 @@ class Keeper:
         self.dropped = 0  # requests dropped (not from this job, or not requests)
         self.refused = 0  # requests of this job refused (over a bound)
         self.lock = threading.Lock()
-        self.places = threading.BoundedSemaphore(max_connections)
-        self.unproven: dict[socket.socket, tuple] = {}  # connections with a place and no valid request yet, oldest first
+        self.room = threading.Condition(self.lock)  # notified when a place is given back
+        self.holding: set[socket.socket] = set()  # connections with a place
+        self.unproven: dict[socket.socket, tuple] = {}  # of those, the ones without a valid request yet, oldest first
         keeper = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -157,28 +158,37 @@ class Keeper:
         except (OSError, ValueError, MemoryError):
             pass  # an authenticated client went away mid-request: it sees a closed connection, uses storage
         finally:
-            with self.lock:
+            with self.room:
                 self.unproven.pop(sock, None)
-            self.places.release()
+                if sock in self.holding:  # not when its place went to a newer connection
+                    self.holding.discard(sock)
+                    self.room.notify()
 
     def _enter(self, sock: socket.socket, client) -> bool:
         """A place among `max_connections`. When every place is taken, the oldest connection that has
-        not sent a valid request yet is closed and this one waits for its place (a connection of the
-        job sends its request at once, so only idle or slow ones give way)."""
-        if not self.places.acquire(blocking=False):
-            with self.lock:
-                oldest = next(iter(self.unproven), None)
-                evicted = None if oldest is None else self.unproven.pop(oldest)
-            if oldest is not None:
-                self._drop(evicted, f"no valid request while {self.max_connections} connections were open")
-                try:
-                    oldest.shutdown(socket.SHUT_RDWR)  # its handler sees the end of the stream and leaves
-                except OSError:
-                    pass
-            if not self.places.acquire(timeout=self.timeout_s):
-                return False
-        with self.lock:
+        not sent a valid request yet is closed and its place goes to this one at once (a connection
+        of the job sends its request as soon as it connects, so only idle or slow ones give way);
+        when every place serves a valid request, this one waits for a place, up to `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        evicted = None
+        with self.room:
+            while len(self.holding) >= self.max_connections and evicted is None:
+                if self.unproven:
+                    evicted = next(iter(self.unproven.items()))
+                    del self.unproven[evicted[0]]
+                    self.holding.discard(evicted[0])
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self.room.wait(left):
+                        return False
+            self.holding.add(sock)
             self.unproven[sock] = client
+        if evicted is not None:
+            self._drop(evicted[1], f"no valid request while {self.max_connections} connections were open")
+            try:
+                evicted[0].shutdown(socket.SHUT_RDWR)  # its handler sees the end of the stream and leaves
+            except OSError:
+                pass
         return True
 
     def _request_line(self, rfile, sock: socket.socket) -> bytes:
