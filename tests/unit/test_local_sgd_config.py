@@ -12,7 +12,7 @@ from threefold.errors import ConfigError
     (["train.sync_every=4", "parallel.zero=1"], 2, "train.sync_every", "parallel.zero=0"),
     (["train.outer_optimizer=nesterov", "compress.method=powersgd"], 2, "compress.method", "compress.method=none"),
     (["train.sync_warmup_steps=-1"], 2, "train.sync_warmup_steps", "at least 0"),
-    (["train.outer_optimizer=nesterov", "train.outer_momentum=1.0"], 2, "train.outer_lr", "outer_momentum < 1"),
+    (["train.outer_optimizer=nesterov", "train.outer_momentum=1.0"], 2, "train.outer_momentum", "in [0, 1)"),
     (["train.easgd_alpha=0.5"], 2, "train.easgd_alpha", "[0, 0.5)"),
     (["train.easgd_alpha=0.1", "train.outer_optimizer=nesterov"], 2, "train.easgd_alpha", "outer_optimizer=none"),
     (["train.sync_every=2", "parallel.ep=2", "model.experts=2"], 2, "train.sync_every", "--ep 1"),

@@ -7,12 +7,12 @@ from threefold.errors import ConfigError
 
 
 @pytest.mark.parametrize("overrides, key, text", [
-    (["parallel.zero=4"], "parallel.zero", "unknown ZeRO stage 4; choose 0, 1, 2 or 3"),
-    (["parallel.zero=-1"], "parallel.zero", "unknown ZeRO stage"),
+    (["parallel.zero=4"], "parallel.zero", "must be in [0, 3] (the ZeRO stage), got 4"),
+    (["parallel.zero=-1"], "parallel.zero", "must be in [0, 3]"),
     (["parallel.offload=optimizer"], "parallel.offload", "needs ZeRO stage 1, 2 or 3"),
     (["parallel.offload=params"], "parallel.offload", "is not one of none, optimizer"),
     (["precision.compute=fp4"], "precision.compute", "is not one of auto, fp32, bf16, fp16, fp8"),
-    (["precision.backoff_factor=1.5"], "precision", "0 < backoff_factor < 1"),
+    (["precision.backoff_factor=1.5"], "precision.backoff_factor", "must be in (0, 1), got 1.5"),
     (["remat.policy=some"], "remat.policy", "is not one of"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb", "must be positive"),
 ])

@@ -1,15 +1,15 @@
 """Checking a Config once against the world size: every inconsistency a user can make.
 
 Each check raises `ConfigError` naming the key and the fix; `validate` returns the config
-with its derived values (dp) filled in. Called through `Config.validate(world_size)`; the
-checks read only the sections (sections.py), so load.py imports them and not the
-other way round.
+with its derived values (dp) filled in. What one value alone may be (its range, its choices)
+is its domain (domains.py), checked first; the checks here relate keys to each other. Called
+through `Config.validate(world_size)`; the checks read only the sections (sections.py) and the
+domains, so load.py imports them and not the other way round.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -17,6 +17,7 @@ from .sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig,
                               offload_block_set)
 from ..errors import ConfigError, UserError
 from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
+from .domains import check_domains
 from .moe_checks import validate_experts
 
 if TYPE_CHECKING:
@@ -26,8 +27,7 @@ S = TypeVar("S", bound=Sections)  # a Config comes back a Config
 
 
 def validate(c: S, world_size: int) -> S:
-    if c.parallel.elastic_world < 0:
-        raise ConfigError("parallel.elastic_world", f"must be at least 0, got {c.parallel.elastic_world}")
+    check_domains(c)  # a Config built from values (build_config) was checked already; one made by replace() not
     if c.parallel.elastic_world and c.parallel.elastic_world != world_size:  # an elastic job on fewer nodes
         from .elastic import rederive
 
@@ -35,35 +35,12 @@ def validate(c: S, world_size: int) -> S:
     return _validate(c, world_size)
 
 
-def _check_finite(c: Sections) -> None:
-    """Every float option is a finite number: nan or inf (e.g. `--lr nan`, TOML's `inf`) would train
-    to nan, or fail deep in the run, instead of being refused here."""
-    for section in fields(c):
-        values = getattr(c, section.name)
-        for f in fields(values):
-            value = getattr(values, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section.name}.{f.name}", f"must be a finite number, got {value}")
-
-
 def _validate(c: S, world_size: int) -> S:
-    _check_finite(c)
     p, m, t = c.parallel, c.model, c.train
     for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)):
         if m.preset.startswith("py:") and value > 1:  # a user's nn.Module (models/py_module.py) has no plan
             raise ConfigError(key, f"{value} needs a plan, which {m.preset} does not have; use {key}=1 "
                               "(or describe the model as a ModelSpec)")
-    if t.steps < 0:
-        raise ConfigError("train.steps", f"must be at least 0 (0: save the initial model and exit), got {t.steps}")
-    for key, value in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
-                       ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
-                       ("train.seq_len", t.seq_len), ("pipeline.virtual_stages", c.pipeline.virtual_stages),
-                       ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
-                       ("model.kv_heads", m.kv_heads), ("model.vocab", m.vocab)]:
-        if value < 1:
-            raise ConfigError(key, f"must be at least 1, got {value}")
-    if p.dp < 0:
-        raise ConfigError("parallel.dp", f"must be at least 1 (or 0 for world/(cp*tp*pp)), got {p.dp}")
     dp = p.dp or world_size // (p.cp * p.tp * p.pp)
     if dp < 1 or dp * p.cp * p.tp * p.pp != world_size:
         cp = f" x cp={p.cp}" if p.cp > 1 else ""
@@ -72,44 +49,27 @@ def _validate(c: S, world_size: int) -> S:
             f"{world_size}; choose dp, {'cp, ' if cp else ''}tp and pp whose product is {world_size}")
     if p.cp > 1:
         _validate_context(c)
-    if p.zero not in (0, 1, 2, 3):
-        raise ConfigError("parallel.zero", f"unknown ZeRO stage {p.zero}; choose 0, 1, 2 or 3")
     if p.offload != "none" and p.zero == 0:
         raise ConfigError("parallel.offload", f"offload={p.offload} needs ZeRO stage 1, 2 or 3 (each rank offloads "
                           "its shard of the optimizer states); set --zero 1 or higher, or parallel.offload=none")
     if p.offload == "nvme" and not p.offload_dir:
         raise ConfigError("parallel.offload_dir", "offload=nvme keeps the optimizer states in files there; "
                           "name a directory on a local SSD, e.g. parallel.offload_dir=/scratch/threefold")
-    if p.offload_prefetch < 0 or p.offload_block_mb <= 0:
-        raise ConfigError("parallel.offload_prefetch", "needs offload_prefetch >= 0 and offload_block_mb > 0, got "
-                          f"{p.offload_prefetch} and {p.offload_block_mb}")
-    if p.bucket_mb <= 0:
-        raise ConfigError("parallel.bucket_mb", f"must be positive, got {p.bucket_mb}")
     pr = c.precision
     if pr.compute == "fp8" and m.preset.startswith("py:"):  # fp8 converts the blocks.<i> of a ModelSpec's model
         raise ConfigError("precision.compute", f"fp8 converts the linears of a model's blocks.<i>, which {m.preset} "
                           "does not describe; use precision.compute=bf16 (or describe the model as a ModelSpec)")
-    if pr.initial_scale <= 0 or pr.growth_factor <= 1 or not 0 < pr.backoff_factor < 1 or pr.growth_interval < 1:
-        raise ConfigError("precision", "the loss scaler needs initial_scale > 0, growth_factor > 1, "
-                          f"0 < backoff_factor < 1 and growth_interval >= 1; got {pr.initial_scale}, "
-                          f"{pr.growth_factor}, {pr.backoff_factor}, {pr.growth_interval}")
-    if c.remat.every < 1:
-        raise ConfigError("remat.every", f"must be at least 1, got {c.remat.every}")
     _validate_activation_offload(c)
     if m.hidden % m.heads and not m.head_size:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     if m.heads % m.kv_heads:
         raise ConfigError("model.kv_heads", f"model.heads={m.heads} is not a multiple of kv_heads={m.kv_heads}")
-    if m.vocab_multiple < 1:
-        raise ConfigError("model.vocab_multiple", f"must be at least 1 (1: no padding), got {m.vocab_multiple}")
     if m.vocab_multiple > 1 and m.preset.startswith("hf:"):
         raise ConfigError("model.vocab_multiple", "applies to threefold's own decoder; a Hugging Face model (hf:DIR) "
                           "keeps its config.json's vocabulary: set model.vocab_multiple=1")
     if m.vocab_multiple > 1 and m.padded_vocab % p.tp:
         raise ConfigError("model.vocab_multiple", f"pads model.vocab={m.vocab} to {m.padded_vocab} rows, which "
                           f"parallel.tp={p.tp} does not divide; use a vocab_multiple that is a multiple of tp")
-    if m.loss_chunk < 0:
-        raise ConfigError("model.loss_chunk", f"must be at least 0 (0: the whole logits at once), got {m.loss_chunk}")
     if m.loss_chunk and m.preset.startswith("hf:"):
         raise ConfigError("model.loss_chunk", "applies to threefold's own decoder; a Hugging Face model (hf:DIR) "
                           "computes its loss whole: set model.loss_chunk=0")
@@ -136,13 +96,6 @@ def _validate(c: S, world_size: int) -> S:
     ck = c.checkpoint
     if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
-    for key, value in [("checkpoint.save_every", ck.save_every), ("checkpoint.keep", ck.keep)]:
-        if value != "auto" and value < 0:
-            raise ConfigError(key, f"must be at least 0 (or auto), got {value}" if key.endswith("every")
-                              else f"must be at least 0, got {value}")
-    for key, value in [("checkpoint.mtbf_hours", ck.mtbf_hours), ("checkpoint.restart_seconds", ck.restart_seconds)]:
-        if not value >= (0 if key.endswith("seconds") else 1e-9):
-            raise ConfigError(key, f"must be {'at least 0' if key.endswith('seconds') else 'positive'}, got {value}")
     if ck.init_from and not Path(ck.init_from).is_file():
         raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
                           "written by `threefold ckpt export` (or with the same tensor names)")
@@ -176,11 +129,6 @@ def _validate_data(c: Sections) -> ModelConfig:
     if not d.sources and source not in ("synthetic", "stdlib") and not Path(source).exists():
         raise ConfigError("data.source", f"path '{source}' does not exist; give a directory made by `threefold data "
                           "prepare`, a text file, a directory of text files, a .npy token file, or 'synthetic' / 'stdlib'")
-    for key, value in [("train.eval_every", t.eval_every), ("data.prefetch", d.prefetch)]:
-        if value < 0:
-            raise ConfigError(key, f"must be at least 0, got {value}")
-    if t.eval_batches < 1:
-        raise ConfigError("train.eval_batches", f"must be at least 1, got {t.eval_batches}")
     if t.eval_every and not (d.sources or is_prepared(source)):
         raise ConfigError("train.eval_every", f"validation needs a held-out split: train from a directory made by "
                           f"`threefold data prepare` (--data DIR), not '{source}'")
@@ -257,19 +205,6 @@ def fault_applies(fault: FaultConfig, layout: tuple[int, int, int]) -> bool:
 
 def _validate_debug(c: Sections) -> None:
     d, f = c.debug, c.fault
-    for key, value in [("debug.history", d.history), ("debug.fingerprint_every", d.fingerprint_every),
-                       ("debug.replica_check_every", d.replica_check_every), ("debug.hang_timeout_s", d.hang_timeout_s),
-                       ("fault.delay_s", f.delay_s)]:
-        if value < 0:
-            raise ConfigError(key, f"must be at least 0, got {value}")
-    if d.comm_semantics not in ("native", "nccl"):
-        raise ConfigError("debug.comm_semantics", f"must be native or nccl, got '{d.comm_semantics}'")
-    if d.hang_grace_s <= 0:
-        raise ConfigError("debug.hang_grace_s", f"must be positive, got {d.hang_grace_s}")
-    if c.run.collective_timeout_s <= 0:
-        raise ConfigError("run.collective_timeout_s", f"must be positive, got {c.run.collective_timeout_s}")
-    if d.straggler_ratio <= 1:
-        raise ConfigError("debug.straggler_ratio", f"must exceed 1 (slowest / median), got {d.straggler_ratio}")
     if d.history == 0:
         for key, on in [("debug.watchdog", d.watchdog), ("debug.fingerprint_every", d.fingerprint_every),
                         ("debug.stats", d.stats), ("debug.trace", d.trace)]:
@@ -278,9 +213,6 @@ def _validate_debug(c: Sections) -> None:
                                   "keep debug.history > 0 or turn this off")
     if f.layout:
         parse_layout(f.layout, "fault.layout")
-    if f.kind in ("signal", "signal_rank") and not all(
-            name.strip() in ("SIGTERM", "SIGINT", "SIGUSR1") for name in f.signal.split(",")):
-        raise ConfigError("fault.signal", f"'{f.signal}' is not a list of SIGTERM, SIGINT and SIGUSR1")
     if f.kind == "nan" and not f.module:
         raise ConfigError("fault.module", "name the module whose output becomes NaN, e.g. blocks.0.mlp.up")
 
@@ -312,17 +244,9 @@ def _asynchronous_pipeline(c: Sections) -> bool:
 
 
 def _validate_lora(c: Sections) -> None:
-    """model.lora_*: the values, and what LoRA does not combine with (parallel/lora.py, docs/lora.md)."""
+    """model.lora_*: what LoRA does not combine with (parallel/lora.py, docs/lora.md; the values' ranges:
+    domains.py)."""
     m, p = c.model, c.parallel
-    if m.lora_rank < 0:
-        raise ConfigError("model.lora_rank", f"must be at least 0 (0: no LoRA), got {m.lora_rank}")
-    if m.lora_alpha < 0:
-        raise ConfigError("model.lora_alpha", f"must be at least 0 (0: the rank, a scaling of 1), got {m.lora_alpha}")
-    if not 0 <= m.lora_dropout < 1:
-        raise ConfigError("model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
-    if m.lora_targets.strip() and not all(t.strip().isidentifier() for t in m.lora_targets.split(",")):
-        raise ConfigError("model.lora_targets", f"'{m.lora_targets}' is not a comma-separated list of module names, "
-                          "e.g. q_proj,v_proj")
     if m.lora_rank == 0:
         for key, value in [("model.lora_alpha", m.lora_alpha), ("model.lora_dropout", m.lora_dropout),
                            ("model.lora_targets", m.lora_targets)]:
@@ -344,28 +268,13 @@ def _validate_lora(c: Sections) -> None:
 
 
 def _validate_optimizer(t: TrainConfig) -> None:
-    if t.lr <= 0:
-        raise ConfigError("train.lr", f"must be positive, got {t.lr}")
-    if not 0.0 <= t.momentum < 1.0:
-        raise ConfigError("train.momentum", f"must be in [0, 1), got {t.momentum}; e.g. 0.9")
     if t.nesterov and (t.optimizer != "sgd" or t.momentum == 0):
         raise ConfigError("train.nesterov", "Nesterov momentum needs train.optimizer=sgd with train.momentum > 0 "
                           f"(got optimizer={t.optimizer}, momentum={t.momentum})")
-    if t.weight_decay < 0:
-        raise ConfigError("train.weight_decay", f"must be at least 0, got {t.weight_decay}")
 
 
 def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
-    """Ranges and the combinations with ZeRO that a compressor cannot serve."""
-    if not 0.0 <= c.dgc_sparsity < 1.0:
-        raise ConfigError("compress.dgc_sparsity", f"must be in [0, 1), got {c.dgc_sparsity}; e.g. 0.999")
-    if not 0.0 <= c.dgc_momentum < 1.0:
-        raise ConfigError("compress.dgc_momentum", f"must be in [0, 1), got {c.dgc_momentum}; e.g. 0.9")
-    for key, value in [("compress.dgc_warmup_steps", c.dgc_warmup_steps), ("compress.warmup_steps", c.warmup_steps)]:
-        if value < 0 and not (key == "compress.warmup_steps" and value == -1):
-            raise ConfigError(key, f"must be at least 0 (or -1 for automatic), got {value}")
-    if c.powersgd_rank < 1:
-        raise ConfigError("compress.powersgd_rank", f"must be at least 1, got {c.powersgd_rank}")
+    """The combinations with ZeRO that a compressor cannot serve."""
     method = c.method
     # ZeRO reduce-scatters gradients instead of all-reducing them: the compression hooks (which
     # replace that all-reduce) do not apply; a 16-bit wire does (the ZeRO reducer casts).
@@ -388,16 +297,10 @@ def _validate_compress(c: CompressConfig, zero: int, t: TrainConfig) -> None:
 
 
 def _validate_periodic(c: Sections, dp: int) -> None:
-    """Local SGD / DiLoCo / EASGD (train.sync_every and friends): ranges and what they cannot combine with."""
+    """Local SGD / DiLoCo / EASGD (train.sync_every and friends): EASGD's alpha against dp, and what they
+    cannot combine with."""
     t = c.train
-    if t.sync_every < 1:
-        raise ConfigError("train.sync_every", f"must be at least 1 (steps between syncs), got {t.sync_every}")
-    if t.sync_warmup_steps < 0:
-        raise ConfigError("train.sync_warmup_steps", f"must be at least 0, got {t.sync_warmup_steps}")
-    if t.outer_lr <= 0 or not 0.0 <= t.outer_momentum < 1.0:
-        raise ConfigError("train.outer_lr", f"DiLoCo needs outer_lr > 0 and 0 <= outer_momentum < 1, got "
-                          f"{t.outer_lr} and {t.outer_momentum}; e.g. 0.7 and 0.9")
-    if t.easgd_alpha < 0 or t.easgd_alpha * dp >= 1:
+    if t.easgd_alpha * dp >= 1:
         raise ConfigError("train.easgd_alpha", f"must be in [0, 1/dp) = [0, {1 / dp:.3g}) so the centre moves towards "
                           f"the replicas (dp={dp}), got {t.easgd_alpha}; e.g. 0.9/dp/sync_every")
     if t.easgd_alpha > 0 and t.outer_optimizer != "none":

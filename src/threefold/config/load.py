@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from .checks import validate
+from .domains import check_domains, check_value
 from .sections import (CheckpointConfig, CompressConfig, DataConfig, DebugConfig, FaultConfig, ModelConfig,
                               ParallelConfig, PipelineConfig, PrecisionConfig, RematConfig, RunConfig, Sections,
                               TrainConfig)
@@ -116,7 +117,9 @@ def build_config(raw: dict[str, dict]) -> Config:
         if section == "model":
             values = {**defaults, **values, "preset": preset}
         sections[section] = cls(**values)
-    return Config(**sections)
+    config = Config(**sections)
+    check_domains(config)  # every value inside its key's domain (domains.py): one line naming the key
+    return config
 
 
 def _hf_model_fields(preset: str, given: dict) -> dict:
@@ -148,7 +151,7 @@ def with_overrides(config: Config, **sections: dict) -> Config:
     changed = {}
     for section, values in sections.items():
         for name, value in values.items():
-            _check_value(section, name, value)
+            check_value(f"{section}.{name}", _check_value(section, name, value))
         changed[section] = replace(getattr(config, section), **values)
     return replace(config, **changed)
 

@@ -12,21 +12,10 @@ from ..errors import ConfigError
 
 
 def validate_experts(c: Sections, dp: int) -> None:
-    m, p = c.model, c.parallel
-    for key, value in [("model.experts", m.experts), ("model.shared_experts", m.shared_experts),
-                       ("model.expert_ffn_hidden", m.expert_ffn_hidden), ("model.moe_start", m.moe_start),
-                       ("model.expert_capacity", m.expert_capacity), ("model.head_size", m.head_size),
-                       ("model.router_aux_weight", m.router_aux_weight),
-                       ("model.router_z_weight", m.router_z_weight)]:
-        if value < 0:
-            raise ConfigError(key, f"must be at least 0, got {value}")
-    if m.moe_every < 1:
-        raise ConfigError("model.moe_every", f"must be at least 1, got {m.moe_every}")
+    m, p = c.model, c.parallel  # each value's own range: domains.py
     if m.experts and not 1 <= m.experts_top_k <= m.experts:
         raise ConfigError("model.experts_top_k", f"must be between 1 and model.experts={m.experts}, "
                           f"got {m.experts_top_k}")
-    if p.ep < 1:
-        raise ConfigError("parallel.ep", f"must be at least 1, got {p.ep}")
     if m.experts and m.preset.startswith("hf:") and p.pp > 1:  # the reference decoder's experts do run pipelined
         raise ConfigError("parallel.pp", "a Hugging Face mixture of experts does not run under pipeline parallelism "
                           "(its load-balancing loss is computed over the whole model, not per stage); use pp=1")

@@ -4,8 +4,8 @@ The contract: MODULE is importable from the working directory or PYTHONPATH; FAC
 arguments and returns an nn.Module that maps token ids (batch, seq) to logits (batch, seq, V) and
 has an integer attribute `vocab_size` (= V, which `model.vocab` must equal) and at least one
 parameter that requires a gradient. Importing MODULE or calling FACTORY must not exit: a
-`sys.exit` there (any code) is refused in one line naming it, as is a module with nothing to train. The loss is the summed
-next-token cross-entropy of the batch's targets, unless the module defines `loss(batch)`: then that
+`sys.exit` there (any code) is refused in one line naming it, as is a module with nothing to
+train. The loss is the summed next-token cross-entropy of the batch's targets, unless the module defines `loss(batch)`: then that
 (a 0-dim tensor, summed over the batch's tokens; `batch.inputs`, `batch.targets` are (b, s) ids).
 threefold divides it by the global batch's token count, as for its own families.
 

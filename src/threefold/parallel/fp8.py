@@ -27,8 +27,8 @@ only those whose GEMM shape gains on this device (`planner.compute.fp8_gains`: t
 of fp8 to bf16 GEMM time, cast overheads included; no gain anywhere without fp8 tensor cores). LoRA's
 adapters (`lora_A` / `lora_B`, parallel/lora.py) never convert: they are the trained weights, and their
 low-rank GEMMs stay in the compute precision (bf16); the base linear they sit beside may convert, in
-place, keeping its adapters and their forward hook. The parameters stay what they were (bf16 compute copies of fp32 masters): checkpoints hold no fp8
-state, since dynamic scaling keeps none.
+place, keeping its adapters and their forward hook. The parameters stay what they were (bf16 compute
+copies of fp32 masters): checkpoints hold no fp8 state, since dynamic scaling keeps none.
 """
 
 from __future__ import annotations

@@ -34,33 +34,39 @@ OPTION_KEYS = {
 }
 FLAG_KEYS = {"async_save": "checkpoint.async_save", "deterministic": "train.deterministic",
              "peer_checkpoint": "checkpoint.peer_copy", "compile": "train.compile"}
-_NOTES = {  # what a default or a value means, where the type alone does not say
-    "parallel.dp": "0 = world / (tp x pp)", "parallel.ep": "expert parallelism: ep ranks of dp share the experts",
-    "parallel.zero": "0-3", "data.source": "synthetic, stdlib, a text file, "
-    "a directory or a .npy token array", "run.out": "a fresh runs/<date>-<time>, linked from runs/latest",
-    "checkpoint.resume": "none, auto (the newest checkpoint of this run) or a checkpoint directory",
-    "checkpoint.save_every": "0 = never; auto = the Young/Daly interval from the measured save stall and step "
+_NOTES = {  # what an option is for, where its domain (config/domains.py) and type do not say
+    "parallel.ep": "expert parallelism: ep ranks of dp share the experts",
+    "run.out": "default: a fresh runs/<date>-<time>, linked from runs/latest",
+    "checkpoint.resume": "auto = the newest checkpoint of this run that verifies",
+    "checkpoint.save_every": "auto = the Young/Daly interval from the measured save stall and step "
     "time and --mtbf-hours (docs/checkpoint.md)",
     "checkpoint.mtbf_hours": "mean time between failures of one GPU, for --save-every auto",
     "train.beta1": "adamw", "train.beta2": "adamw", "train.eps": "adamw",
     "train.weight_decay": "adamw: decoupled; sgd: L2 added to the gradient",
-    "train.grad_clip": "clip by global norm; 0 disables", "train.warmup_steps": "linear warm-up of the lr",
+    "train.grad_clip": "clip by global norm", "train.warmup_steps": "linear warm-up of the lr",
     "train.min_lr_ratio": "the cosine decay ends at lr x this",
     "run.threads": "torch's CPU threads per process; 0 = OMP_NUM_THREADS when set, else cores / local processes",
 }
 
 
 def _describe(key: str) -> str:
-    """`sets KEY; choices; (default D)` from the config's own types and defaults."""
+    """`sets KEY; domain; note; (default D)` from the config's own types, domains (config/domains.py) and
+    defaults."""
+    from ..config.domains import describe
+
     section, name = key.split(".")
     cls = typing.get_type_hints(Config)[section]
     kind = typing.get_type_hints(cls)[name]
     default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
     parts = [f"sets {key}"]
+    words = [str(a) for member in typing.get_args(kind) if typing.get_origin(member) is typing.Literal
+             for a in typing.get_args(member)]
     if key == "model.preset":
-        parts.append("one of " + ", ".join(PRESETS))
+        parts.append("one of " + ", ".join(PRESETS) + ", hf:DIR or py:MODULE:FACTORY")
     elif typing.get_origin(kind) is typing.Literal:
         parts.append("one of " + ", ".join(map(str, typing.get_args(kind))))
+    elif describe(key):  # a union's words (int | Literal["auto"]) after the domain of its numbers
+        parts.append(describe(key) + "".join(f", or {w}" for w in words))
     if key in _NOTES:
         parts.append(_NOTES[key])
     if key != "run.out" and not isinstance(default, bool):
