@@ -98,6 +98,8 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     restarts nothing. A second SIGINT ends the workers and this process at once (signals.py).
     """
     started = time.time()
+    if nodes is not None and not verbose:
+        _quiet_store_warnings()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -172,8 +174,25 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
     return PREEMPTED_EXIT if stopped else 0  # the workers stopped on a signal and saved
 
 
+def _quiet_store_warnings() -> None:
+    """In the launcher of a node of a multi-node job, before torch is loaded: torch's C++ warnings
+    stay off the terminal. Nodes end at different moments, and a node whose agent still talks to
+    the rendezvous store when node rank 0's launcher has gone (a clean finish or a stop signal)
+    gets a TCPStore warning with some 20 lines of C++ frames; what went wrong, if anything,
+    still reaches the terminal as threefold's lines. The level is read when torch loads, so the
+    workers, started later, get the user's setting back."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return  # too late to change, or the user's choice
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        import torch  # noqa: F401  (reads the level)
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def _one_node_rendezvous() -> str:
-    """torch's c10d rendezvous with its stores on 127.0.0.1 only (rendezvous.py)."""
+    """torch's c10d rendezvous with its stores on 127.0.0.1 only (rendezvous.py): one node, or
+    nodes that are all on this machine."""
     from .rendezvous import register
 
     return register()
@@ -197,8 +216,9 @@ def _node_config(config, nodes: Nodes):
     import dataclasses
 
     wait = max(1, int(nodes.timeout_s))
-    return dataclasses.replace(
-        config, min_nodes=nodes.min, max_nodes=nodes.max, rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint,
+    return dataclasses.replace(  # every node on this machine: the stores on 127.0.0.1 only (rendezvous.py)
+        config, min_nodes=nodes.min, max_nodes=nodes.max,
+        rdzv_backend=_one_node_rendezvous() if nodes.on_loopback else "c10d", rdzv_endpoint=nodes.endpoint,
         run_id=f"threefold-{nodes.port}",
         rdzv_configs={"is_host": nodes.hosts_rendezvous, "join_timeout": wait, "read_timeout": wait, "timeout": wait,
                       "last_call_timeout": 1 if nodes.min == nodes.max else max(1, round(nodes.last_call_s)),
@@ -270,6 +290,7 @@ class _AgentWatcher(logging.Handler):
         super().__init__(logging.INFO)
         self.max_restarts, self.log_dir, self.out, self.resume, self.quiet = max_restarts, log_dir, out, resume, quiet
         self.failure: tuple[int, int] | None = None  # (exit code, local rank) of the attempt's first failure
+        self.global_ranks: dict[int, int] = {}  # local rank -> global rank, this attempt's
         self._saved: list = []
 
     def __enter__(self):
@@ -293,14 +314,17 @@ class _AgentWatcher(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = str(record.msg)
-        if text.startswith("failed (exitcode") and record.args:
+        if "Rendezvous complete for workers" in text and isinstance(record.args, dict):
+            self.global_ranks = dict(zip(record.args.get("local_ranks", ()), record.args.get("global_ranks", ())))
+        elif text.startswith("failed (exitcode") and record.args:
             self.failure = (int(record.args[0]), int(record.args[1]))
         elif "will restart worker group" in text and "attempts left" in text and record.args:
             left = int(record.args[2])
             attempt = self.max_restarts - left + 2
             who = "a rank failed"
             if self.failure is not None:
-                code, rank = self.failure
+                code, local = self.failure
+                rank = self.global_ranks.get(local, local)  # a node's local rank 0 is global rank N x nproc
                 line = _last_log_line(self.log_dir / f"rank-{rank}.log") if self.log_dir and code > 0 else ""
                 who = f"rank {rank} failed ({_exit_text(code)}{': ' + line if line else ''})"
             print(f"threefold: {who}; restarting (attempt {attempt} of {self.max_restarts + 1}) from "

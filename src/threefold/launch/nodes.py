@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..errors import UserError
 
 DEFAULT_PORT = 29500
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK = ("127.0.0.1", "localhost")  # the stores bind 127.0.0.1 (rendezvous.py): IPv4 loopback only
 AGENT_PID = "THREEFOLD_AGENT_PID"  # set by the launcher for the processes it starts
 NODE_RANK = "THREEFOLD_NODE_RANK"  # the --node-rank of the launcher that started this process
 
