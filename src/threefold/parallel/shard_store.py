@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
 import time
 import weakref
@@ -87,12 +88,14 @@ class ShardStore:
         self.last = -1  # the unit loaded last: the direction of the read-ahead
         self.stats = IoStats()
         self.peak_resident = 0  # the most shards in memory or being read at once outside the pinned state
-        self._pre_hooks: list[Callable[[], None]] = []  # before settled shards leave memory (`begin_pass`)
+        self._pre_hooks: list[Callable[[], Callable[[], None] | None]] = []  # weak: before settled shards go
 
     def register_update_pre_hook(self, hook: Callable[[], None]) -> None:
         """Call `hook()` before the shards that `settle()` made resident are written back and released (an
-        UpdateGuard, checkpoint/state.py: an async save's snapshot reads them on another thread)."""
-        self._pre_hooks.append(hook)
+        UpdateGuard, checkpoint/state.py: an async save's snapshot reads them on another thread). Held weakly
+        when a bound method: ZeRO-3's parameter hooks keep the store to the process's end, and a checkpointer
+        it held would keep the optimizer and its scratch file with it."""
+        self._pre_hooks.append(weakref.WeakMethod(hook) if inspect.ismethod(hook) else (lambda: hook))
 
     def file_bytes(self) -> int:
         """The bytes the (unlinked) file holds on its filesystem."""
@@ -217,8 +220,10 @@ class ShardStore:
         """Leave the pinned state: every shard written to the file (a load may have filled it), released."""
         if not self.pinned:
             return
-        for hook in self._pre_hooks:
-            hook()
+        for ref in self._pre_hooks:
+            hook = ref()
+            if hook is not None:
+                hook()
         for index in range(len(self.shards)):
             if index in self.pending:
                 self.pending.pop(index).result()
