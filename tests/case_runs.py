@@ -1,8 +1,11 @@
 """Parity cases run together and checked against one process: each world size runs all its cases
 in one call of a `train_many` (tests/composition_tasks.py, tests/expert_tasks.py), and a case's
-ranks are checked per step (loss, gradient norm) and per parameter, assembled from the placements."""
+ranks are checked per step (loss, gradient norm) and per parameter, assembled from the placements;
+where rounding differs by construction, on the update the steps made to the optimizer's fp32 values."""
 
 from pathlib import Path
+
+import torch
 
 from tests.helpers import rel_err
 from tests.zero_tasks import assemble
@@ -42,3 +45,23 @@ def assert_parameters_match(name: str, results: list[dict], ref: dict, tol: floa
     for key, value in want.items():
         assert not got[key].isnan().any(), f"{name}: {key} not covered by the placements"
         assert rel_err(got[key], value) <= tol, f"{name}: {key} differs by {rel_err(got[key], value):.2e}"
+
+
+def update_error(got: dict, want: dict, initial: dict) -> tuple[float, str]:
+    """The worst parameter's ||(got - initial) - (want - initial)|| / ||want - initial||: the error of
+    what the steps changed, relative to the change (for one that did not change, e.g. a frozen base
+    weight: ||got - want|| itself), and its name."""
+    worst = (0.0, "")
+    for key, value in want.items():
+        moved = (value.double() - initial[key].double()).norm()
+        diff = (got[key].double() - value.double()).norm()
+        worst = max(worst, (float(diff / moved) if moved > 0 else float(diff), key))
+    return worst
+
+
+def fp32_values(results: list[dict]) -> dict[str, torch.Tensor]:
+    """The global parameters as the optimizer holds them: its fp32 masters where it keeps any (bf16 and
+    fp16 compute: the model holds a rounded copy, whose last bit hides a small update), else the model's."""
+    params = assemble([r["params"] for r in results], [r["placements"] for r in results])
+    masters = assemble([r["masters"] for r in results], [r["master_placements"] for r in results])
+    return {name: masters.get(f"optimizer.master.{name}", value) for name, value in params.items()}

@@ -9,16 +9,23 @@ import io
 from tests.helpers import make_config
 
 
-def train_layout(overrides: list[str], out: str) -> dict:
-    """Train; return losses, grad norms, the final local parameters with their placements."""
+def train_layout(overrides: list[str], out: str, initial: bool = False) -> dict:
+    """Train; return losses, grad norms, the final local parameters with their placements (and
+    with `initial`, the parameters before the first step)."""
     from threefold.train.trainer import Trainer
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         trainer = Trainer(make_config(overrides, out))
+        before = ({n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()}
+                  if initial else None)
         records = trainer.run()
     mesh = trainer.mesh
-    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+    masters = [(place, t) for place, t in trainer.optimizer.named_state()
+               if place.name.startswith("optimizer.master.")]  # bf16 / fp16 compute: the fp32 values
+    return {"initial": before, "masters": {place.name: t.detach().float().clone() for place, t in masters},
+            "master_placements": {place.name: place for place, _ in masters},
+            "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
             "val": [r["val_loss"] for r in records if "val_loss" in r],
             "mem": records[-1]["mem"] if records else None,
             "params": {n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()},
@@ -28,9 +35,9 @@ def train_layout(overrides: list[str], out: str) -> dict:
             "loaded": [line for line in err.getvalue().splitlines() if line.startswith("threefold: loaded")]}
 
 
-def train_many(runs: list[tuple[list[str], str]]) -> list[dict]:
+def train_many(runs: list[tuple[list[str], str]], initial: bool = False) -> list[dict]:
     """Several trainings in one world task (one round trip to the processes)."""
-    return [train_layout(overrides, out) for overrides, out in runs]
+    return [train_layout(overrides, out, initial) for overrides, out in runs]
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ every pair of option values that can occur together in some valid case occurs in
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -24,7 +25,10 @@ FACTORS: dict[str, tuple] = {
     "remat": ("none", "full", "selective", "every-k"),
     "precision": ("fp32", "bf16", "fp16"),
     "compress": ("none", "bf16", "powersgd", "dgc"),
-    "offload": (False, True),
+    # the optimizer states of this rank's ZeRO shard in host memory, or in files (parallel/nvme.py)
+    "offload": ("none", "optimizer", "nvme"),
+    # LoRA adapters on a Hugging Face Llama (the base frozen), or the reference decoder trained whole
+    "lora": (False, True),
     # every case saves; then resumes from its first checkpoint under the same layout (saved
     # synchronously, asynchronously, or read back from the peer keepers' memory), or under another
     # layout (one process) from a synchronous save
@@ -41,51 +45,67 @@ def invalid(case: dict) -> str | None:
     """The config key whose error rejects `case`, or None when it is a valid run."""
     if case["dp"] * case["tp"] * pp_size(case) != WORLD:
         return "parallel"
-    if case["offload"] and case["zero"] == 0:
+    if case["offload"] != "none" and case["zero"] == 0:
         return "parallel.offload"
     if case["zero"] >= 1 and case["compress"] in SPARSE:
         return "compress.method"
+    if case["lora"] and case["sp"] and case["tp"] > 1:  # the adapters are not split over the sequence
+        return "model.lora_rank"
     return None
 
 
-def _all_cases() -> list[dict]:
+@functools.cache
+def _table() -> tuple[list[dict], torch.Tensor, list[bool]]:
+    """Every case, its pairs as ids (one column per pair of factors) and whether it is valid."""
     names = list(FACTORS)
-    return [dict(zip(names, values)) for values in itertools.product(*FACTORS.values())]
+    sizes = [len(v) for v in FACTORS.values()]
+    index = torch.cartesian_prod(*(torch.arange(s) for s in sizes))  # case x factor: value indices
+    columns, offset = [], 0
+    for i, j in itertools.combinations(range(len(names)), 2):
+        columns.append(offset + index[:, i] * sizes[j] + index[:, j])
+        offset += sizes[i] * sizes[j]
+    cases = [dict(zip(names, values)) for values in itertools.product(*FACTORS.values())]
+    return cases, torch.stack(columns, 1), [invalid(c) is None for c in cases]
 
 
-def _pairs(case: dict) -> list[tuple]:
-    items = list(case.items())
-    return [(a, b) for a, b in itertools.combinations(items, 2)]
+def _pair_of(pair_id: int) -> tuple:
+    """((factor, value), (factor, value)) of a pair id of `_table`."""
+    names = list(FACTORS)
+    for i, j in itertools.combinations(range(len(names)), 2):
+        block = len(FACTORS[names[i]]) * len(FACTORS[names[j]])
+        if pair_id < block:
+            a, b = divmod(pair_id, len(FACTORS[names[j]]))
+            return (names[i], FACTORS[names[i]][a]), (names[j], FACTORS[names[j]][b])
+        pair_id -= block
+    raise IndexError(pair_id)
 
 
 def covering() -> list[dict]:
     """Valid cases covering every pair that some valid case contains (greedy, deterministic)."""
-    valid = [c for c in _all_cases() if invalid(c) is None]
-    index: dict[tuple, int] = {}
-    rows = [[index.setdefault(p, len(index)) for p in _pairs(c)] for c in valid]
-    incidence = torch.zeros(len(valid), len(index))
-    for i, row in enumerate(rows):
-        incidence[i, row] = 1.0
-    uncovered = torch.ones(len(index))
+    cases, pairs, ok = _table()
+    valid = torch.tensor(ok).nonzero().flatten()
+    rows = pairs[valid]
+    uncovered = torch.zeros(int(pairs.max()) + 1, dtype=torch.int32)
+    uncovered[rows.flatten()] = 1
     chosen = []
     while uncovered.any():
-        best = int(torch.argmax(incidence @ uncovered))  # the first of the cases covering the most
-        chosen.append(valid[best])
-        uncovered[rows[best]] = 0.0
+        best = int(torch.argmax(uncovered[rows].sum(1)))  # the first of the cases covering the most
+        chosen.append(cases[int(valid[best])])
+        uncovered[rows[best]] = 0
     return chosen
 
 
 def invalid_pairs() -> list[tuple]:
     """Pairs of option values that no valid case contains."""
-    seen = {p for c in _all_cases() if invalid(c) is None for p in _pairs(c)}
-    everything = {p for c in _all_cases() for p in _pairs(c)}
-    return sorted(everything - seen, key=str)
+    _, pairs, ok = _table()
+    seen = set(pairs[torch.tensor(ok)].flatten().tolist())
+    return sorted((_pair_of(p) for p in range(int(pairs.max()) + 1) if p not in seen), key=str)
 
 
 def case_with(pair: tuple) -> dict:
     """A case holding `pair`, the rest chosen so that only the pair itself is at fault."""
     (fa, va), (fb, vb) = pair
-    for c in _all_cases():
+    for c in _table()[0]:
         if c[fa] == va and c[fb] == vb and invalid(_without(c, pair)) is None:
             return c
     raise AssertionError(f"no case isolates {pair}")
@@ -101,14 +121,22 @@ def _without(case: dict, pair: tuple) -> dict:
     return case
 
 
-def overrides(case: dict) -> list[str]:
-    """The case as config overrides (tiny model, 4 layers, 2 micro-batches); when and what it saves
-    and resumes is the test's."""
+def model(case: dict, llama: str) -> list[str]:
+    """The model of the case: the reference decoder (4 layers), or LoRA (rank 4) on the Llama saved in `llama`."""
+    if case["lora"]:
+        return [f"model.preset=hf:{llama}", "model.lora_rank=4", "model.lora_alpha=8"]
+    return ["model.preset=tiny", "model.layers=4"]
+
+
+def overrides(case: dict, scratch: str = "scratch") -> list[str]:
+    """The case as config overrides (2 micro-batches; `scratch`: the NVMe offload's directory); the
+    model is `model`'s, when and what it saves and resumes is the test's."""
     out = [f"parallel.dp={case['dp']}", f"parallel.tp={case['tp']}", f"parallel.pp={pp_size(case)}",
            f"parallel.sequence_parallel={str(case['sp']).lower()}", f"parallel.zero={case['zero']}",
            f"remat.policy={case['remat']}", f"precision.compute={case['precision']}",
-           f"compress.method={case['compress']}",
-           f"parallel.offload={'optimizer' if case['offload'] else 'none'}"]
+           f"compress.method={case['compress']}", f"parallel.offload={case['offload']}"]
+    if case["offload"] == "nvme":
+        out.append(f"parallel.offload_dir={scratch}")
     if case["checkpoint"] == "async":
         out.append("checkpoint.async_save=true")
     if case["checkpoint"] == "peer":
@@ -119,6 +147,8 @@ def overrides(case: dict) -> list[str]:
         out.append("pipeline.virtual_stages=2")
     if case["compress"] in ("onebit", "powersgd"):
         out.append("compress.warmup_steps=1")
+    if case["compress"] == "dgc":  # every entry sent: the dense sum of bf16 values (the test's reference)
+        out += ["compress.dgc_sparsity=0", "compress.dgc_local_clip=false"]
     return out
 
 
