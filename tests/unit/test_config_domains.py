@@ -107,7 +107,7 @@ def test_a_string_outside_its_choices_or_shape_is_refused(key):
 REFUSED = ["train.min_lr_ratio=2", "train.min_lr_ratio=-0.1", "train.beta1=1", "train.beta2=-0.5", "train.eps=0",
            "train.grad_clip=-1", "train.warmup_steps=-3", "train.seed=-1", "model.lora_dropout=1",
            "model.norm_eps=0", "model.ffn_hidden=0", "model.max_seq=0", "model.experts_top_k=0",
-           "model.init_std=-0.02", "run.log_every=0", "run.threads=-1", "checkpoint.keep=-1", "parallel.zero=4",
+           "model.init_std=-0.02", "run.threads=-1", "checkpoint.keep=-1", "parallel.zero=4",
            "precision.growth_factor=1", "precision.backoff_factor=0", "compress.warmup_steps=-2",
            "train.easgd_alpha=1", "fault.rank=-2", "fault.step=-1", "fault.signal=SIGKILL",
            "debug.comm_semantics=mpi", "model.lora_targets=q_proj;v_proj", "train.lr=nan"]

@@ -202,7 +202,7 @@ DOMAINS: dict[str, Domain] = {
     "checkpoint.peer_copy": BY_TYPE,
     # [run]
     "run.out": Text("path", "a run directory"), "run.id": Text("free", "the id of the run that owns run.out"),
-    "run.device": BY_TYPE, "run.log_every": AtLeast(1), "run.progress": BY_TYPE, "run.tensorboard": BY_TYPE,
+    "run.device": BY_TYPE, "run.progress": BY_TYPE, "run.tensorboard": BY_TYPE,
     "run.plot": BY_TYPE, "run.collective_timeout_s": POSITIVE, "run.threads": AtLeast(0, "0 = auto"),
     # [debug]
     "debug.history": AtLeast(0, "0 turns the recorder off"), "debug.watchdog": BY_TYPE,

@@ -291,7 +291,6 @@ class RunConfig:
     out: str = ""  # the run directory; "" = a fresh runs/<date>-<time> (the CLI points runs/latest at it)
     id: str = ""  # the run that owns `out` (DIR/run.json), set when the directory is claimed
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    log_every: int = 1
     progress: bool = True
     tensorboard: bool = False
     plot: bool = True
