@@ -8,9 +8,7 @@ peak resident bytes above the baseline, the optimizer's state bytes."""
 from __future__ import annotations
 
 import json
-import os
 import resource
-import socket
 import sys
 
 
@@ -23,11 +21,6 @@ def status(key: str) -> int:
 
 def main() -> None:
     out, budget_mb, overrides = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
@@ -35,7 +28,8 @@ def main() -> None:
     from threefold.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # a world of one over an in-process store: no port to choose, none another process can take meanwhile
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = make_config(overrides, out)
     base_rss, base_data = status("VmRSS"), status("VmData")
     if budget_mb:
