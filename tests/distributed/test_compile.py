@@ -16,10 +16,12 @@ end of each compiled backward node), has the first bucket's all-reduce (plain dp
 (ZeRO-2) or unit's reduce-scatter (ZeRO-3) before the last compiled node ends - with the whole
 model as one region every reduction came after its one backward node.
 
-The default tests compile with the `aot_eager` backend (dynamo's capture and AOT autograd's joint
+The layouts compile with the `aot_eager` backend (dynamo's capture and AOT autograd's joint
 graph, no code generation), which is what can go wrong in threefold's own code: hooks, remat and
-the tensor-parallel regions being traced. Inductor's C++ code generation takes ~30 s for the dp
-case alone on a loaded 2-core machine, so that run is opt-in: THREEFOLD_SLOW=1."""
+the tensor-parallel regions being traced. The backend GPU users get, inductor (the default of
+debug.compile_backend), generates code: one small case runs it in the normal suite (one
+process, a 1-layer model, 2 steps: its C++ compilation of the five regions' forward and backward
+kernels is most of its time), the dp layout under inductor is opt-in: THREEFOLD_SLOW=1."""
 
 import os
 import re
@@ -42,16 +44,16 @@ GRAPHS = {"dp": 5, "zero2": 6, "zero3": 5, "pp": 1, "tp": 28}
 REDUCTIONS = {"all_reduce", "reduce_scatter"}
 
 
-def compiled_and_eager(out: str, backend: str, layouts: dict) -> dict:
+def compiled_and_eager(out: str, backend: str, layouts: dict, base: list[str] = BASE) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     found = {}
     for name, overrides in layouts.items():
-        eager = train_and_report(BASE + overrides, f"{out}/{name}-eager")
+        eager = train_and_report(base + overrides, f"{out}/{name}-eager")
         torch._dynamo.reset()
         counters.clear()
-        compiled = train_and_report(BASE + overrides + ["train.compile=true", f"debug.compile_backend={backend}"],
+        compiled = train_and_report(base + overrides + ["train.compile=true", f"debug.compile_backend={backend}"],
                                     f"{out}/{name}-compiled")
         graphs = counters["stats"]["unique_graphs"]  # what dynamo really captured
         breaks = dict(counters["graph_break"])
@@ -151,3 +153,27 @@ def test_gradient_reductions_are_issued_during_the_compiled_backward(worlds, tmp
                     "THREEFOLD_SLOW=1 runs it")
 def test_inductor_compiled_forward_and_loss_train_as_eager_ones(worlds, tmp_path):
     _check(worlds(2).run(compiled_and_eager, str(tmp_path), "inductor", {"dp": LAYOUTS["dp"]}))
+
+
+# one block (the blocks share one graph whatever their number), the fewest tokens: what inductor
+# compiles is the five regions' graphs, forward and backward
+INDUCTOR = ["model.preset=tiny", "model.layers=1", "train.global_batch=2", "train.seq_len=16", "train.steps=2"]
+
+
+def test_inductor_trains_as_eager_on_one_process(worlds, tmp_path, capsys):
+    """`train.compile` with inductor, the backend a GPU run gets, on the CPU: its generated kernels
+    give the eager run's losses and parameters within 1e-5 relative. Inductor fuses elementwise ops
+    and may reorder a reduction: fp32 results differ by rounding (~1e-7 relative per op), which two
+    AdamW steps (an update of about lr per element whatever the gradient's scale) carry into the
+    parameters no larger; a wrong kernel (a dropped term, a wrong stride) is off by far more."""
+    import time
+
+    start = time.monotonic()
+    (found,) = worlds(1).run(compiled_and_eager, str(tmp_path), "inductor", {"one": []}, INDUCTOR)
+    seconds = time.monotonic() - start
+    eager, compiled, (err, where), graphs, breaks, sent = found["one"]
+    assert graphs == GRAPHS["dp"] and not breaks, (graphs, breaks)  # embed, block, norm, head, loss
+    assert len(compiled) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(compiled, eager)), (compiled, eager)
+    assert err <= 1e-5, f"{where} differs by {err:.2e}"
+    with capsys.disabled():
+        print(f"\ninductor, one process, 2 steps (eager and compiled): {seconds:.1f} s; worst parameter {err:.1e}")
