@@ -9,6 +9,7 @@ reassembled from every rank through the placement contract only (relative 1e-4 p
 import pytest
 import torch
 
+from tests.case_runs import fp32_values, update_error
 from tests.composition_tasks import train_many
 from tests.helpers import rel_err
 from tests.zero_tasks import assemble
@@ -155,7 +156,11 @@ SMALL = [("zb-h1 zero 2", ["parallel.zero=2", "pipeline.schedule=zb-h1", "train.
                                  "train.microbatches=2"])]
 
 
-def test_zero2_and_fp16_with_a_pipeline(worlds, tmp_path):
+# relative: the loss, the update of the fp32 masters (measured 1.6e-6 and 8.1e-4; see below)
+FP16_LOSS, FP16_UPDATE = 1e-5, 5e-3
+
+
+def test_zero2_and_fp16_with_a_pipeline(worlds, tmp_path, capsys):
     """(2,1,2): ZeRO-2 reduce-scatters after the last micro-batch (the tied embedding sums whole
     gradients first); fp16 scales the loss the schedule backpropagates (tokens / loss scale)."""
     common = BASE + ["train.steps=4", "parallel.dp=2", "parallel.pp=2"]
@@ -165,18 +170,24 @@ def test_zero2_and_fp16_with_a_pipeline(worlds, tmp_path):
     per_rank = worlds(4).run(train_many, jobs)
     refs = worlds(1).run(train_many, [(BASE + ["train.steps=4", "train.microbatches=2"], str(tmp_path / "r32")),
                                       (BASE + ["train.steps=4", "train.microbatches=2", "precision.compute=fp16"],
-                                       str(tmp_path / "r16"))])[0]
+                                       str(tmp_path / "r16"))], True)[0]
     for i, (name, _) in enumerate(SMALL):
         results = [r[i] for r in per_rank]
         assert loss_err(results, refs[0]["losses"]) <= TOL, name
         got, want = global_params(results), global_params([refs[0]])
         worst = max((rel_err(got[k], v), k) for k, v in want.items())
         assert worst[0] <= TOL, f"{name}: {worst[1]} differs by {worst[0]:.2e}"
+    initial = assemble([refs[0]["initial"]], [refs[0]["placements"]])
     for i, z in enumerate((0, 3), len(SMALL)):
         results = [r[i] for r in per_rank]
-        # fp16 rounding differs with the layout: a looser bound, but the loss scale must act (an
-        # unscaled or doubly scaled gradient would change the step by orders of magnitude)
-        assert loss_err(results, refs[1]["losses"]) <= 1e-3, f"fp16 zero {z}"
-        got, want = global_params(results), global_params([refs[1]])
-        worst = max((rel_err(got[k], v), k) for k, v in want.items())
-        assert worst[0] <= 5e-3, f"fp16 zero {z}: {worst[1]} differs by {worst[0]:.2e}"
+        # fp16 rounding differs with the layout (11 significant bits: 4.9e-4 per rounding, partial
+        # sums and gradients added in another order): what the 4 steps changed in the fp32 masters
+        # within about 10 roundings of the change (AdamW's update passes a relative gradient error
+        # on about 1:1), so a wrong update (a gradient lost, a step skipped: an error of about 1)
+        # fails, where 5e-3 of the parameters themselves hid about a tenth of a step.
+        loss = loss_err(results, refs[1]["losses"])
+        worst, where = update_error(fp32_values(results), fp32_values([refs[1]]), initial)
+        with capsys.disabled():
+            print(f"\nfp16 (2,1,2) zero {z}: loss {loss:.1e}, update {worst:.1e} ({where})")
+        assert loss <= FP16_LOSS, f"fp16 zero {z}: loss differs by {loss:.2e}"
+        assert worst <= FP16_UPDATE, f"fp16 zero {z}: the update of {where} differs by {worst:.2e}"
