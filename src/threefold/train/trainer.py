@@ -83,10 +83,8 @@ class Trainer:
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
-        if self.is_writer:
-            print(f"threads: {threads[0]} (from {threads[1]})", file=sys.stderr, flush=True)
-            if read_run(self.out) is not None:  # a claimed run directory (a library run may have none)
-                update_run(self.out, "threads", {"count": threads[0], "from": threads[1]})
+        if self.is_writer and read_run(self.out) is not None:  # a claimed run directory (a library run may have none)
+            update_run(self.out, "threads", {"count": threads[0], "from": threads[1]})
         t = cfg.train
         self.sampler, val_sampler = build_samplers(cfg.data, t.seq_len, t.global_batch, t.seed, cfg.model.vocab,
                                                    validation=t.eval_every > 0)
@@ -128,6 +126,8 @@ class Trainer:
         self._restore()
         self.autosave = AutoSave(cfg.checkpoint, self.mesh.world_size, cfg.train.steps, self.step,
                                  self._agree_max) if cfg.checkpoint.save_every == "auto" else None
+        if self.is_writer:  # once the run is built: a refused model or layout stays one line
+            print(f"threads: {threads[0]} (from {threads[1]})", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ checkpoints
 
