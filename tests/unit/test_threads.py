@@ -2,6 +2,7 @@
 
 import pytest
 
+from threefold.config import load_config
 from threefold.errors import ConfigError, UserError
 from threefold.train.threads import choose_cpu_threads
 
@@ -30,6 +31,6 @@ def test_an_omp_num_threads_that_is_not_a_count_is_one_line(value):
 
 
 def test_a_negative_setting_names_the_key():
-    with pytest.raises(ConfigError) as caught:
-        choose_cpu_threads(-1, None, 2, 1)
+    with pytest.raises(ConfigError) as caught:  # the key's domain, before any thread count is chosen
+        load_config(None, ["run.threads=-1"])
     assert caught.value.field == "run.threads"

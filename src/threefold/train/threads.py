@@ -12,17 +12,15 @@ import os
 
 import torch
 
-from ..errors import ConfigError, UserError
+from ..errors import UserError
 from ..mesh import local_world_size
 
 
 def choose_cpu_threads(setting: int, omp_num_threads: str | None, cores: int, local: int) -> tuple[int, str]:
     """torch's intra-op threads for one process and where the count came from: run.threads when
-    set (> 0), else OMP_NUM_THREADS when set (its first level, as OpenMP reads "4,2"), else the
-    fair share of the cores among the local processes (torch would start one thread per core in each)."""
-    if setting < 0:
-        raise ConfigError("run.threads", f"must be at least 0 (0: OMP_NUM_THREADS, else cores / local processes), "
-                          f"got {setting}")
+    set (> 0; its domain, config/domains.py, refuses a negative one), else OMP_NUM_THREADS when set
+    (its first level, as OpenMP reads "4,2"), else the fair share of the cores among the local
+    processes (torch would start one thread per core in each)."""
     if setting > 0:
         return setting, "run.threads"
     if omp_num_threads is not None and omp_num_threads.strip():

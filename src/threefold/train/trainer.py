@@ -71,8 +71,8 @@ class Trainer:
         if cfg.train.deterministic:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
         init_distributed(device, process_group_timeout_s(cfg))
-        threads = share_cpu_threads(cfg.run.threads)  # (count, source): printed and in DIR/run.json below
         self.cfg = cfg = cfg.for_device(device.type).validate(dist.get_world_size())
+        threads = share_cpu_threads(cfg.run.threads)  # (count, source): printed and in DIR/run.json below
         set_tf32(device, cfg.precision.tf32)
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
