@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..comm.autograd import all_gather_from_group, gather_along
 from ..comm.collectives import Comm
 from ..errors import UserError
+from ..models.attention import Block, additive, block_attention, block_backward, block_forward, merge
 from ..models.decoder import Attention, Embedding
 from ..models.hf_causal import HFBlock
 from ..models.hf_gpt2 import GPT2Block, GPT2Embedding
@@ -135,52 +136,24 @@ def _gather_where(comm: Comm, axis: str, q: torch.Tensor, index: torch.Tensor,
 # ------------------------------------------------------------------ ring
 
 
-def _halves(n: int) -> list[slice]:
-    h = (n + 1) // 2
-    return [slice(0, h), slice(h, n)] if n > 1 else [slice(0, n)]
-
-
-def _safe(lse: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-
-
-def _block_forward(q, k, v, allowed, scale):
-    """Partial attention of q (b, hk, g, sq, d) on one key block k, v (b, hk, sk, d): (out, lse)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    p = torch.exp(scores - _safe(lse)[..., None])
-    return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
-
-
-def _merge(out, lse, block_out, block_lse):
-    """Log-sum-exp merge of two partial attentions over disjoint key sets."""
-    new = torch.logaddexp(lse, block_lse)
-    safe = _safe(new)
-    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
-
-
-def _block_backward(q, k, v, do, lse, delta, allowed, scale):
-    """Gradients of one block: (dq, dk, dv) for q (b, hk, g, sq, d) and k, v (b, hk, sk, d)."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    p = torch.exp(scores - _safe(lse)[..., None])
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v)
-    ds = p * (dp - delta[..., None])
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q) * scale
-    return dq, dk, dv
-
-
-def _sub_blocks(allowed: torch.Tensor):
-    """The (query rows, key columns, mask) sub-blocks of a block that the mask does not leave empty."""
-    sq, sk = allowed.shape[-2:]
-    for rows in _halves(sq):
-        for cols in _halves(sk):
-            sub = allowed[:, rows, cols]
-            if bool(sub.any()):
-                yield rows, cols, sub
+def _ring_blocks(rank: int, src: int, cp: int, s: int, where: _Where | None) -> list[Block]:
+    """The visible blocks of this rank's queries on rank `src`'s keys, from the ranks alone: local
+    halves are the zigzag chunks (rank, 2cp-1-rank), so each (query chunk, key chunk) pair is wholly
+    visible (an earlier chunk), causal (the same chunk) or invisible (a later one). With documents
+    each visible block carries its slice of the causal + document mask (the mask fallback)."""
+    c = s // 2
+    mask = None if where is None or where.docs is None else where.local_mask(rank, src)
+    blocks = []
+    for qi, gq in enumerate((rank, 2 * cp - 1 - rank)):
+        for ki, gk in enumerate((src, 2 * cp - 1 - src)):
+            if gk > gq:
+                continue
+            rows, cols = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
+            if mask is None:
+                blocks.append(Block(rows, cols, causal=gk == gq))
+            else:
+                blocks.append(Block(rows, cols, bias=additive(mask[:, None, rows, cols], torch.float32)))
+    return blocks
 
 
 class _RingAttention(torch.autograd.Function):
@@ -188,32 +161,32 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm, axis, where, scale, stats):
         cp, rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         nxt_rank, prev_rank = (rank + 1) % cp, (rank - 1) % cp
-        b, h, s, d = q.shape
-        hk = k.shape[1]
-        qf = q.float().unflatten(1, (hk, h // hk))
-        out = qf.new_zeros(qf.shape)
-        lse = qf.new_full(qf.shape[:-1], float("-inf"))
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
         kv = torch.stack((k, v)).contiguous()
-        plan = []  # per step, the sub-blocks computed (backward takes the same ones)
+        plan = []  # per step, the blocks computed and their forwards' aux (backward takes the same ones)
         for t in range(cp):
             src = (rank - t) % cp
             pending = []
             if t < cp - 1:  # the next block travels while this one is computed
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv([(kv, axis, nxt_rank)], [(incoming, axis, prev_rank)])
-            kf, vf = kv[0].float(), kv[1].float()
-            plan.append(list(_sub_blocks(where.local_mask(rank, src))))
-            for rows, cols, sub in plan[-1]:
-                o_b, l_b = _block_forward(qf[..., rows, :], kf[:, :, cols], vf[:, :, cols], sub, scale)
-                out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o_b, l_b)
-                stats.append((t, rows.start, cols.start))
+            plan.append([])
+            for blk in _ring_blocks(rank, src, cp, q.shape[2], where):
+                bias = None if blk.bias is None else blk.bias.to(q.dtype)
+                o_b, l_b, aux = block_forward(q[..., blk.rows, :], kv[0][..., blk.cols, :], kv[1][..., blk.cols, :],
+                                              blk.causal, scale, bias)
+                out[..., blk.rows, :], lse[..., blk.rows] = merge(out[..., blk.rows, :], lse[..., blk.rows], o_b, l_b)
+                plan[-1].append((blk, aux))
+                stats.append((t, blk.rows.start, blk.cols.start))
             for handle in pending:
                 handle.wait()
             if pending:
                 kv = incoming
+        result = out.to(q.dtype)
         ctx.comm, ctx.axis, ctx.plan, ctx.scale = comm, axis, plan, scale
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.flatten(1, 2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        return result
 
     @staticmethod
     def backward(ctx, grad):
@@ -221,11 +194,8 @@ class _RingAttention(torch.autograd.Function):
         comm, axis, plan, scale = ctx.comm, ctx.axis, ctx.plan, ctx.scale
         cp, rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         nxt_rank, prev_rank = (rank + 1) % cp, (rank - 1) % cp
-        hk = k.shape[1]
-        qf = q.float().unflatten(1, (hk, q.shape[1] // hk))
-        do = grad.float().unflatten(1, (hk, q.shape[1] // hk))
-        delta = (do * out).sum(-1)
-        dq = torch.zeros_like(qf)
+        grad = grad.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack((k, v)).contiguous()
         own = None  # dK, dV of this rank's own block from its own queries
         arriving, acc_pending, sending = None, [], None
@@ -234,14 +204,14 @@ class _RingAttention(torch.autograd.Function):
             if t < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv([(kv, axis, nxt_rank)], [(incoming, axis, prev_rank)])
-            kf, vf = kv[0].float(), kv[1].float()
-            dkv = torch.zeros((2,) + kf.shape, dtype=torch.float32, device=kf.device)
-            for rows, cols, sub in plan[t]:
-                dq_b, dk_b, dv_b = _block_backward(qf[..., rows, :], kf[:, :, cols], vf[:, :, cols],
-                                                   do[..., rows, :], lse[..., rows], delta[..., rows], sub, scale)
-                dq[..., rows, :] += dq_b
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for blk, aux in plan[t]:
+                r, c = blk.rows, blk.cols
+                dq_b, dk_b, dv_b = block_backward(grad[..., r, :], q[..., r, :], kv[0][..., c, :], kv[1][..., c, :],
+                                                  out[..., r, :], lse[..., r].contiguous(), blk.causal, scale, aux)
+                dq[..., r, :] += dq_b
+                dkv[0][..., c, :] += dk_b
+                dkv[1][..., c, :] += dv_b
             if t == 0:
                 own = dkv
             else:
@@ -260,8 +230,7 @@ class _RingAttention(torch.autograd.Function):
             handle.wait()
         if arriving is not None:
             own = own + arriving
-        dq = dq.flatten(1, 2).to(q.dtype)
-        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
 
 
 # ------------------------------------------------------------------ ulysses
@@ -337,25 +306,59 @@ def ring_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs: to
     return _RingAttention.apply(q, k, v, comm, axis, where, scale, [] if stats is None else stats)
 
 
+def _rank_to_sequence(x: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
+    """Every rank's zigzag part, concatenated in rank order along `dim`, put in sequence order."""
+    return zigzag_unsplit(x.chunk(cp, dim), dim)
+
+
+def _sequence_to_rank(x: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
+    """The inverse of `_rank_to_sequence`: rank r's chunks r and 2cp-1-r, for r = 0 .. cp-1, in order."""
+    chunks = x.chunk(2 * cp, dim)
+    return torch.cat([chunks[i] for r in range(cp) for i in (r, 2 * cp - 1 - r)], dim)
+
+
+def _gathered_blocks(rank: int, cp: int, s: int) -> list[Block]:
+    """This rank's two zigzag chunks of queries on the whole sequence of keys (sequence order): the
+    earlier chunks wholly visible, its own chunk causal."""
+    c = s // 2
+    blocks = []
+    for qi, g in enumerate((rank, 2 * cp - 1 - rank)):
+        rows = slice(qi * c, (qi + 1) * c)
+        if g:
+            blocks.append(Block(rows, slice(0, g * c)))
+        blocks.append(Block(rows, slice(g * c, (g + 1) * c), causal=True))
+    return blocks
+
+
 def allgather_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs: torch.Tensor | None = None,
                         scale: float | None = None) -> torch.Tensor:
-    """Attention on all-gathered keys and values (their gradients reduce-scattered in backward)."""
+    """Attention on all-gathered keys and values (their gradients reduce-scattered in backward): on the
+    fused kernels by blocks (`_gathered_blocks`); with documents, SDPA under the boolean mask."""
     where = _gather_where(comm, axis, q, index, docs)
     kv = all_gather_from_group(torch.stack((k, v)), comm, axis, dim=3)  # (2, b, hk, cp*s, d), rank order
+    cp, rank = comm.mesh.size(axis), comm.mesh.rank(axis)
+    if docs is None:
+        kv = _rank_to_sequence(kv, cp, 3)
+        return block_attention(q, kv[0], kv[1], _gathered_blocks(rank, cp, q.shape[2]), scale)
     k_index, k_docs = where.flat()
-    rank = comm.mesh.rank(axis)
-    allowed = attention_mask(where.index[rank], k_index, None if docs is None else where.docs[rank], k_docs)
+    allowed = attention_mask(where.index[rank], k_index, where.docs[rank], k_docs)
     return _sdpa(q, kv[0], kv[1], allowed, scale)
 
 
 def ulysses_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs: torch.Tensor | None = None,
                       scale: float | None = None) -> torch.Tensor:
-    """All-to-all to whole sequences of heads/cp heads, attention, all-to-all back."""
-    check_ulysses(q.shape[1], k.shape[1], comm.mesh.size(axis))
+    """All-to-all to whole sequences of heads/cp heads, attention (SDPA is_causal on the sequence in
+    order; with documents, under the boolean mask), all-to-all back."""
+    cp = comm.mesh.size(axis)
+    check_ulysses(q.shape[1], k.shape[1], cp)
     where = _gather_where(comm, axis, q, index, docs)
+    qh, kh, vh = (_SeqToHeads.apply(x, comm, axis) for x in (q, k, v))
+    if docs is None:
+        qs, ks, vs = (_rank_to_sequence(x, cp, 2) for x in (qh, kh, vh))
+        y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])
+        return _HeadsToSeq.apply(_sequence_to_rank(y, cp, 2), comm, axis)
     all_index, all_docs = where.flat()
     allowed = attention_mask(all_index, all_index, all_docs, all_docs)
-    qh, kh, vh = (_SeqToHeads.apply(x, comm, axis) for x in (q, k, v))
     return _HeadsToSeq.apply(_sdpa(qh, kh, vh, allowed, scale), comm, axis)
 
 
