@@ -196,14 +196,41 @@ def window_attention(q, k, v, window: int, scale: float | None = None) -> torch.
     return block_attention(q, k, v, window_blocks(seq, window), scale)
 
 
+def document_kernel(device: torch.device | str):
+    """The packed documents' flash-class kernel of a device, chosen once (when the attention is wired):
+    FlexAttention, compiled, on CUDA; None elsewhere - SDPA under the boolean mask, the CPU fallback
+    (FlexAttention has no backward on CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_attention(q, k, v, q_index, k_index, q_docs, k_docs, scale: float | None, kernel) -> torch.Tensor:
+    """Causal + same-document attention through `kernel` (FlexAttention) under a block mask built on the
+    device from the tokens' global indices and document ids, (b, sq) and (b, sk): no dense mask reaches
+    the kernel, fully masked tiles are skipped, and nothing is read back to the host."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, qi, ki):
+        return (k_index[b, ki] <= q_index[b, qi]) & (k_docs[b, ki] == q_docs[b, qi])
+
+    block = create_block_mask(visible, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    return kernel(q, k, v, block_mask=block, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def attention_path(device: torch.device | str, *, cp_method: str | None = None, packed: bool = False,
                    window: bool = False) -> str:
-    """The one line naming the attention path of a run: chosen from the device and the model's
-    features once, and the same choice the attention functions make (they take the same inputs)."""
+    """The one line naming the attention path of a run, from the device and the model's features: the
+    choice the attention makes (`document_kernel` at wiring, the blocks from sizes and ranks)."""
     cuda = torch.device(device).type == "cuda"
     if packed:
-        what = "boolean mask (CPU fallback)" if not cuda else "boolean mask (no host-free document kernel yet)"
-        return f"attention: packed documents, {what}" + (f", cp {cp_method}" if cp_method else "")
+        if cp_method == "ring":
+            return ("attention: packed documents, ring, fused blocks under a document bias "
+                    + ("(efficient attention)" if cuda else "(CPU fallback)"))
+        return ("attention: packed documents, flex attention (document block mask)" if cuda
+                else "attention: packed documents, boolean mask (CPU fallback)")
     if cp_method == "ring":
         return "attention: ring, fused blocks merged by log-sum-exp"
     if cp_method == "allgather":

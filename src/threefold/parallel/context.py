@@ -10,24 +10,31 @@ token: the causal mask and (for one document per sequence) the rotary positions.
 
 Masks. Token q attends to token k when k's global index is not after q's and, with packed
 documents, both carry the same document id (`docs`, any lengths, crossing chunk and rank
-boundaries). `attention_mask` builds it from the indices and ids; every method gathers the ranks'
-indices and ids once (`all_gather.mask`, small int64 tensors) and builds the masks it needs from
-them, so no method assumes the zigzag layout for correctness.
+boundaries). Without documents every method takes its blocks from the zigzag layout (host integers:
+sizes and ranks), on the fused kernels that return the log-sum-exp (models/attention.py), with no
+mask and nothing read back to the host. With documents, every method gathers the ranks' indices
+and ids once (`all_gather.mask`, small int64 tensors; gathered without documents too, the figures in
+docs/context.md) and masks by them: on CUDA allgather and ulysses through FlexAttention under a
+block mask built on the device (`document_kernel`, chosen once when the core is built), the ring
+through the fused blocks under an additive bias; on CPU SDPA under the boolean mask (the fallback).
 
 Methods (each a differentiable function of local q (b, heads, s, d), k and v (b, kv_heads, s, d)
 returning the local output (b, heads, s, d); GQA: kv_heads divides heads):
 
     ring       K and V rotate around the axis by p2p (`Comm.batch_send_recv`), the next block's
-               transfer posted before the current block's attention so the two overlap; each
-               block's partial attention (hand-written, fp32) is merged by log-sum-exp. Every
-               block is cut into 2 x 2 sub-blocks (the local sequence is two zigzag chunks) and
-               a sub-block the mask leaves empty is skipped: causally, the future ones, and with
-               documents, those of other documents. Backward rotates K and V again and the fp32
-               dK/dV of each block travel with it, one hop behind, and go home at the end.
-    allgather  K and V all-gathered (one call), attention with the causal+document mask through
-               `F.scaled_dot_product_attention`; backward reduce-scatters their gradients.
-    ulysses    all-to-all from sequence-sharded to head-sharded q, k, v; full-sequence attention
-               on heads/cp heads; all-to-all back. Heads and kv heads must divide by cp.
+               transfer posted before the current block's attention so the two overlap. Each
+               (query chunk, key chunk) pair of the zigzag halves is wholly visible, causal (the
+               same chunk) or invisible, decided from the ranks alone (`_ring_blocks`): the visible
+               ones run through the fused forward (flash / efficient on CUDA, flash on CPU) and merge
+               by log-sum-exp. Backward runs the fused backward of each block against the merged
+               output and log-sum-exp; K and V rotate again and the fp32 dK/dV of each block travel
+               with it, one hop behind, and go home at the end.
+    allgather  K and V all-gathered (one call) and put in sequence order; the local chunks attend
+               the earlier chunks wholly and their own causally (fused blocks, lse-merged);
+               backward reduce-scatters their gradients.
+    ulysses    all-to-all from sequence-sharded to head-sharded q, k, v; the whole sequence put in
+               order and SDPA is_causal on heads/cp heads; all-to-all back. Heads and kv heads must
+               divide by cp.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ import torch.nn.functional as F
 from ..comm.autograd import all_gather_from_group, gather_along
 from ..comm.collectives import Comm
 from ..errors import UserError
-from ..models.attention import Block, additive, block_attention, block_backward, block_forward, merge
+from ..models.attention import (Block, additive, block_attention, block_backward, block_forward, document_attention,
+                                document_kernel, merge)
 from ..models.decoder import Attention, Embedding
 from ..models.hf_causal import HFBlock
 from ..models.hf_gpt2 import GPT2Block, GPT2Embedding
@@ -295,7 +303,7 @@ def _sdpa(q, k, v, allowed, scale):
 
 
 def ring_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs: torch.Tensor | None = None,
-                   scale: float | None = None, stats: list | None = None) -> torch.Tensor:
+                   scale: float | None = None, kernel=None, stats: list | None = None) -> torch.Tensor:
     """Causal (+ document) attention of the local queries on every rank's keys, by ring rotation.
 
     `index`: the global sequence index of each local token, (s,) or (b, s); `docs`: their
@@ -331,9 +339,10 @@ def _gathered_blocks(rank: int, cp: int, s: int) -> list[Block]:
 
 
 def allgather_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs: torch.Tensor | None = None,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, kernel=None) -> torch.Tensor:
     """Attention on all-gathered keys and values (their gradients reduce-scattered in backward): on the
-    fused kernels by blocks (`_gathered_blocks`); with documents, SDPA under the boolean mask."""
+    fused kernels by blocks (`_gathered_blocks`); with documents, `kernel` (FlexAttention) under a block
+    mask, or without one SDPA under the boolean mask (the CPU fallback)."""
     where = _gather_where(comm, axis, q, index, docs)
     kv = all_gather_from_group(torch.stack((k, v)), comm, axis, dim=3)  # (2, b, hk, cp*s, d), rank order
     cp, rank = comm.mesh.size(axis), comm.mesh.rank(axis)
@@ -341,12 +350,14 @@ def allgather_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, doc
         kv = _rank_to_sequence(kv, cp, 3)
         return block_attention(q, kv[0], kv[1], _gathered_blocks(rank, cp, q.shape[2]), scale)
     k_index, k_docs = where.flat()
+    if kernel is not None:
+        return document_attention(q, kv[0], kv[1], where.index[rank], k_index, where.docs[rank], k_docs, scale, kernel)
     allowed = attention_mask(where.index[rank], k_index, where.docs[rank], k_docs)
     return _sdpa(q, kv[0], kv[1], allowed, scale)
 
 
 def ulysses_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, kernel=None) -> torch.Tensor:
     """All-to-all to whole sequences of heads/cp heads, attention (SDPA is_causal on the sequence in
     order; with documents, under the boolean mask), all-to-all back."""
     cp = comm.mesh.size(axis)
@@ -358,6 +369,9 @@ def ulysses_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs:
         y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])
         return _HeadsToSeq.apply(_sequence_to_rank(y, cp, 2), comm, axis)
     all_index, all_docs = where.flat()
+    if kernel is not None:
+        y = document_attention(qh, kh, vh, all_index, all_index, all_docs, all_docs, scale, kernel)
+        return _HeadsToSeq.apply(y, comm, axis)
     allowed = attention_mask(all_index, all_index, all_docs, all_docs)
     return _HeadsToSeq.apply(_sdpa(qh, kh, vh, allowed, scale), comm, axis)
 
@@ -367,11 +381,11 @@ ATTENTION: dict[str, Callable] = {"ring": ring_attention, "allgather": allgather
 
 
 def context_attention(method: str, q, k, v, comm: Comm, axis: str, index: torch.Tensor,
-                      docs: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """The attention of `method` (one of METHODS)."""
+                      docs: torch.Tensor | None = None, scale: float | None = None, kernel=None) -> torch.Tensor:
+    """The attention of `method` (one of METHODS); `kernel`: the documents' kernel (`document_kernel`)."""
     if method not in ATTENTION:
         raise UserError(f"parallel.cp_method: unknown method '{method}'; choose one of {', '.join(METHODS)}")
-    return ATTENTION[method](q, k, v, comm, axis, index, docs, scale)
+    return ATTENTION[method](q, k, v, comm, axis, index, docs, scale, kernel)
 
 
 class ContextCore:
@@ -385,6 +399,7 @@ class ContextCore:
             raise UserError(f"parallel.cp_method: unknown method '{method}'; choose one of {', '.join(METHODS)}")
         self.method, self.comm, self.axis, self.index, self.docs = method, comm, axis, index, docs
         self.positions = index if positions is None else positions
+        self.kernel = document_kernel(comm.mesh.device)  # packed documents' kernel, chosen once (None: the mask)
 
     def rotary_positions(self, seq: int, device) -> torch.Tensor | None:
         return self.positions
@@ -396,7 +411,7 @@ class ContextCore:
 
     def __call__(self, q, k, v, scale: float | None = None) -> torch.Tensor:
         """`scale`: the softmax scale (None: head_dim ** -0.5); a Hugging Face attention passes its `scaling`."""
-        return ATTENTION[self.method](q, k, v, self.comm, self.axis, self.index, self.docs, scale)
+        return ATTENTION[self.method](q, k, v, self.comm, self.axis, self.index, self.docs, scale, self.kernel)
 
 
 # ------------------------------------------------------------------ training
