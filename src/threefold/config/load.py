@@ -59,6 +59,8 @@ class Config(Sections):
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}
 _SECTION_TYPES = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
+# each section's field types, resolved once (typing.get_type_hints re-evaluates every annotation per call)
+_SECTION_HINTS = {name: typing.get_type_hints(kind) for name, kind in _SECTION_TYPES.items()}
 
 
 # ---------------------------------------------------------------- building
@@ -159,7 +161,7 @@ def with_overrides(config: Config, **sections: dict) -> Config:
 def _field_type(section: str, name: str):
     if section not in SECTIONS:
         raise ConfigError(f"{section}.{name}", f"unknown config section '{section}'; valid sections: {', '.join(SECTIONS)}")
-    hints = typing.get_type_hints(_SECTION_TYPES[section])
+    hints = _SECTION_HINTS[section]
     if name not in hints:
         raise ConfigError(f"{section}.{name}", f"unknown key; valid keys in [{section}]: {', '.join(hints)}")
     return hints[name]

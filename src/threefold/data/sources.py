@@ -6,6 +6,7 @@ download, and the same ids on every machine.
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from pathlib import Path
@@ -35,7 +36,7 @@ def decode_bytes(tokens) -> str:
 def load_tokens(source: str, vocab: int, seed: int = 0) -> torch.Tensor:
     """A 1-D tensor of token ids for `source` (synthetic | stdlib | path)."""
     if source == "synthetic":
-        tokens = _synthetic(vocab, seed)
+        tokens = _synthetic(vocab, seed).clone()  # the cached stream stays as made
     elif source == "stdlib":
         tokens = _text_files(_stdlib_files(), STDLIB_LIMIT_BYTES)
     else:
@@ -48,6 +49,7 @@ def load_tokens(source: str, vocab: int, seed: int = 0) -> torch.Tensor:
     return tokens
 
 
+@functools.lru_cache(maxsize=2)  # one process building several runs (a world's tests, a sweep) makes it once
 def _synthetic(vocab: int, seed: int) -> torch.Tensor:
     """Tokens that walk a fixed cycle of SYNTHETIC_SYMBOLS ids and jump to a random place of it
     one time in SYNTHETIC_JUMP: a rule strong enough that a model learns it visibly in a few
