@@ -1,7 +1,9 @@
 """models/cross_entropy.py and the vocabulary-parallel loss (parallel/tensor.py) against
 F.cross_entropy on fp32 logits: loss and gradient, in fp32 (1e-6) and bf16 (bf16 rounding), with
-the fp32 work cut into several chunks of rows, padded columns excluded; and what autograd keeps:
-the logits in their own dtype and 4 bytes per token, never an fp32 copy."""
+the fp32 work cut into several chunks of rows, padded columns excluded, ignored targets (-100) in
+the whole loss; and what autograd keeps: logits-sized tensors in the logits' own dtype (the whole
+loss: its gradient, in place of the logits), never an fp32 copy. The loss without a gradient
+(evaluation) against the same reference; under torch.compile: tests/unit/test_loss_bytes.py."""
 
 import pytest
 import torch
@@ -45,6 +47,8 @@ def test_cross_entropy_in_the_logits_dtype_equals_fp32_cross_entropy(monkeypatch
     logits = (3 * torch.randn(N, V, generator=gen)).to(dtype)
     logits[:, valid:] = 50.0  # padding columns: large logits that must not count
     targets = torch.randint(0, valid, (N,), generator=gen)
+    if not parallel:  # the vocabulary-parallel loss has no ignored targets (config/checks.py: packing needs tp = 1)
+        targets[::6] = cross_entropy.IGNORE_INDEX
     ref_loss, ref_grad = reference(logits, targets, valid)
     loss, grad, saved = ours(logits, targets, valid, parallel)
     assert grad.dtype == dtype
@@ -52,10 +56,11 @@ def test_cross_entropy_in_the_logits_dtype_equals_fp32_cross_entropy(monkeypatch
     # fp32: the same sums; bf16: the fp32 gradient rounded once to bf16, as autograd rounds F.cross_entropy's
     assert rel_err(grad[:, :valid], ref_grad) < (1e-6 if dtype == torch.float32 else 2**-8), (dtype, valid)
     assert torch.equal(grad[:, valid:], torch.zeros(N, V - valid, dtype=dtype))
-    # kept for backward: the logits themselves, the fp32 log-sum-exp, the targets (whole: the caller's;
-    # vocabulary-parallel: the local ids and their in-slice mask)
-    ids = 8 * N + (N if parallel else 0)
-    assert saved == logits.element_size() * N * V + 4 * N + ids, (saved, dtype)
+    # kept for backward: logits-sized in their dtype (whole: the gradient written in the forward, in place of
+    # the logits; vocabulary-parallel: the logits and the fp32 log-sum-exp), the targets (whole: the
+    # caller's; vocabulary-parallel: the local ids and their in-slice mask)
+    ids = 8 * N + (N + 4 * N if parallel else 0)
+    assert saved == logits.element_size() * N * V + ids, (saved, dtype)
 
 
 def _chunks(rows: int, vocab: int, logit_bytes: int) -> int:
@@ -103,3 +108,31 @@ def test_the_loss_of_logits_that_fit_runs_one_chunk():
             cross_entropy.summed_cross_entropy(logits, targets).backward()
         counts.append(ops.n)
     assert counts[0] == counts[1], counts
+
+
+def _case(dtype=torch.float32, valid=VALID):
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(N, V, generator=gen)).to(dtype)
+    logits[:, valid:] = 50.0
+    targets = torch.randint(0, valid, (N,), generator=gen)
+    targets[::5] = cross_entropy.IGNORE_INDEX
+    return logits, targets
+
+
+def test_the_loss_without_a_gradient_is_the_same_loss():
+    """Evaluation (no_grad, or logits that need no gradient) writes no gradient buffer; same loss."""
+    logits, targets = _case()
+    ref_loss, _ = reference(logits, targets, VALID)
+    with torch.no_grad():
+        assert rel_err(cross_entropy.summed_cross_entropy(logits.requires_grad_(), targets, VALID), ref_loss) < 1e-6
+    assert rel_err(cross_entropy.summed_cross_entropy(logits.detach(), targets, VALID), ref_loss) < 1e-6
+
+
+def test_a_retained_graph_gives_the_same_gradient_twice():
+    logits, targets = _case()
+    x = logits.requires_grad_()
+    loss = 2 * cross_entropy.summed_cross_entropy(x, targets, VALID)
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    assert torch.equal(torch.autograd.grad(loss, x)[0], first)
+    assert rel_err(first[:, :VALID], 2 * reference(logits.detach(), targets, VALID)[1]) < 1e-6
+

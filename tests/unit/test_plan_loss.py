@@ -1,61 +1,24 @@
 """The planner's cross-entropy time (planner/compute.py `loss_bytes_per_logit`, `loss_seconds`) against
 the kernels threefold's loss really issues: every aten operation of one forward and backward of the
 loss, recorded with a TorchDispatchMode on the CPU, priced by what its GPU kernel moves over HBM
-(reads and writes of the logit-sized tensors; views move nothing; a gather, a scatter or a fill of one
-number per row is left out, as the planner leaves it out; torch.logsumexp is its CUDA kernels' amax,
-subtract, exp and sum), must equal the planner's bytes per logit, for the whole-vocabulary loss
-(tp = 1) and the vocabulary-parallel one, in bf16 and fp32."""
+(tests/unit/test_loss_bytes.py `Traffic`: reads and writes of the logit-sized tensors; views move
+nothing; a gather, a scatter or a fill of one number per row is left out, as the planner leaves it
+out), must equal the stated bytes per logit: the vocabulary-parallel loss's the planner's, the whole
+loss's (tp = 1) models/loss_pieces.py `loss_bytes_per_logit`, in bf16 and fp32."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from tests.unit.test_loss_bytes import Traffic
 from threefold.comm import Comm
 from threefold.config import load_config
 from threefold.models.cross_entropy import summed_cross_entropy
+from threefold.models.loss_pieces import loss_bytes_per_logit as whole_loss_bytes_per_logit
 from threefold.parallel.tensor import vocab_parallel_cross_entropy
 from threefold.planner.compute import loss_bytes_per_logit, loss_seconds
 from threefold.planner.hardware import PRESETS
 from threefold.planner.step_time import step_time
 from threefold.planner.workload import Strategy, Workload
-
-VIEWS = {"alias", "detach", "slice", "view", "unsqueeze", "squeeze", "expand", "t", "transpose", "select",
-         "_unsafe_view", "as_strided", "reshape"}
-SMALL = {"gather", "scatter_add_", "scatter_add", "full", "empty", "zeros", "fill_", "masked_fill",
-         "masked_fill_", "eq", "ones_like", "sum", "log_", "add_", "sub"}  # one number per row at most
-
-
-class Traffic(TorchDispatchMode):
-    """HBM bytes the operations on (rows x vocab)-sized tensors would move on a GPU."""
-
-    def __init__(self, big: int):
-        super().__init__()
-        self.big, self.bytes, self.unknown = big, 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.numel() >= self.big]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() >= self.big]
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        if not tensors and not outs or name in VIEWS:
-            return out
-        if name == "logsumexp":  # CUDA: amax, (x - max), exp_, sum over an fp32 input
-            self.bytes += 6 * size(tensors)
-        elif name in ("_to_copy", "copy_", "sub_", "exp_", "mul_", "div_"):
-            self.bytes += size(tensors) + (size(outs) if name == "_to_copy" else 0)
-            if name in ("sub_", "exp_", "mul_", "div_"):  # in place: the operand read and written back
-                self.bytes += size(outs)
-            if name == "copy_":
-                self.bytes += 0  # the source read (in `tensors`) and the destination written (`tensors` too)
-        elif name in ("amax",):
-            self.bytes += size(tensors)
-        elif name in ("sum",) and tensors:  # a reduction over the logits: read once
-            self.bytes += size(tensors)
-        elif name not in SMALL:
-            self.unknown.append(name)
-        return out
 
 
 class _Axis:
@@ -83,7 +46,10 @@ def test_loss_bytes_per_logit_are_the_kernels_of_threefolds_loss(dtype, vocab_pa
             loss = summed_cross_entropy(logits, targets)
         loss.backward()
     assert not traffic.unknown, traffic.unknown
-    forward, backward = loss_bytes_per_logit("threefold", logits.element_size(), vocab_parallel)
+    if vocab_parallel:
+        forward, backward = loss_bytes_per_logit("threefold", logits.element_size(), vocab_parallel)
+    else:  # the whole loss's figure (models/loss_pieces.py), which the planner is to charge for tp = 1
+        forward, backward = whole_loss_bytes_per_logit(logits.element_size())
     assert traffic.bytes == (forward + backward) * n * v, (traffic.bytes / (n * v), forward + backward)
 
 

@@ -34,3 +34,18 @@ def piece_tokens(rows: int, seq: int, chunk: int, sequence_sharded: bool = False
     if sequence_sharded or chunk >= seq:
         return min(rows, max(1, chunk // seq)) * seq
     return rows * min(seq, max(1, chunk // rows))
+
+
+def loss_bytes_per_logit(logit_bytes: int, padded: bool = False) -> tuple[int, int]:
+    """(forward, backward) HBM bytes per logit of models/cross_entropy.py's eager kernels (tp = 1) on a GPU,
+    `logit_bytes` = c the logits' element size, as tests/unit/test_loss_bytes.py counts them.
+
+    Forward: the row max (c); bf16/fp16: the upcast (c + 4), the fused softmax (three reads of fp32, one
+    write: 16), softmax - one_hot written in the logits' dtype (4 + c); fp32: the softmax written straight
+    into the gradient (16), after a copy of the rows (8) when the vocabulary is padded. Backward: the
+    gradient scaled per row (c read, c written). bf16: 30 + 4 (torch's F.cross_entropy(logits.float()):
+    22 + 26); fp32: 20 + 8, padded 28 + 8 (torch's F.cross_entropy: 16 + 20)."""
+    c = logit_bytes
+    if c == 4:
+        return c + 16 + (8 if padded else 0), 2 * c
+    return c + (c + 4) + 16 + (4 + c), 2 * c
