@@ -9,6 +9,7 @@ no host read, no mask handed to a kernel and only fused kernels on every fused p
 for each device and model feature."""
 
 import contextlib
+import io
 
 import pytest
 import torch
@@ -118,3 +119,20 @@ def test_the_path_is_chosen_from_the_device_and_named():
     assert "flex attention" in attention_path("cuda", packed=True, cp_method="allgather")
     assert "fused blocks" in attention_path("cuda", cp_method="ring")
     assert "sliding window, fused" in attention_path("cuda", window=True)
+
+
+@pytest.mark.parametrize("overrides,line", [
+    ([], "attention: sdpa is_causal"),
+    (["parallel.cp=2", "parallel.cp_method=ring"], "attention: ring, fused blocks merged by log-sum-exp"),
+    (["data.pack=true"], "attention: packed documents, boolean mask (CPU fallback)"),
+])
+def test_the_summary_names_the_attention_path(tmp_path, overrides, line):
+    from threefold.config import load_config
+    from threefold.train.summary import attention_line, print_summary
+
+    (tmp_path / "config.toml").write_text(load_config(None, ["run.device=cpu", *overrides]).to_toml())
+    assert attention_line(tmp_path) == line
+    printed = io.StringIO()
+    print_summary(tmp_path, printed)
+    assert printed.getvalue().splitlines()[0] == f"threefold: {line}"
+    assert attention_line(tmp_path / "elsewhere") is None

@@ -1,7 +1,8 @@
-"""The end of a run in two lines: what it did and where its files are.
+"""The end of a run in three lines: the path its attention took, what it did, and where its files are.
 
 Read from DIR/metrics.jsonl (so a resumed run reports the whole run, not only its last
-attempt) and the run directory; printed by the writing rank, also with `--no-progress`.
+attempt), DIR/config.toml (the resolved config: the attention path, models/attention.py
+`attention_path`) and the run directory; printed by the writing rank, also with `--no-progress`.
 """
 
 from __future__ import annotations
@@ -76,8 +77,33 @@ def files_line(out: Path) -> str:
     return f"files in {out}: " + ", ".join(found)
 
 
+def attention_line(out: Path) -> str | None:
+    """The attention path of the run in `out` (its config.toml), from the device, the layout and the
+    model's features: None when the config is not there or no longer loads."""
+    import torch
+
+    from ..config.checks import _hf_window
+    from ..config.hf import read_config_json
+    from ..config.load import load_config
+    from ..errors import UserError
+    from ..models.attention import attention_path
+
+    try:
+        cfg = load_config(out / "config.toml")
+        raw = read_config_json(Path(cfg.model.preset[3:])) if cfg.model.preset.startswith("hf:") else {}
+    except UserError:
+        return None
+    device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    window = _hf_window(raw) if raw else None
+    return attention_path(device, cp_method=cfg.parallel.cp_method if cfg.parallel.cp > 1 else None,
+                          packed=cfg.data.pack, window=window is not None and window < cfg.train.seq_len)
+
+
 def print_summary(out: Path, file=None) -> None:
     file = file or sys.stderr
     records = read_records(out / "metrics.jsonl")
+    attention = attention_line(out)
+    if attention is not None:
+        print(f"threefold: {attention}", file=file, flush=True)
     print(f"threefold: {results_line(records)}", file=file, flush=True)
     print(f"threefold: {files_line(out)}", file=file, flush=True)
