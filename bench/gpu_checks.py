@@ -4,7 +4,8 @@
     python bench/gpu_checks.py sync --json P [--smoke]        host syncs inside a step: dp, ZeRO-3, bf16, fp16
     python bench/gpu_checks.py summary --json P NAME=RUN...   figures of finished `threefold train` runs
     python bench/gpu_checks.py bitwise --json P A B --step N  a resumed run's checkpoint equals the whole run's
-    python bench/gpu_checks.py merge OUT                      OUT/results/*.json + OUT/status.tsv -> OUT/results.json
+    python bench/gpu_checks.py merge OUT --work W             W/results/*.json + OUT/status.tsv -> OUT/results.json;
+                                                              OUT keeps at most 8 files, none in a folder
 
 Each writes its figures as JSON (`--json`) and exits non-zero when its check fails, so gpu.sh records
 the failure in status.tsv and goes on. Nothing here needs pytest: the GPU machine has none. Only
@@ -29,13 +30,17 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# stages whose figures results.json carries under these keys (gpu.sh writes OUT/results/<key>.json)
+import gpu_stages  # noqa: E402  (bench/, beside this script: no torch)
+
+# stages whose figures results.json carries under these keys (gpu.sh writes WORK/results/<key>.json)
 RESULT_KEYS = ("preflight", "sync", "runs", "save_resume", "gpt2_train", "gpt2_compare", "fp8_gemm",
                "planner_kernels", "fp8_train", "llama_compare")
 
 
-PEAKS = [("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12)]
+PEAKS = [("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12),
+         ("B200", 2250e12)]
 
 
 def device_peak(name: str) -> float | None:
@@ -80,6 +85,23 @@ def version(name: str) -> str | None:
             return None
 
 
+def device_memory(dev) -> dict:
+    """The device's free and total memory, and what llama-compare will keep of its sides and batch there
+    (gpu_stages.memory_plan on the 1.24B Llama at batch 4 x 2048, the sizing gpu_compare.py applies)."""
+    import torch
+
+    if dev.type != "cuda":
+        return {"memory_free_gib": None, "memory_total_gib": None, "llama_compare_memory": None}
+    free, total = torch.cuda.mem_get_info(dev)
+    s = gpu_stages.LLAMA_1B
+    plan = gpu_stages.memory_plan(int(gpu_stages.parameters(s)), s["layers"], s["hidden"], s["ffn"], s["vocab"], 4,
+                                  2048, free)
+    print(f"device memory: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}; llama-compare: sides "
+          f"{', '.join(plan['sides'])}, batch {plan['batch']}, estimate {plan['total_gib']:.1f} GiB"
+          + "".join(f"; {n}" for n in plan["notes"]))
+    return {"memory_free_gib": free / 2**30, "memory_total_gib": total / 2**30, "llama_compare_memory": plan}
+
+
 def preflight(args) -> int:
     import torch
 
@@ -103,8 +125,10 @@ def preflight(args) -> int:
     found["cc"] = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     header = Path(sysconfig.get_paths()["include"]) / "Python.h"
     found["python_h"] = str(header) if header.exists() else None
-    for name in ("transformers", "pytest", "safetensors", "numpy"):
+    for name in ("transformers", "pytest", "safetensors", "numpy", "torchao"):
         found[name] = version(name)
+    found["send_along"] = gpu_stages.send_along(gpu_stages.stage_rows())
+    found.update(device_memory(dev))
     # one tiny inductor compile on the device: triton code generation end to end; --smoke: aot_eager, the
     # compile path of the other smoke stages (a cold inductor C++ compile alone takes 15 s on 2 cores)
     found["tiny_compile_backend"] = backend = "aot_eager" if args.smoke else "inductor"
@@ -262,23 +286,73 @@ def bitwise(args) -> int:
     return 0 if ok else 1
 
 
+KEPT = ("results.json", "gpu.log", "status.tsv", "measured-gpu.toml")  # what gpu.sh writes into OUT
+MAX_FILES = 8  # the device runner brings back 8 files of OUT
+
+
+def keep_out(out: Path, work: Path) -> list[str]:
+    """OUT keeps KEPT and at most MAX_FILES files in all, none in a folder (pictures or profiles may take the
+    other four places): everything else is moved to WORK/stray, so that what comes back is defined.
+    Returns what was moved (empty: the rule held)."""
+    entries = sorted(out.iterdir(), key=lambda p: (p.name not in KEPT, p.name))
+    places = MAX_FILES - (not (out / "results.json").exists())  # results.json is written after this
+    moved = []
+    for entry in entries:
+        if entry.is_file() and not entry.is_symlink() and places > 0:
+            places -= 1
+            continue
+        moved.append(entry.name + ("/" if entry.is_dir() else ""))
+        (work / "stray").mkdir(parents=True, exist_ok=True)
+        shutil.move(str(entry), str(work / "stray" / entry.name))
+    return moved
+
+
+def headline(results: dict) -> list[str]:
+    """The figures the GPU hour is for, one line each (printed at the end of gpu.log)."""
+    lines = []
+    for key in ("gpt2_compare", "llama_compare"):
+        r = results.get(key)
+        if isinstance(r, dict) and "sides" in r:
+            mfu = ", ".join(f"{n} {v:.3f}" if v is not None else f"{n} n/a" for n, v in r.get("mfu", {}).items())
+            lines.append(f"{key}: MFU {mfu}; threefold / plain: MFU {r.get('mfu_threefold_over_plain', 0):.3f}, "
+                         f"tokens/s {r.get('threefold_over_plain', 0):.3f} ({r.get('device')}, batch {r.get('batch')})")
+    r = results.get("fp8_gemm")
+    if isinstance(r, dict) and r.get("rows"):
+        big = max(r["rows"], key=lambda row: row["m"] * row["k"] * row["n"])
+        lines.append(f"fp8_gemm: bf16 / fp8 time {big['measured']:.2f}x at {big['m']}x{big['k']}x{big['n']} "
+                     f"(model {big['model']:.2f}x){' emulated' if r.get('emulated') else ''}")
+    r = results.get("sync")
+    if isinstance(r, dict):
+        lines.append(f"sync: host syncs per step {r.get('syncs_per_step')}")
+    return lines
+
+
 def merge(args) -> int:
-    out = Path(args.out)
+    out, work = Path(args.out), Path(args.work)
     status = {}
     lines = (out / "status.tsv").read_text().splitlines() if (out / "status.tsv").exists() else []
     for line in lines[1:]:
         name, rc, seconds, *note = line.split("\t")
         status[name] = {"rc": rc, "seconds": float(seconds), "note": note[0] if note else ""}
-    results: dict = {"status": status, "smoke": args.smoke, "budget_s": args.budget, "elapsed_s": args.elapsed}
+    estimates = {row[0]: {"call": row[1], "estimate_s": gpu_stages.estimate(row), "needs": list(row[6]),
+                          "seconds": status.get(row[0], {}).get("seconds")} for row in gpu_stages.stage_rows()}
+    results: dict = {"status": status, "smoke": args.smoke, "budget_s": args.budget, "elapsed_s": args.elapsed,
+                     "work_dir": str(work), "send_along": args.send, "estimates": estimates}
     for key in RESULT_KEYS:
-        path = out / "results" / f"{key}.json"
+        path = work / "results" / f"{key}.json"
         try:
             results[key] = json.loads(path.read_text()) if path.exists() else None
         except ValueError as exc:
             results[key] = f"unreadable: {exc}"
+    moved = keep_out(out, work)
+    results["out_rule"] = (f"broken: moved {', '.join(moved)} to {work / 'stray'}" if moved else
+                           f"ok: at most {MAX_FILES} files, none in a folder")
+    results["out_files"] = sorted({p.name for p in out.iterdir()} | {"results.json"})
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"results: {out / 'results.json'}")
-    return 0
+    for line in headline(results):
+        print(line)
+    print(f"results: {out / 'results.json'}; {out}: {results['out_rule']}")
+    return 1 if moved else 0
 
 
 def main() -> int:
@@ -289,7 +363,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p = sub.add_parser("sync")
     p.add_argument("--json", required=True)
-    p.add_argument("--scratch", default=os.environ.get("OUT", "/tmp/threefold-gpu") + "/sync")
+    p.add_argument("--scratch", default=os.environ.get("WORK", "/tmp/threefold-gpu") + "/sync")
     p.add_argument("--smoke", action="store_true")
     p = sub.add_parser("summary")
     p.add_argument("--json", required=True)
@@ -304,6 +378,8 @@ def main() -> int:
     p.add_argument("resumed")
     p = sub.add_parser("merge")
     p.add_argument("out")
+    p.add_argument("--work", required=True, help="the work directory: results/<key>.json, where strays go")
+    p.add_argument("--send", default="", help="the send-along line of gpu_stages.py")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--budget", type=float)
     p.add_argument("--elapsed", type=float)

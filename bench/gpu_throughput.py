@@ -10,24 +10,23 @@ achieved FLOP/s over the device's dense bf16 peak.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_checks import device_peak as peak_of_name  # noqa: E402  (one table of peaks, NVL parts included)
 from threefold.config import load_config
 from threefold.data import Sampler, load_tokens
 from threefold.models.decoder import build_model, count_parameters
 from threefold.train.optim import param_groups
 
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
 def device_peak(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+    """The dense bf16 peak of a CUDA device (bench/gpu_checks.py PEAKS), None on CPU or for an unknown part."""
+    return peak_of_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def main() -> None:
