@@ -4,7 +4,9 @@ A checkpoint verifies when it would load: its manifest passes the schema and the
 check (format.py), and every data file is a regular file (not a symbolic link) of the listed
 size and sha256 whose safetensors header parses and holds, under each slice's key, a tensor of
 that slice's dtype and shape - no more keys, no fewer. A manifest's claimed shapes are then
-backed by stored bytes before anything is allocated for them.
+backed by stored bytes before anything is allocated for them. Every floating-point tensor is
+finite (`check_finite`: read one tensor at a time from the memory-mapped file, so the check holds
+one tensor's memory): a checkpoint with a NaN or an infinity fails, naming the tensor.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from .format import (MANIFEST, CheckpointError, Manifest, Slice, read_manifest, read_safetensors_header,
@@ -56,6 +59,10 @@ def verify_files(ckpt: Path, manifest: Manifest, files: list[str] | None = None)
             continue
         if file_sha256(path) != info.sha256:
             problems.append(f"{path}: sha256 mismatch (the file is corrupt)")
+            continue
+        problem = check_finite(path, slices.get(name, []))
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 
@@ -89,6 +96,27 @@ def check_file(path: Path, manifest: Manifest, held: list[tuple[str, Slice]]) ->
             pass
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def check_finite(path: Path, held: list[tuple[str, Slice]], chunk: int = 2**24) -> str | None:
+    """The first slice of `path` holding a NaN or an infinity, named (None: all finite). One tensor is
+    read at a time (memory-mapped), checked `chunk` elements at a time."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name, s in sorted(held, key=lambda item: item[1].key):
+            tensor = f.get_tensor(s.key)
+            if not tensor.is_floating_point():
+                continue
+            flat = tensor.reshape(-1)
+            for begin in range(0, flat.numel(), chunk):
+                part = flat[begin:begin + chunk]
+                bad = ~torch.isfinite(part)
+                if bool(bad.any()):
+                    where = begin + int(bad.nonzero()[0])
+                    index = torch.unravel_index(torch.tensor(where), tuple(s.shape))
+                    at = [int(i) + o for i, o in zip(index, s.offsets)]  # in the whole tensor
+                    return (f"{path}: tensor {name} is not finite: {float(flat[where].float())} at {at} (key "
+                            f"'{s.key}'); a poisoned checkpoint - resume from an earlier one")
+    return None
 
 
 def verify(ckpt: Path) -> tuple[Manifest | None, list[str]]:

@@ -9,9 +9,15 @@ per step. The trainer all-gathers the verdicts so that one report names the rank
 `first_position()` (how many module outputs this rank produced before the bad one) orders ranks
 that run the same modules, e.g. a tensor-parallel partner that received the NaN through a
 collective comes after the rank that produced it.
+
+`poisoned(record)`: a step whose loss or gradient norm is not finite is not saved (train/trainer.py);
+the reason names the origin as the report above does.
 """
 
 from __future__ import annotations
+
+import math
+import sys
 
 import torch
 from torch import nn
@@ -77,3 +83,44 @@ def encode_name(name: str, width: int = 256) -> torch.Tensor:
 
 def decode_name(row: torch.Tensor) -> str:
     return bytes(int(b) for b in row.tolist() if b).decode(errors="replace")
+
+
+def poisoned(record: dict) -> str | None:
+    """Why a step's state must not be saved: its loss or gradient norm (the host numbers its metrics
+    record already holds: no extra read of the device) is not finite, with the origin the non-finite
+    report found (`Observer`, debug.nan_check / debug.stats), or None for a finite step."""
+    bad = [f"{key} {record[key]}" for key in ("loss", "grad_norm")
+           if record.get(key) is not None and not math.isfinite(record[key])]
+    if not bad:
+        return None
+    event = record.get("nonfinite")
+    if event and event.get("first"):
+        origin = f"first on rank {event['first']['rank']} in module {event['first']['module']}"
+    elif event and event.get("ranks"):
+        origin = f"first on rank(s) {','.join(map(str, event['ranks']))} (loss)"
+    else:
+        origin = "origin not traced: set debug.nan_check=true to name the module"
+    return f"non-finite {' and '.join(bad)} ({origin})"
+
+
+class PoisonedSaves:
+    """The trainer's saves refused on non-finite steps. `refuses(record, newest)` before every save
+    (the step's due save, the final one, a preemption's): a poisoned step (`poisoned`) is not saved,
+    one line (rank 0) names the step, the origin and the newest checkpoint, which stays the newest;
+    `owed` then makes the next finite step save (the trainer clears it when it saves)."""
+
+    def __init__(self, announce: bool):
+        self.announce = announce
+        self.owed = False
+        self.last_refused = -1  # the step whose save was refused last (its line is printed once)
+
+    def refuses(self, record: dict, newest: str) -> bool:
+        reason = poisoned(record)
+        if reason is None:
+            return False
+        self.owed = True
+        if self.announce and record["step"] != self.last_refused:
+            print(f"threefold: step {record['step']} not saved: {reason}; the newest checkpoint stays {newest}",
+                  file=sys.stderr, flush=True)
+        self.last_refused = record["step"]
+        return True

@@ -21,11 +21,13 @@ from ..config import Config
 from ..data.build import build_samplers
 from ..data.loader import Loader, bound_ids
 from ..errors import UserError
+from ..launch.signals import PREEMPTED_EXIT
 from ..mesh import BATCH, PIPELINE, SEQUENCE, TENSOR, Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
 from ..observe.faults import FaultInjector, first_attempt
 from ..observe.memory import storage_bytes
+from ..observe.nonfinite import PoisonedSaves
 from ..observe.observer import Observer, process_group_timeout_s
 from ..parallel import parallelize
 from ..parallel.expert import router_metrics
@@ -109,6 +111,7 @@ class Trainer:
         self.stop = stop if stop is not None else StopSignals()
         self.stopping = False  # the world agreed to stop at the step just finished
         self._saved_step = -1  # the step of the last save
+        self.poisoned = PoisonedSaves(self.is_writer)  # no save of a non-finite step (observe/nonfinite.py)
         self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab, self.stop)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
@@ -190,15 +193,30 @@ class Trainer:
         self.step_fn.drain()  # pipedream-2bw: the flush; the saved state has every update applied
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
         self._saved_step = self.step
+        self.poisoned.owed = False
+
+    def _poisoned(self, record: dict) -> bool:
+        """Whether the step of `record` must not be saved (its loss or gradient norm is not finite)."""
+        return self.poisoned.refuses(record, self._newest_checkpoint())
+
+    def _newest_checkpoint(self) -> str:
+        if self._saved_step >= 0:
+            return str(self.checkpointer.root / step_dir_name(self._saved_step))
+        return str(self.resumed_from) if self.resumed_from is not None else "none (nothing saved yet)"
 
     def _save_due(self, step: int) -> bool:
+        if self.poisoned.owed:  # refused on a non-finite step: the next finite one saves
+            return True
         if self.autosave is not None:
             return self.autosave.due(step)
         every = self.cfg.checkpoint.save_every
         return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
-    def _save(self) -> None:
-        """Save; under save_every=auto, time the stall and set the next save from the advice."""
+    def _save(self, record: dict) -> None:
+        """Save the step of `record` unless it is poisoned (`_poisoned`); under save_every=auto, time the
+        stall and set the next save from the advice."""
+        if self._poisoned(record):
+            return
         start = time.perf_counter()
         self.save_checkpoint()
         if self.autosave is None:
@@ -370,7 +388,7 @@ class Trainer:
         if log is not None:
             log.write(record)
         if self._save_due(step):
-            self._save()
+            self._save(record)
 
     def run(self) -> list[dict]:
         """Train to cfg.train.steps; returns every step's record (on every rank)."""
@@ -400,7 +418,7 @@ class Trainer:
                 self._complete(records[-1], log)
             self.step_fn.drain()  # pipedream-2bw: the last batch's update (a no-op for synchronous steps)
             stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
-            if stopped and self._saved_step != self.step:
+            if stopped and self._saved_step != self.step and not (records and self._poisoned(records[-1])):
                 self.save_checkpoint()
             self.parallel.complete()  # the last step's communication done (nvme under ZeRO-3: shards in the file)
             if stopped or cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
@@ -424,9 +442,12 @@ class Trainer:
 
     def _preempted(self) -> Preempted:
         name = self.stop.first.name if self.stop.first is not None else "a stop signal to another rank"
-        stopped = Preempted(name, self.step, self.checkpointer.root / step_dir_name(self.step))
+        saved = self._saved_step == self.step  # else a non-finite step: nothing saved (`_poisoned` said why)
+        stopped = Preempted(name, self.step, Path(self._newest_checkpoint()))
         if self.is_writer:
-            print(stopped.line(), file=sys.stderr, flush=True)
+            print(stopped.line() if saved else f"threefold: {name} at step {self.step}: saved nothing (the step is "
+                  f"not finite); the newest checkpoint is {stopped.checkpoint}; exit {PREEMPTED_EXIT} (preempted) - "
+                  "continue with --resume auto", file=sys.stderr, flush=True)
         return stopped
 
     def _save_step_zero(self) -> list[dict]:
