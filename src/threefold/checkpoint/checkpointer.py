@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..comm import Comm
 from ..mesh import AXES, EXPERT_AXES, Mesh
+from .dcp import is_dcp, load_dcp
 from .format import CheckpointError, Manifest, partial_dir_name, read_manifest
 from .peer import MemoryFiles, PeerCopies
 from .reader import load_entries
@@ -244,6 +245,8 @@ class Checkpointer:
         """
         if spec == "none":
             return None
+        if is_dcp(spec):  # a torch.distributed.checkpoint directory: no checksums to verify (dcp.py reads it)
+            return Path(spec)
         explicit = spec != "auto"
         candidates = [find_checkpoint_dir(Path(spec))] if explicit else complete_checkpoints(self.root)[::-1]
         for ckpt in candidates:
@@ -286,7 +289,10 @@ class Checkpointer:
         return memory
 
     def load(self, ckpt: Path, state: TrainingState) -> Manifest:
-        """Fill this rank's parameters, optimizer state, RNG and extra state from `ckpt`."""
+        """Fill this rank's parameters, optimizer state, RNG and extra state from `ckpt` (a threefold
+        checkpoint, or a torch.distributed.checkpoint directory: dcp.py)."""
+        if is_dcp(ckpt):
+            return load_dcp(Path(ckpt), state)
         manifest = read_manifest(ckpt)
         memory, self._memory = self._memory, None
         memory = memory if memory is not None and memory.ckpt == Path(ckpt) else None

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     export.add_argument("--hf", metavar="OUT", help="write a Hugging Face model directory (config.json, sharded "
                                                     "safetensors + index, tokenizer files) of a --model hf:DIR run, or "
                                                     "of the reference decoder as a Llama / GPT-2")
+    export.add_argument("--dcp", metavar="OUT", help="write a torch.distributed.checkpoint directory: the model under "
+                                                     "model.<name>, AdamW's state flattened under optimizer.* "
+                                                     "(torchtitan's layout; start a run from it with "
+                                                     "checkpoint.init_from or --resume)")
     export.add_argument("--lora", choices=("merged", "adapter"), default="merged",
                         help="a LoRA run's --hf export: the adapters merged into the base (a plain model), or a "
                              "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
@@ -97,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         return inspect(Path(args.dir), args.json)
     if args.action == "verify":
         return check(Path(args.dir))
-    if (args.out is None) == (args.hf is None):
-        raise UserError("ckpt export: give either an output file (OUT) or --hf OUT (a Hugging Face directory)")
+    if sum(x is not None for x in (args.out, args.hf, args.dcp)) != 1:
+        raise UserError("ckpt export: give one of an output file (OUT), --hf OUT (a Hugging Face directory) or "
+                        "--dcp OUT (a torch.distributed.checkpoint directory)")
     if args.lora != "merged" and args.hf is None:
         raise UserError("ckpt export: --lora adapter writes a PEFT directory; give it with --hf OUT")
     if args.hf is not None:
@@ -107,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
         ckpt, count = export_hf(Path(args.dir), Path(args.hf), int(args.shard_mb * 2**20), args.lora)
         opener = "peft's PeftModel.from_pretrained" if args.lora == "adapter" else "transformers' from_pretrained"
         print(f"wrote {args.hf}: {count} tensors from {ckpt} (open with {opener})")
+        return 0
+    if args.dcp is not None:
+        from .dcp import export_dcp
+
+        ckpt, tensors, states = export_dcp(Path(args.dir), Path(args.dcp))
+        print(f"wrote {args.dcp}: {tensors} model tensors and {states} optimizer state tensors from {ckpt} (open with "
+              "torch.distributed.checkpoint.load, or start a run from it with checkpoint.init_from / --resume)")
         return 0
     ckpt, count = export_model(Path(args.dir), Path(args.out))
     print(f"wrote {args.out}: {count} tensors from {ckpt}")
