@@ -285,11 +285,15 @@ def dcp_state_dict(manifest: Manifest, read) -> dict:
     return {"model": model, "optimizer": optimizer}
 
 
-def write_dcp(state_dict: dict, out: Path) -> None:
-    """torch.distributed.checkpoint's own writer, from this one process (no process group)."""
+def _check_new(out: Path) -> None:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"ckpt export --dcp: {out} exists and is not an empty directory; choose a new one")
+
+
+def write_dcp(state_dict: dict, out: Path) -> None:
+    """torch.distributed.checkpoint's own writer, from this one process (no process group)."""
+    _check_new(out)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dist_cp.save(state_dict, storage_writer=FileSystemWriter(str(out)), no_dist=True)
@@ -298,6 +302,7 @@ def write_dcp(state_dict: dict, out: Path) -> None:
 def export_dcp(path: Path, out: Path) -> tuple[Path, int, int]:
     """Write checkpoint `path` (verified first) as a DCP directory `out`; returns (checkpoint, model
     tensors, optimizer state tensors)."""
+    _check_new(out)  # before reading anything
     ckpt = find_checkpoint_dir(path)
     manifest, problems = verify(ckpt)
     if problems:
