@@ -1,8 +1,18 @@
 """The loss head three ways, on CPU: bytes kept for backward, allocation peak of a forward +
-backward, and time, side by side in one process.
+backward, and time, side by side in one process; with --bytes, the HBM bytes per logit the
+cross-entropy's kernels would move on a GPU, threefold's against torch's.
 
     PYTHONPATH=src python bench/loss_chunk.py [--batch 4] [--seq-len 256] [--vocab 8192] [--chunk 256]
                                               [--rounds 3] [--dtype bf16] [--quick]
+    PYTHONPATH=src:. python bench/loss_chunk.py --bytes [--compiled]
+
+--bytes: one forward + backward of the loss alone on 256 tokens x a vocabulary of 4096 (4072 real
+columns and 24 of padding, or all 4096), 1 target in 9 ignored, bf16 and fp32 logits, for
+models/cross_entropy.py, `F.cross_entropy(logits[:, :valid].float())` and `F.cross_entropy` on the
+logits' own dtype. Eager: every aten operation recorded and priced by what its CUDA kernel moves
+(tests/unit/test_loss_bytes.py `Traffic`). --compiled adds the compiled forward and backward
+(fullgraph), priced by inductor's own count of its fused kernels' reads and writes
+(num_bytes_accessed), for the padded vocabulary.
 
 --quick measures batch 1 x 128 with pieces of 32 tokens (the same four pieces per micro-batch),
 for CPUs without bf16 matrix units: there bf16 matmuls are emulated (on an AVX2 CPU one step of
@@ -52,7 +62,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--quick", action="store_true",
                     help="batch 1 x 128, pieces of 32 (bf16 on a CPU without bf16 units)")
+    ap.add_argument("--bytes", action="store_true", help="HBM bytes per logit of the loss's kernels, against torch's")
+    ap.add_argument("--compiled", action="store_true", help="with --bytes: the compiled loss too (inductor's count)")
     args = ap.parse_args()
+    if args.bytes:
+        bytes_per_logit(args.compiled)
+        return
     sizes = {"batch": 1, "seq_len": 128, "chunk": 32} if args.quick else {"batch": 4, "seq_len": 256, "chunk": 256}
     for key, value in sizes.items():
         if getattr(args, key) is None:
@@ -100,6 +115,28 @@ def main() -> None:
         print(f"{name} / F.cross_entropy: kept {p['saved'] / w['saved']:.3f}x, peak {p['peak'] / w['peak']:.3f}x, "
               f"time {statistics.median(times[name]) / statistics.median(times['F.cross_entropy']):.3f}x, "
               f"loss rel diff {abs(p['loss'] - w['loss']) / abs(w['loss']):.1e}")
+    print(f"load {os.getloadavg()[0]:.2f} at the end")
+
+
+def bytes_per_logit(compiled: bool) -> None:
+    from tests.unit.test_loss_bytes import compiled_bytes, eager_bytes, ours, torch_loss
+
+    n, v = 256, 4096
+    sides = {"threefold": ours, "F.cross_entropy(.float())": lambda x, t, k: torch_loss(x, t, k, True),
+             "F.cross_entropy": lambda x, t, k: torch_loss(x, t, k, False)}
+    print(f"HBM bytes per logit, forward + backward, {n} tokens x vocabulary {v}; load {os.getloadavg()[0]:.2f}")
+    print(f"{'mode':9s} {'logits':8s} {'vocabulary':10s} " + " ".join(f"{name:>26s}" for name in sides))
+    for mode, count, valids in (("eager", eager_bytes, (v, v - 24)), ("compiled", compiled_bytes, (v - 24,))):
+        if mode == "compiled" and not compiled:
+            continue
+        for dtype in (torch.bfloat16, torch.float32):
+            for valid in valids:
+                figures = []
+                for fn in sides.values():
+                    got = count(fn, dtype, valid, n, v)
+                    figures.append(got[0] if isinstance(got, tuple) else got)
+                print(f"{mode:9s} {str(dtype)[6:]:8s} {'padded' if valid < v else 'whole':10s} "
+                      + " ".join(f"{f:26.2f}" for f in figures))
     print(f"load {os.getloadavg()[0]:.2f} at the end")
 
 

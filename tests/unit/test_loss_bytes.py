@@ -77,10 +77,10 @@ class Traffic(TorchDispatchMode):
 N, V = 64, 1000
 
 
-def _case(dtype, valid):
+def _case(dtype, valid, n=N, v=V):
     gen = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(N, V, generator=gen)).to(dtype)
-    targets = torch.randint(0, valid, (N,), generator=gen)
+    logits = (3 * torch.randn(n, v, generator=gen)).to(dtype)
+    targets = torch.randint(0, valid, (n,), generator=gen)
     targets[::9] = -100
     return logits, targets
 
@@ -90,14 +90,15 @@ def torch_loss(logits, targets, valid, upcast):
     return F.cross_entropy(x.float() if upcast else x, targets, reduction="sum").float()
 
 
-def eager_bytes(loss_fn, dtype, valid) -> float:
-    logits, targets = _case(dtype, valid)
+def eager_bytes(loss_fn, dtype, valid, n=N, v=V) -> float:
+    """Bytes per logit of one eager forward and backward of `loss_fn(logits, targets, valid)`."""
+    logits, targets = _case(dtype, valid, n, v)
     leaf = logits.requires_grad_()
-    traffic = Traffic(N * V // 2)
+    traffic = Traffic(n * v // 2)
     with traffic:
         loss_fn(leaf, targets, valid).backward()
     assert not traffic.unknown, traffic.unknown
-    return traffic.bytes / (N * V)
+    return traffic.bytes / (n * v)
 
 
 def ours(logits, targets, valid):
@@ -120,27 +121,28 @@ def test_eager_loss_moves_no_more_bytes_per_logit_than_torch(dtype, valid):
     assert mine == pytest.approx(want, abs=0.5), mine
 
 
-def compiled_bytes(loss_fn, dtype, valid) -> tuple[float, torch.Tensor, torch.Tensor]:
+def compiled_bytes(loss_fn, dtype, valid, n=N, v=V) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Bytes per logit of the compiled forward and backward, the loss and the logits' gradient."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor import metrics
 
-    logits, targets = _case(dtype, valid)
+    logits, targets = _case(dtype, valid, n, v)
     leaf = logits.requires_grad_()
     torch._dynamo.reset()
     metrics.reset()
     loss = None
-    torch._logging.set_logs(inductor_metrics=True)  # makes inductor count its kernels' bytes
-    logging.getLogger("torch._inductor.compile_fx").setLevel(logging.WARNING)
+    counting = torch._logging.getArtifactLogger("torch._inductor.compile_fx", "inductor_metrics")
+    level = counting.level
+    counting.setLevel(logging.INFO)  # inductor counts its kernels' bytes when this log is on (nothing printed)
     try:
         with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
             loss = torch.compile(loss_fn, fullgraph=True)(leaf, targets, valid)
             loss.backward()
     finally:
-        torch._logging.set_logs()
+        counting.setLevel(level)
         torch._dynamo.reset()
-    return metrics.num_bytes_accessed / (N * V), loss.detach(), leaf.grad
+    return metrics.num_bytes_accessed / (n * v), loss.detach(), leaf.grad
 
 
 def test_compiled_loss_traces_whole_and_moves_no_more_bytes_than_torch():

@@ -2,9 +2,9 @@
 
 Whole (`model.loss_chunk = 0`, the default): the logits of the whole micro-batch (b, s, V) in the
 compute dtype, then the cross-entropy of models/cross_entropy.py, which upcasts one chunk of tokens
-at a time to fp32 and keeps for backward only the logits themselves and one fp32 log-sum-exp per
-token (bf16: 2 b s V + 4 b s bytes, where `F.cross_entropy(logits.float())` keeps 4 b s V). It costs
-no extra flops.
+at a time to fp32, writes softmax - one_hot in the logits' dtype in its forward and keeps for
+backward only that (bf16: 2 b s V bytes, in place of the logits, where
+`F.cross_entropy(logits.float())` keeps 4 b s V). It costs no extra flops.
 
 In pieces (`model.loss_chunk = n` tokens): the micro-batch is cut into pieces of at most n
 tokens, and each piece's head and loss run as one checkpointed region (torch.utils.checkpoint,
