@@ -92,3 +92,20 @@ def test_export_refuses_an_occupied_directory_in_one_line(tmp_path, capsys):
     assert "exists and is not an empty directory" in err and len(err.splitlines()) == 1, err
     assert main(["ckpt", "export", str(ckpt), "--dcp", str(tmp_path / "new")]) == 0
     assert is_dcp(tmp_path / "new")
+
+
+def test_a_resume_fills_weights_and_moments_and_takes_the_step(plain_dcp):
+    from threefold.checkpoint.dcp import load_dcp
+    from threefold.checkpoint.state import TrainingState
+
+    path, model, optimizer = plain_dcp
+    mine = Plain()
+    places = {n: Placement.whole(n, p.shape) for n, p in mine.named_parameters()}
+    adamw = torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    state = TrainingState(list(mine.named_parameters()), places, adamw)
+    manifest = load_dcp(path, state)
+    assert manifest.step == 2 and manifest.layout == {"format": "dcp"}
+    for (name, p), q in zip(mine.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(adamw.state[p][key], optimizer.state[q][key]), f"{name} {key}"

@@ -212,7 +212,8 @@ def load_dcp(path: Path, state: TrainingState) -> Manifest:
     from the optimizer's count. The RNG keeps its seeded state and rank-local state is dropped (a DCP
     checkpoint carries neither); masters are taken from the loaded parameters."""
     index = DcpIndex(path)
-    manifest = Manifest(step=_step(index), layout={}, tensors=index.infos(), files={})
+    # the layout is DCP's own business; "written with format=dcp" is what a resume line shows
+    manifest = Manifest(step=_step(index), layout={"format": "dcp"}, tensors=index.infos(), files={})
     load_dcp_entries(index, state.entries_to_load(manifest))
     state.load_extra({})
     return manifest
