@@ -156,7 +156,7 @@ def _validate_packing(c: Sections) -> None:
     for on, what, fix in [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
                           (p.tp > 1, f"parallel.tp={p.tp}", "parallel.tp=1"),
                           (m.experts > 0, f"mixture-of-experts routing (model.experts={m.experts})", "a dense model"),
-                          (c.train.compile, "train.compile=true", "train.compile=false"),
+                          (c.train.compile is True, "train.compile=true", "train.compile=false"),
                           (c.fault.rank >= 0 and c.fault.kind == "perturb", "fault.kind=perturb", "another fault.kind")]:
         if on:
             raise ConfigError("data.pack", f"packed rows with {what} are not wired yet; use {fix} or data.pack=false")
@@ -440,7 +440,7 @@ def _validate_two_bw(c: Sections) -> None:
         (c.model.experts > 0, "model.experts", "the steps of pipedream-2bw do not wait for each other, and the "
                                                "routers' metrics are summed over the pipeline stages at every step "
                                                "(a wait); use a dense model (model.experts=0) or another schedule"),
-        (t.compile, "train.compile", "pipedream-2bw runs its stages uncompiled; set train.compile=false"),
+        (t.compile is True, "train.compile", "pipedream-2bw runs its stages uncompiled; set train.compile=false"),
         (c.remat.policy != "none", "remat.policy", "pipedream-2bw runs without activation checkpointing here; "
                                                    "set remat.policy=none"),
         (t.eval_every > 0, "train.eval_every", "an evaluation would run the pipeline while pipedream-2bw has "
@@ -479,7 +479,7 @@ def _validate_activation_offload(c: Sections) -> None:
     if r.offload == "none":
         return
     offload_block_set(r.offload_blocks, c.model.layers)
-    if c.train.compile:
+    if c.train.compile is True:
         raise ConfigError("remat.offload", "the offload's saved-tensor hooks run in Python, outside a compiled "
                           "graph; set train.compile=false or remat.offload=none")
     if _asynchronous_pipeline(c):  # pipedream-2bw

@@ -363,3 +363,21 @@ class Sections:
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def compile_unknown(self) -> list[str]:
+        """The settings under which compiled training is not known to work: refused with train.compile=true
+        (data.pack, pipedream-2bw, remat.offload) or never compared with eager (docs/gpu.md, "--compile")."""
+        p = self.parallel
+        unknown = {"data.pack": self.data.pack,
+                   "pipeline.schedule": p.pp > 1 and self.pipeline.schedule != registry.DEFAULT_SCHEDULE,
+                   "remat.offload": self.remat.offload != "none", "model.experts": self.model.experts > 0,
+                   "parallel.offload": p.offload != "none", "compress.method": self.compress.method != "none",
+                   "train.sync_every": self.train.periodic}
+        return [key for key, on in unknown.items() if on]
+
+    def compile_for(self, device_type: str) -> bool:
+        """`train.compile` settled for the device a run uses: true or false as chosen; `auto`: per-block compile
+        with CUDA where compiled training is known to work (`compile_unknown` empty), eager on the CPU."""
+        if self.train.compile != "auto":
+            return bool(self.train.compile)
+        return device_type == "cuda" and not self.compile_unknown()

@@ -78,8 +78,9 @@ def compile_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", pipelined: bool = False) -> list[str]:
     """Compile `model` region by region in place when `enabled` (not under a pipeline: its stages
-    are compiled by `stage_compiler`); returns the names of the compiled regions."""
-    if not enabled or pipelined:
+    are compiled by `stage_compiler`); returns the names of the compiled regions. `enabled` is
+    `train.compile` settled for the device (`Config.for_device`); `auto` not settled stays eager."""
+    if enabled is not True or pipelined:
         return []
     keep_eager()
     regions = compile_regions(model)
@@ -91,8 +92,8 @@ def apply_compile(model: nn.Module, enabled: bool, backend: str = "inductor", pi
 
 
 def stage_compiler(enabled: bool, backend: str = "inductor") -> Callable[[Callable], Callable] | None:
-    """What compiles a pipeline stage's computation (`train.compile`), or None when off."""
-    if not enabled:
+    """What compiles a pipeline stage's computation (`train.compile`), or None when off (or not settled)."""
+    if enabled is not True:
         return None
 
     def compile_stage(fn: Callable) -> Callable:
