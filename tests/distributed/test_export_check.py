@@ -3,7 +3,8 @@ exports - the reference decoder as a Llama and as a GPT-2, and the `hf:DIR` fami
 config/families.py (Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE) - a checkpoint
 trained one step is exported and transformers' logits of the export match threefold's forward of
 the checkpoint within the fp32 bound. Exporting with the rotary row permutation dropped fails the
-check, naming the worst position, and removes the export."""
+check, naming the worst position, and removes the export. A `hf:DIR` start prints its own check before
+step 1 (threefold's reader and forward against transformers' forward of the directory)."""
 
 import contextlib
 import io
@@ -25,13 +26,16 @@ DENSE = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def train_each(cases: list[tuple[list[str], str]]) -> None:
-    """One step and a checkpoint of each case, one after the other in this process."""
+def train_each(cases: list[tuple[list[str], str]]) -> list[str]:
+    """One step and a checkpoint of each case, one after the other in this process; their stderr."""
     from threefold.train.trainer import Trainer
 
+    errs = []
     for overrides, out in cases:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
             Trainer(make_config(overrides, out)).run()
+        errs.append(err.getvalue())
+    return errs
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,9 @@ def runs(worlds, tmp_path_factory):
         models[family] = [f"model.preset=hf:{save_tiny(family, root / family)}"]
     for family in MOE:
         models[family] = [f"model.preset=hf:{save_tiny_moe(family, root / family)}"]
-    worlds(1).run(train_each, [([*preset, *TRAIN], str(root / f"run-{name}")) for name, preset in models.items()])
-    return root, list(models)
+    (errs,) = worlds(1).run(train_each, [([*preset, *TRAIN], str(root / f"run-{name}")) for name, preset in
+                                         models.items()])
+    return root, list(models), dict(zip(models, errs))
 
 
 def test_every_family_supported_is_covered():
@@ -51,7 +56,7 @@ def test_every_family_supported_is_covered():
 
 
 def test_export_prints_its_logit_check_for_every_family(runs):
-    root, names = runs
+    root, names, _ = runs
     lines = {}
     for name in names:
         export_hf(root / f"run-{name}", root / f"hf-{name}")
@@ -64,7 +69,7 @@ def test_export_prints_its_logit_check_for_every_family(runs):
 
 
 def test_bf16_check_holds_its_bound(runs):
-    root, _ = runs
+    root, _, _ = runs
     export_hf(root / "run-reference-llama", root / "hf-bf16")
     check = check_export(root / "run-reference-llama", root / "hf-bf16", dtype="bfloat16")
     assert check.ok and 0 < check.max_rel <= BOUNDS["bfloat16"], check
@@ -73,7 +78,7 @@ def test_bf16_check_holds_its_bound(runs):
 def test_an_export_without_the_rotary_permutation_fails_and_is_removed(runs, monkeypatch):
     from threefold.models import reference_hf
 
-    root, _ = runs
+    root, _, _ = runs
     monkeypatch.setattr(reference_hf, "rope_pairs_to_halves", lambda t, head_dim: t.clone())  # the bug put in
     out = root / "hf-broken"
     export_hf(root / "run-reference-llama", out)
@@ -83,3 +88,14 @@ def test_an_export_without_the_rotary_permutation_fails_and_is_removed(runs, mon
     assert message.startswith("export check FAILED: logits differ from transformers at sequence "), message
     assert "> bound 1e-05 (float32, 4x16 tokens)" in message and f"removed {out}" in message, message
     assert not out.exists()
+
+
+def test_a_hugging_face_start_prints_its_check_before_step_1(runs):
+    _, names, errs = runs
+    for name in names:
+        lines = [line for line in errs[name].splitlines() if "init check" in line]
+        if name.startswith("reference"):  # initialised from the seed: nothing to compare
+            assert lines == [], (name, errs[name])
+            continue
+        assert len(lines) == 1 and lines[0].startswith("threefold: init check: logits match transformers, max "
+                                                       "relative error "), (name, errs[name])

@@ -172,8 +172,17 @@ def check_pretrained(spec: ModelSpec, vocab: int, dtype: str = "float32") -> Log
     return compare(ours, library_logits(directory, tokens, torch_dtype), "init", dtype)
 
 
-def parameter_count(spec: ModelSpec) -> int:
-    """The model's parameters, counted on the meta device (no storage)."""
+def pretrained_check_line(spec: ModelSpec, vocab: int) -> str:
+    """The trainer's check of a `hf:DIR` start (rank 0, before step 1): its line, or the line saying why it
+    was skipped (more than PRETRAINED_CHECK_MAX_PARAMS parameters: loading the directory twice more and a
+    forward on the host would cost minutes); CheckpointError (exit 2) when the logits differ."""
     with torch.device("meta"):
-        model = spec.build()
-    return sum(p.numel() for p in model.parameters())
+        count = sum(p.numel() for p in spec.build().parameters())
+    if count > PRETRAINED_CHECK_MAX_PARAMS:
+        return (f"init check skipped: {count:,} parameters, above {PRETRAINED_CHECK_MAX_PARAMS:,} (the check "
+                "loads the model twice on the host); the reader is the one `ckpt export --hf` checks")
+    check = check_pretrained(spec, vocab)
+    if not check.ok:
+        raise CheckpointError(f"{check.line()}: threefold's {spec.family} does not reproduce {spec.hf.source} "
+                              "(a transformers version whose modelling changed?); nothing was trained")
+    return check.line()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..checkpoint import Checkpointer, TrainingState, import_model, read_manifest
 from ..checkpoint.format import step_dir_name
 from ..checkpoint.hf import pretrained
+from ..checkpoint.logit_check import pretrained_check_line
 from ..comm import Comm
 from ..config import Config
 from ..data.build import build_samplers
@@ -94,7 +95,8 @@ class Trainer:
                              cfg.data.prefetch)
         # the model's spec (built on the meta device by parallelize: each rank allocates only its
         # shards), with the pretrained weights of a Hugging Face directory when it has them
-        self.parallel = parallelize(pretrained(model_spec(cfg.model, cfg.train.seed)), self.mesh, self.comm, cfg)
+        spec = pretrained(model_spec(cfg.model, cfg.train.seed))
+        self.parallel = parallelize(spec, self.mesh, self.comm, cfg)
         # AdamW or momentum SGD with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
         # 1-bit Adam takes its place when compress.method=onebit asks for it
         self.optimizer = self.parallel.make_optimizer(cfg.train)
@@ -127,6 +129,8 @@ class Trainer:
         self.checkpointer.guard(self.optimizer)  # an async snapshot overlaps forward/backward, not the update
         self.resumed_from: Path | None = None
         self._restore()
+        if self.is_writer and spec.weights is not None and self.resumed_from is None and not cfg.checkpoint.init_from:
+            print(f"threefold: {pretrained_check_line(spec, cfg.model.vocab)}", file=sys.stderr, flush=True)
         self.autosave = AutoSave(cfg.checkpoint, self.mesh.world_size, cfg.train.steps, self.step,
                                  self._agree_max) if cfg.checkpoint.save_every == "auto" else None
         if self.is_writer:  # once the run is built: a refused model or layout stays one line
@@ -195,14 +199,10 @@ class Trainer:
         self._saved_step = self.step
         self.poisoned.owed = False
 
-    def _poisoned(self, record: dict) -> bool:
-        """Whether the step of `record` must not be saved (its loss or gradient norm is not finite)."""
-        return self.poisoned.refuses(record, self._newest_checkpoint())
-
     def _newest_checkpoint(self) -> str:
-        if self._saved_step >= 0:
-            return str(self.checkpointer.root / step_dir_name(self._saved_step))
-        return str(self.resumed_from) if self.resumed_from is not None else "none (nothing saved yet)"
+        saved = self._saved_step
+        newest = self.checkpointer.root / step_dir_name(saved) if saved >= 0 else self.resumed_from
+        return str(newest) if newest is not None else "none (nothing saved yet)"
 
     def _save_due(self, step: int) -> bool:
         if self.poisoned.owed:  # refused on a non-finite step: the next finite one saves
@@ -213,9 +213,8 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
     def _save(self, record: dict) -> None:
-        """Save the step of `record` unless it is poisoned (`_poisoned`); under save_every=auto, time the
-        stall and set the next save from the advice."""
-        if self._poisoned(record):
+        """Save the step of `record` unless it is not finite; under save_every=auto, time the stall and set the next."""
+        if self.poisoned.refuses(record, self._newest_checkpoint()):  # a non-finite step: not saved
             return
         start = time.perf_counter()
         self.save_checkpoint()
@@ -418,7 +417,8 @@ class Trainer:
                 self._complete(records[-1], log)
             self.step_fn.drain()  # pipedream-2bw: the last batch's update (a no-op for synchronous steps)
             stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
-            if stopped and self._saved_step != self.step and not (records and self._poisoned(records[-1])):
+            if stopped and self._saved_step != self.step and not (
+                    records and self.poisoned.refuses(records[-1], self._newest_checkpoint())):
                 self.save_checkpoint()
             self.parallel.complete()  # the last step's communication done (nvme under ZeRO-3: shards in the file)
             if stopped or cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
@@ -442,7 +442,7 @@ class Trainer:
 
     def _preempted(self) -> Preempted:
         name = self.stop.first.name if self.stop.first is not None else "a stop signal to another rank"
-        saved = self._saved_step == self.step  # else a non-finite step: nothing saved (`_poisoned` said why)
+        saved = self._saved_step == self.step  # else a non-finite step: nothing saved (`poisoned` said why)
         stopped = Preempted(name, self.step, Path(self._newest_checkpoint()))
         if self.is_writer:
             print(stopped.line() if saved else f"threefold: {name} at step {self.step}: saved nothing (the step is "
