@@ -109,3 +109,12 @@ def test_a_resume_fills_weights_and_moments_and_takes_the_step(plain_dcp):
         assert torch.equal(p, q), name
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(adamw.state[p][key], optimizer.state[q][key]), f"{name} {key}"
+
+
+def test_a_run_that_meets_no_dcp_directory_does_not_import_it():
+    """torch.distributed.checkpoint takes seconds to import; the checkpointer imports it only for a DCP directory."""
+    import subprocess
+    import sys
+
+    code = "import sys, threefold.checkpoint.checkpointer; print('torch.distributed.checkpoint' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -14,21 +14,15 @@ Those map one to one onto threefold's checkpoint names `model/<fqn>` and `optim/
 loader, without a process group, for exactly the boxes this rank's placements hold: a load
 planner turns each piece into read items over the stored chunks that overlap it
 (`create_read_items_for_chunk_list`) and reads them straight into the local storage views, so
-a rank reads only the chunks its slices touch and no byte moves between ranks.
+a rank reads only the chunks its slices touch and no byte moves between ranks. torch's side of it
+(the planner, the load, the save) is dcp_io.py, imported only when a DCP directory is met.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dist_cp
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import UserError
 from ..sharding import Placement
@@ -74,33 +68,31 @@ def threefold_name(key: str, bare_model: bool) -> str | None:
     return None
 
 
-def read_metadata(path: Path) -> Metadata:
-    """The DCP directory's metadata (what is stored where), or a one-line CheckpointError."""
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # torch raises whatever unpickling or reading raised
-        raise CheckpointError(f"{Path(path) / METADATA}: not a readable torch.distributed.checkpoint metadata "
-                              f"file ({type(e).__name__}: {e})") from None
-
-
 class DcpIndex:
     """The tensors of a DCP directory by threefold name: their DCP key and storage metadata."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.metadata = read_metadata(self.path)
+        from . import dcp_io  # torch.distributed.checkpoint costs seconds to import: only when one is read
+
+        try:
+            self.metadata = dcp_io.read_metadata(self.path)
+        except Exception as e:  # torch raises whatever reading or unpickling raised
+            raise CheckpointError(f"{self.where()}: not a readable torch.distributed.checkpoint metadata file "
+                                  f"({type(e).__name__}: {e})") from None
         stored = self.metadata.state_dict_metadata
         bare = not any(k.startswith(MODEL) for k in stored)
         self.keys: dict[str, str] = {}  # threefold name -> DCP key
         for key, md in stored.items():
             name = threefold_name(key, bare)
-            if name is not None and isinstance(md, TensorStorageMetadata):
+            if name is not None and dcp_io.is_tensor(md):
                 self.keys[name] = key
 
     def where(self) -> str:
         return str(self.path / METADATA)
 
-    def storage(self, name: str) -> TensorStorageMetadata:
+    def storage(self, name: str):
+        """The TensorStorageMetadata (global size, dtype, stored chunks) of tensor `name`."""
         return self.metadata.state_dict_metadata[self.keys[name]]
 
     def infos(self) -> dict[str, TensorInfo]:
@@ -112,6 +104,12 @@ class DcpIndex:
             if dtype is not None:
                 out[name] = TensorInfo(tuple(md.size), dtype, ())
         return out
+
+    def read(self, requests: list) -> None:
+        """Boxes of stored tensors into local views: (DCP key, global offsets, shape, target view)."""
+        from . import dcp_io
+
+        dcp_io.read_boxes(self.path, requests)
 
     def check(self, entries: list[Entry]) -> None:
         """Every entry is stored, with the entry's global shape; else one line naming key and file."""
@@ -126,60 +124,6 @@ class DcpIndex:
                                       "the checkpoint was written with")
 
 
-class _BoxPlanner(LoadPlanner):
-    """DCP's load of given global boxes into given tensors: `requests` are (key, offsets, shape, target)."""
-
-    def __init__(self, requests: list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]):
-        self.requests = requests
-
-    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        self.metadata = metadata
-
-    def create_local_plan(self) -> LoadPlan:
-        items: list[ReadItem] = []
-        for i, (key, offsets, shape, _) in enumerate(self.requests):
-            md = self.metadata.state_dict_metadata[key]
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
-            for item in create_read_items_for_chunk_list(key, md, [chunk]):
-                items.append(dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, index=i)))
-        return LoadPlan(items)
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return global_plan
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
-
-    def load_bytes(self, read_item: ReadItem, value) -> None:
-        raise AssertionError(f"{read_item.dest_index.fqn}: only tensors are read")
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        target = self.requests[read_item.dest_index.index][3]
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            target = target.narrow(dim, offset, length)
-        return target
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """The values were copied into the target's view (resolve_tensor)."""
-
-
-def _read(index: DcpIndex, requests: list) -> None:
-    """One DCP load of all `requests`, on this process alone (no process group, nothing sent)."""
-    if not requests:
-        return
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dist_cp.load({}, storage_reader=FileSystemReader(str(index.path)), planner=_BoxPlanner(requests),
-                         no_dist=True)
-    except CheckpointError:
-        raise
-    except Exception as e:  # a missing or truncated .distcp file: torch's error, in one line
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{index.path}: reading the DCP checkpoint failed ({type(e).__name__}: {first})") \
-            from None
-
-
 @torch.no_grad()
 def load_dcp_entries(index: DcpIndex, entries: list[Entry]) -> None:
     """Fill every entry's local pieces (this rank's boxes only) from the DCP directory."""
@@ -190,20 +134,22 @@ def load_dcp_entries(index: DcpIndex, entries: list[Entry]) -> None:
         for piece in local_pieces(entry.placement):
             offsets, shape = piece.box
             requests.append((key, tuple(offsets), tuple(shape), local_view(entry.tensor, entry.placement, piece)))
-    _read(index, requests)
+    index.read(requests)
 
 
 def _step(index: DcpIndex) -> int:
     """The optimizer steps taken: torchtitan's train_state.step, else AdamW's per-tensor step count."""
     stored = index.metadata.state_dict_metadata
-    key = "train_state.step" if isinstance(stored.get("train_state.step"), TensorStorageMetadata) else next(
+    from . import dcp_io
+
+    key = "train_state.step" if dcp_io.is_tensor(stored.get("train_state.step")) else next(
         (index.keys[n] for n in sorted(index.keys) if n.startswith("optim/") and n.endswith("/step")), None)
     if key is None or tuple(stored[key].size) != ():
         raise CheckpointError(f"{index.where()}: no step count (neither train_state.step nor an optimizer.state."
                               "<fqn>.step); resume needs the optimizer's state - start from the weights with "
                               "checkpoint.init_from instead")
     value = torch.zeros((), dtype=torch.float64)
-    _read(index, [(key, (), (), value)])
+    index.read([(key, (), (), value)])
     return int(round(float(value)))
 
 
@@ -294,10 +240,10 @@ def _check_new(out: Path) -> None:
 
 def write_dcp(state_dict: dict, out: Path) -> None:
     """torch.distributed.checkpoint's own writer, from this one process (no process group)."""
+    from . import dcp_io
+
     _check_new(out)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dist_cp.save(state_dict, storage_writer=FileSystemWriter(str(out)), no_dist=True)
+    dcp_io.save(state_dict, out)
 
 
 def export_dcp(path: Path, out: Path) -> tuple[Path, int, int]:
