@@ -6,9 +6,12 @@ model from its own spec (models/registry.py, from the config the checkpoint reco
 weights read by its own reader; both run the same fixed batch of token ids (`probe_tokens`: 4
 sequences of 16, seeded, inside the vocabulary) and their logits are compared position by
 position: ||ours - theirs|| / ||theirs|| over the vocabulary, the largest over the batch against
-`BOUNDS[dtype]`. Both sides compute in fp32 by default, whatever the stored dtype (bf16 weights are
-exact in fp32), so what is left is the kernels' summation order: well under 1e-5. In bf16 both sides
-round every activation and the bound is 2e-2 (what the families measure: docs/checkpoint.md).
+`BOUNDS[dtype]`. Both sides compute in fp32, whatever the stored dtype (bf16 weights are exact in
+fp32), so what is left is the kernels' summation order: the families measure 0 to 1.3e-7 against a
+bound of 1e-5. In bf16 both sides round every activation: the dense families measure 4e-3 to 8e-3,
+Mixtral 4e-2 (a near tie in a router picks another expert at one token), hence the bound 5e-2 - and
+a wrong export can hide under it (the rotary permutation dropped measures 2.6e-3 on the tests' tiny
+Llama), which is why the check computes in fp32.
 A mismatch names the worst (sequence, position) and removes the exported directory (rerun with
 `--no-check` to keep it for inspection).
 
@@ -38,9 +41,9 @@ from .reader import load_entries
 from .state import Entry
 from .verify import find_checkpoint_dir
 
-BOUNDS = {"float32": 1e-5, "bfloat16": 2e-2}  # the largest relative error of a position's logits, per precision
+BOUNDS = {"float32": 1e-5, "bfloat16": 5e-2}  # the largest relative error of a position's logits, per precision
 PROBE = (4, 16)  # sequences x tokens of the fixed batch
-PRETRAINED_CHECK_MAX_PARAMS = 500_000_000  # above: the check of a hf:DIR start is skipped (seconds -> minutes)
+PRETRAINED_CHECK_MAX_PARAMS = 300_000_000  # above: a hf:DIR start is not checked (seconds would become minutes)
 
 
 @dataclass(frozen=True)
