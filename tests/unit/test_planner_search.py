@@ -79,7 +79,8 @@ def test_the_space_respects_heads_nodes_layers_and_batch():
         assert st.tp <= 8 and w.model.kv_heads % st.tp == 0 and st.pp <= w.model.layers
         assert w.global_batch % (st.dp * st.microbatches) == 0
         assert st.sequence_parallel == (st.tp > 1)
-        assert st.zero == 0 or st.dp > 1
+    # ZeRO 0-3 at every dp, one replica included (optimizer offload needs ZeRO >= 1)
+    assert {(st.dp, st.zero) for st in enumerate_strategies(w, 8, H100) if st.dp == 1} == {(1, z) for z in range(4)}
 
 
 def test_every_interleaving_depth_that_divides_the_blocks_per_rank_is_searched():

@@ -110,7 +110,8 @@ def _workload(args) -> tuple[Workload, str]:
         raise ConfigError("--seq-len", f"{seq} exceeds model.max_seq={m.max_seq}; add --set model.max_seq={seq}")
     params = total_parameters(m)
     by_size = 2 ** max(0, round(math.log2(max(1.0, default_batch_tokens(params) / seq))))  # a power of two divides
-    batch = args.global_batch or max(args.gpus, by_size)
+    batch = args.global_batch or by_size  # never raised here: `run` raises it, on a line of its own, only when
+    # no layout of the GPUs can split it (`_raise_batch`)
     if batch < 1:
         raise ConfigError("--global-batch", f"must be at least 1, got {batch}")
     if m.hidden % m.heads or m.heads % m.kv_heads:
@@ -118,10 +119,19 @@ def _workload(args) -> tuple[Workload, str]:
     assumed = ""
     if not args.global_batch:
         size = f"~{_tokens(default_batch_tokens(params))} tokens for {parameter_count(params)} parameters"
-        rule = size if batch == by_size else f"{size} ({by_size} sequences) raised to one sequence per GPU"
-        assumed = (f"assumed global batch {batch} x {seq} = {_tokens(batch * seq)} tokens per step ({rule}); "
+        assumed = (f"assumed global batch {batch} x {seq} = {_tokens(batch * seq)} tokens per step ({size}); "
                    "give --global-batch for yours")
     return Workload(m, batch, seq), assumed
+
+
+def _raise_batch(w: Workload, gpus: int) -> tuple[Workload, dict]:
+    """The assumed batch raised to one sequence per GPU (every layout's dp divides it), with the line saying so."""
+    old, new = w.global_batch, gpus
+    why = (f"no layout of {gpus} GPUs splits the assumed {old} sequences (dp x tp x pp must use every GPU, with tp "
+           f"at most a node and pp at most the {w.model.layers} layers, and dp must divide the batch)")
+    line = (f"global batch raised from {old} to {new} sequences ({_tokens(new * w.seq_len)} tokens per step, one per "
+            f"GPU, {new / old:.3g}x the assumed batch): {why}; give --global-batch to plan another")
+    return replace(w, global_batch=new), {"from": old, "to": new, "why": why, "line": line}
 
 
 def parameter_count(n: int) -> str:
@@ -175,10 +185,14 @@ def run(args: argparse.Namespace) -> int:
         if value <= 0:
             raise ConfigError(flag, f"must be positive, got {value}")
     result = search(w, args.gpus, gpu, fixed, args.precision)
+    raised = None
+    if not result.candidates and not args.global_batch:  # the assumed batch, not the user's: raise it, and say so
+        w, raised = _raise_batch(w, args.gpus)
+        result = search(w, args.gpus, gpu, fixed, args.precision)
     if not result.candidates:  # an explicit layout that cannot exist: say why instead of an empty table
         problems = layout_problems(w, args.gpus, gpu, fixed) or [result.message]
         raise UserError(f"no layout of {args.gpus} GPUs matches the options: {'; '.join(problems)}")
-    extra = {"assumed": assumed}
+    extra = {"assumed": assumed, "batch_raised": raised}
     if result.feasible:
         extra["slow_links"] = slow_link_advice(result)
         extra["checkpoint"] = checkpoint_advice(result.best, args.gpus, args.mtbf_hours, args.save_seconds,
@@ -248,7 +262,9 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
                 "network": _network_json(g)},
         "gpus": r.gpus,
         "workload": {"global_batch": r.workload.global_batch, "seq_len": r.workload.seq_len,
-                     "tokens_per_step": r.workload.tokens, "assumed": extra.get("assumed", "")},
+                     "tokens_per_step": r.workload.tokens, "assumed": extra.get("assumed", ""),
+                     # additive: {from, to, why, line} when the assumed batch had to be raised, else null
+                     "batch_raised": extra.get("batch_raised")},
         "feasible": r.feasible, "message": r.message, "evaluated": r.evaluated,
         "candidates": [c.as_dict() for c in r.candidates],
     }
@@ -300,6 +316,8 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
              f"{network_label(g)}); {r.evaluated} strategies evaluated"]
     if extra.get("assumed"):
         lines.append(extra["assumed"])
+    if extra.get("batch_raised"):
+        lines.append(extra["batch_raised"]["line"])
     lines.append("")
     # a cp column only when a row shown has context parallelism (other tables stay as they were)
     with_cp = any(c.strategy.cp > 1 for c in r.candidates[:top])

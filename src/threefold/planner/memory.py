@@ -32,7 +32,7 @@ none of these are added: the prediction is the counted bytes of the trainer's `m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from ..config import Config
@@ -125,12 +125,18 @@ def micro_shape(w: Workload, st: Strategy) -> Shape:
 
 def chunk_bytes(w: Workload, st: Strategy, chunk: Chunk, rows_seen: bool = False) -> float:
     """Bytes one micro-batch's forward through `chunk` saves (one meter window)."""
-    m, x, hf = w.model, micro_shape(w, st), w.implementation == "hf-llama"
-    rows = w.global_batch // st.dp
-    if st.act_offload:
-        total = offload_split(m, x, chunk.layers, st.remat, st.remat_every, hf, st.ep, st.act_offload)[0]
+    return _chunk_bytes(w, micro_shape(w, st), w.global_batch // st.dp, chunk, st.remat, st.remat_every, st.ep,
+                        st.act_offload, rows_seen)
+
+
+@lru_cache(maxsize=65536)  # the search asks again for every zero stage and schedule of a shape
+def _chunk_bytes(w: Workload, x: Shape, rows: int, chunk: Chunk, remat: str, every: int, ep: int,
+                 act_offload: tuple[int, ...], rows_seen: bool) -> float:
+    m, hf = w.model, w.implementation == "hf-llama"
+    if act_offload:
+        total = offload_split(m, x, chunk.layers, remat, every, hf, ep, act_offload)[0]
     else:
-        total = blocks_bytes(m, x, chunk.layers, st.remat, st.remat_every, hf, st.ep)
+        total = blocks_bytes(m, x, chunk.layers, remat, every, hf, ep)
     if chunk.first:
         total += embedding_bytes(m, x, rows, hf)
     if chunk.last:
@@ -253,25 +259,44 @@ def in_flight(st: Strategy, stage: int) -> float:
 
 def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> MemoryBreakdown:
     """Memory of a rank at pipeline coordinate `stage`."""
-    v = st.chunks
-    count = rank_parameters(w.model, st.tp, st.pp, stage, v, st.ep, st.placement)
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.replicas, st.ep)  # ZeRO over dp+cp
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
-    acts = peak_activations(w, st, stage)
-    host = peak_host_activations(w, st, stage)
+    # what ZeRO, hpZ and the buckets do not change, once per shape (the search asks for each zero stage)
+    acts, host, transient, buffers, layers = _stage_working_set(w, replace(st, zero=0, hpz=False, bucket_mb=0.0),
+                                                                stage, gpu is CPU)
     if gpu is CPU:
         return MemoryBreakdown(params, grads, optim, acts, stage=stage, activations_host=host)
+    if st.replicas > 1:
+        # buckets in flight while the next ones fill (no more than the rank's whole gradients: a bucket
+        # larger than them is one collective over all of them)
+        buffers += 2 * min(st.bucket_mb * 2**20, bytes_per_param(st.precision)[1] * count.trainable)
+    if st.zero >= 3:
+        per_layer = count.total / max(1, layers)
+        buffers += 2 * per_layer * compute_bytes(st.precision) * 2  # gathered layer in use + the one prefetched, with grads
+    used = params + grads + optim + acts + transient + buffers
+    return MemoryBreakdown(params, grads, optim, acts, transient, buffers, ALLOCATOR_MARGIN * used + RESERVED_BYTES,
+                           stage=stage, activations_host=host)
+
+
+@lru_cache(maxsize=65536)
+def _stage_working_set(w: Workload, st: Strategy, stage: int, counted_only: bool) -> tuple[float, ...]:
+    """A rank's activations (device, host), transients and pipeline buffers, and its block count."""
+    acts = peak_activations(w, st, stage)
+    host = peak_host_activations(w, st, stage)
+    if counted_only:
+        return acts, host, 0.0, 0.0, 0
     x = micro_shape(w, st)
-    chunks = rank_chunks(w.model, st.pp, stage, v, st.placement)
+    chunks = rank_chunks(w.model, st.pp, stage, st.chunks, st.placement)
     layers = sum(len(c.layers) for c in chunks)
     hf = w.implementation == "hf-llama"
     transient = 0.0
-    sparse = any(w.model.is_moe_block(i) for c in chunks for i in c.layers)  # the larger block, when any
+    sparse = bool(w.model.experts) and any(w.model.is_moe_block(i) for c in chunks for i in c.layers)
     if st.remat in ("full", "every-k") and layers:
         transient += block_bytes(w.model, x, "none", hf, sparse, st.ep)  # the block being recomputed
     elif st.remat == "selective" and layers:
         transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, "selective", hf)
-    moved = [i for c in chunks for i in c.layers if i in st.act_offload]
+    moved = [i for c in chunks for i in c.layers if i in st.act_offload] if st.act_offload else []
     if moved:  # brought back for the backward: the block running and the one prefetched behind it
         biggest = max(offloaded_block_bytes(w.model, x, i, st.remat, st.remat_every, hf, st.ep) for i in moved)
         transient += min(2, len(moved)) * biggest
@@ -287,19 +312,8 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
                           + 8 * chunk_rows(int(tokens), int(vocab), int(x.c)) * vocab)
     if st.cp > 1 and layers:
         transient += context_transient(w.model, x)
-    buffers = 0.0
-    if st.replicas > 1:
-        # buckets in flight while the next ones fill (no more than the rank's whole gradients: a bucket
-        # larger than them is one collective over all of them)
-        buffers += 2 * min(st.bucket_mb * 2**20, bytes_per_param(st.precision)[1] * count.trainable)
-    if st.zero >= 3:
-        per_layer = count.total / max(1, layers)
-        buffers += 2 * per_layer * x.c * 2  # gathered layer in use + the one prefetched, with grads
-    if st.pp > 1:
-        buffers += 2 * x.c * x.bs * w.model.hidden / (st.tp if x.sp else 1)  # send and receive
-    used = params + grads + optim + acts + transient + buffers
-    return MemoryBreakdown(params, grads, optim, acts, transient, buffers, ALLOCATOR_MARGIN * used + RESERVED_BYTES,
-                           stage=stage, activations_host=host)
+    buffers = 2 * x.c * x.bs * w.model.hidden / (st.tp if x.sp else 1) if st.pp > 1 else 0.0  # send and receive
+    return acts, host, transient, buffers, layers
 
 
 def context_transient(m, x: Shape) -> float:

@@ -5,7 +5,8 @@ heads, and the MLP width); pp over divisors of what is left, at most the layer c
 rest, dividing the global batch; for a mixture of experts ep over the divisors of dp that divide
 the expert count; context parallelism cp (`context_degrees`: at long sequences, divisors of what tp x pp
 leave whose zigzag split the sequence allows, each attention method that can split the heads); ZeRO 0-3
-(0 when dp x cp = 1: ZeRO shards over the replicas dp x cp); micro-batch sizes 1-16; activation
+at every dp, one replica included (ZeRO shards over the replicas dp x cp; at one it shards nothing, but
+optimizer offload needs ZeRO >= 1); micro-batch sizes 1-16; activation
 checkpointing none / selective / every-k (one block in two) / full - the fastest that fits wins,
 so full recomputation is chosen only when nothing cheaper fits; with pp > 1 the schedules 1f1b, gpipe, zb-h1 and
 interleaved (every depth v that divides the blocks per rank, `interleaving_depths`). Any knob fixed by
@@ -142,7 +143,9 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
             if "dp" in fixed and fixed["dp"] != dp or w.global_batch % dp:
                 continue
             per_rank = w.global_batch // dp
-            zeros = fixed["zero"] if "zero" in fixed else (range(4) if dp * cp > 1 else [0])
+            # every stage at every dp, one replica included: sharding over one rank saves nothing, but ZeRO >= 1
+            # is what optimizer offload needs (config/checks.py), and offload may be the only way to fit
+            zeros = fixed["zero"] if "zero" in fixed else range(4)
             eps = [e for e in _divisors(dp) if m.experts and m.experts % e == 0] or [1]
             eps = [e for e in eps if e == fixed["ep"]] if "ep" in fixed else eps
             methods = context_methods(m, tp, cp, fixed)

@@ -305,16 +305,16 @@ def balance_uniform(layers: int, stages: int, cost: float, first: float, last: f
     best = np.full((S, L + 1), np.inf)
     cut = np.zeros((S, L + 1), dtype=np.int64)
     best[0, 1:] = np.arange(1, L + 1) * cost + extra[0]
-    for k in range(1, S):
-        for i in range(k + 1, L + 1):
-            j = np.arange(k, i)
-            values = np.maximum(best[k - 1, k:i], (i - j) * cost + extra[k])
-            low = values.min()
-            best[k, i], cut[k, i] = low, j[np.nonzero(values == low)[0][-1]]
-    bounds, i = [], L
+    i, j = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
+    for k in range(1, S):  # every end i at once: values[i, j] for the cuts k <= j < i, the rest inf
+        values = np.where((j >= k) & (j < i), np.maximum(best[k - 1][None, :], (i - j) * cost + extra[k]), np.inf)
+        low = values.min(axis=1)
+        last = L - np.argmax((values == low[:, None])[:, ::-1], axis=1)  # the largest cut among equal values
+        best[k, k + 1:], cut[k, k + 1:] = low[k + 1:], last[k + 1:]
+    bounds, end = [], L
     for k in range(S - 1, 0, -1):
-        i = int(cut[k, i])
-        bounds.append(i)
+        end = int(cut[k, end])
+        bounds.append(end)
     return [0] + bounds[::-1]
 
 
@@ -333,6 +333,7 @@ def stage_layers(m: ModelConfig, pp: int, v: int = 1, placement: str = "interlea
     return [sum(len(c.layers) for c in rank_chunks(m, pp, r, v, placement)) for r in range(pp)]
 
 
+@lru_cache(maxsize=65536)
 def rank_parameters(m: ModelConfig, tp: int, pp: int, stage: int, v: int = 1, ep: int = 1,
                     placement: str = "interleaved") -> ParamCount:
     """Parameters held by pipeline rank `stage` (tp shards of every matrix; a sparse block's router,
