@@ -41,7 +41,9 @@ def train_each(cases: list[tuple[list[str], str]]) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(worlds, tmp_path_factory):
     root = tmp_path_factory.mktemp("export-check")
-    models = {"reference-llama": ["model.preset=tiny-llama"], "reference-gpt2": ["model.preset=tiny"]}
+    models = {"reference-llama": ["model.preset=tiny-llama"], "reference-gpt2": ["model.preset=tiny"],
+              # a padded vocabulary (250 -> 256 rows): the export writes the real rows, the check compares them
+              "reference-padded": ["model.preset=tiny-llama", "model.vocab=250", "model.vocab_multiple=64"]}
     for family in DENSE:
         models[family] = [f"model.preset=hf:{save_tiny(family, root / family)}"]
     for family in MOE:
