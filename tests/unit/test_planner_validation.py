@@ -252,16 +252,75 @@ def error(run, value):
     return published / value - 1 if metric == "seconds" else value / published - 1
 
 
+WITHIN = 0.15  # a row is right when its error is at most this
+KNOWN_MISS_BAND = 0.02  # a documented miss holds while its error stays this close to the documented one
+
+
+def verdict(err: float, known_miss: float | None) -> str:
+    """"" when a row's error is as the table says, else why not: a row without a documented miss must be
+    within WITHIN; a documented miss must stay within KNOWN_MISS_BAND of it on either side, so a miss that
+    grows fails, and so does one that shrinks (the doc's figure is then stale, or the row now passes and
+    its miss must be removed)."""
+    if known_miss is None:
+        return "" if abs(err) <= WITHIN else f"{err:+.1%} is outside +-{WITHIN:.0%}"
+    if err > known_miss + KNOWN_MISS_BAND or err < known_miss - KNOWN_MISS_BAND:
+        grew = abs(err) > abs(known_miss)
+        return (f"{err:+.1%}: the documented miss {known_miss:+.1%} {'grew' if grew else 'shrank'} past its band "
+                f"of +-{KNOWN_MISS_BAND:.0%}")
+    return ""
+
+
+def test_a_known_miss_fails_when_it_grows_or_shrinks_past_its_band():
+    assert verdict(0.248, 0.248) == "" and verdict(0.26, 0.248) == "" and verdict(0.235, 0.248) == ""
+    assert "grew" in verdict(0.30, 0.248) and "shrank" in verdict(0.20, 0.248)
+    assert "shrank" in verdict(0.05, 0.248)  # now within 15%: the miss must be taken out of the table
+    assert "grew" in verdict(-0.30, -0.248) and "shrank" in verdict(-0.20, -0.248)
+    assert verdict(0.149, None) == "" and verdict(-0.151, None) != ""
+
+
 @pytest.mark.parametrize("run", RUNS, ids=[r[0] for r in RUNS])
 def test_validation_runs_within_15_percent(run):
     name, *_, published, known_miss = run
     value, best = predict(run)
     assert best is not None, f"{name}: the published layout is predicted not to fit in {run[2].name}"
-    err = error(run, value)
-    if known_miss is None:
-        assert abs(err) <= 0.15, f"{name}: predicted {value:.3g} vs published {published} ({err:+.1%})"
-    else:  # documented miss: the doc's figure must stay true
-        assert err == pytest.approx(known_miss, abs=0.02), f"{name}: {err:+.1%}, the doc says {known_miss:+.1%}"
+    why = verdict(error(run, value), known_miss)
+    assert not why, f"{name}: predicted {value:.3g} vs published {published}: {why}"
+
+
+# The two sets, named and disjoint: the calibration set is Narayanan et al. 2021 (test_planner_model.py
+# MEGATRON, the source of `Gpu.compute_efficiency`); every validation row names its own source, none of them
+# that paper, and none repeats a calibration run (same model shape, GPUs and batch). Korthikanti et al.'s 530B on
+# 2,240 GPUs does: it is the calibration's table-2 layout (tp 8, pp 35, batch 2,240) rerun with selective
+# recomputation and sequence parallelism, so it stays in the table (and its test) but not in the validation set.
+REPEATS_CALIBRATION = ("Korthikanti 530B, 2240 A100",)
+CALIBRATION_SOURCE = "Narayanan et al. 2021, SC'21 (arXiv 2104.04473), tables 1-2"
+SOURCES = {
+    "MT-NLG": "Smith et al. 2022, Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.3",
+    "BLOOM": "BigScience 2022, BLOOM (arXiv 2211.05100), section 3.4",
+    "OPT": "Zhang et al. 2022, OPT (arXiv 2205.01068), section 2.4",
+    "Llama 3": "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), table 4",
+    "torchtitan": "Liang et al. 2024, TorchTitan (arXiv 2410.06511), tables of Llama 3 on 64 A100",
+    "MCore": "NVIDIA Megatron-LM README, commit d98e8a6 (model_table.png, strong_scaling.png)",
+    "Korthikanti": "Korthikanti et al. 2022 (arXiv 2205.05198), tables 3 and 5",
+    "Nemotron": "NVIDIA 2024, Nemotron-4 340B Technical Report (arXiv 2406.11704), table 2",
+}
+VALIDATION = [run for run in RUNS if run[0] not in REPEATS_CALIBRATION]
+
+
+def source(name: str) -> str:
+    return next(v for k, v in SOURCES.items() if name.startswith(k))
+
+
+def test_calibration_and_validation_sets_are_disjoint_and_named():
+    from tests.unit.test_planner_model import MEGATRON, gpt as calibration_model
+
+    assert len({r[0] for r in VALIDATION}) == len(VALIDATION)
+    assert all(source(r[0]) and "Narayanan" not in source(r[0]) for r in VALIDATION)
+    calibration = {(calibration_model(heads, hidden, layers).hidden, layers, gpus, batch)
+                   for _, heads, hidden, layers, tp, pp, gpus, batch, *_ in MEGATRON}
+    shape = {r[0]: (r[1].hidden, r[1].layers, r[3], r[4]) for r in RUNS}
+    assert calibration and not calibration & {shape[r[0]] for r in VALIDATION}
+    assert all(shape[name] in calibration for name in REPEATS_CALIBRATION)
 
 
 # Rows whose source says the published layout came out of its own search of layouts: Dubey et al. 2024,
@@ -284,9 +343,9 @@ def test_a_published_layout_its_source_searched_for_is_within_10_percent_of_the_
 # Why the 131k row misses (docs/planner.md): the column counts attention as the whole s x s product (4 s h per
 # token and layer, this file's convention and the planner's MFU), while a causal kernel executes half of it. At
 # 8,192 tokens attention is 8% of the counted FLOPs, at 131,072 it is 57%, so the counted figure rises with the
-# sequence (+51.3%) where Meta's falls (400 -> 380). Counted as executed (the causal half), the same predicted step
-# times give all three Llama 3 405B rows within 15% (8k: +7.5%, -0.3%; 131k: +8.0%): the published TFLOP/s are
-# consistent with a causal count, and the planner's time for the 131k layout with the published figure.
+# sequence where Meta's falls (400 -> 380). Counted as executed (the causal half), the same predicted step times
+# give all three Llama 3 405B rows within 15%: the published TFLOP/s are consistent with a causal count. The
+# errors themselves are printed from the data (`main`: the "executed" column), not written here.
 LLAMA3_ROWS = [run for run in RUNS if run[0].startswith("Llama 3 405B")]
 
 
@@ -347,7 +406,10 @@ def main(argv: list[str] | None = None) -> None:
         best = software_best(run)  # every layout the run's software offered
         gain = f"{best.tokens_per_s / chosen.tokens_per_s - 1:+.0%} ({best.strategy.label()})" \
             if best is not None else "nothing fits"
-        print(f"| {name} | {chosen.strategy.label()} | {published} | {value:.3g} | {error(run, value):+.1%} | "
+        if name in REPEATS_CALIBRATION:
+            name += " (repeats a calibration layout: not in the validation set)"
+        executed = f" (executed count {executed_tflops(run) / published - 1:+.1%})" if run in LLAMA3_ROWS else ""
+        print(f"| {name} | {chosen.strategy.label()} | {published} | {value:.3g} | {error(run, value):+.1%}{executed} | "
               f"{gain} |", flush=True)
 
 
