@@ -35,3 +35,10 @@ def test_an_infinity_in_a_low_precision_tensor_is_found_chunk_by_chunk(tmp_path)
 def test_a_finite_checkpoint_verifies(tmp_path):
     ckpt = save_synthetic(tmp_path / "checkpoints", 2, layout("tp2-dp1"), full_tensors())
     assert verify(ckpt)[1] == []
+
+
+def test_finite_values_whose_sum_overflows_are_not_reported(tmp_path):
+    fulls = full_tensors()
+    fulls["w3"].fill_(3e38)  # finite, but any two of them sum to inf: the sum's shortcut must not report them
+    ckpt = save_synthetic(tmp_path / "checkpoints", 1, layout("single"), fulls)
+    assert verify(ckpt)[1] == []
