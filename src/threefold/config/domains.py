@@ -188,7 +188,8 @@ DOMAINS: dict[str, Domain] = {
     "train.deterministic": BY_TYPE, "train.eval_every": AtLeast(0, "0: never"), "train.eval_batches": AtLeast(1),
     "train.sync_every": AtLeast(1), "train.sync_warmup_steps": AtLeast(0), "train.sync_optimizer_state": BY_TYPE,
     "train.outer_optimizer": BY_TYPE, "train.outer_lr": POSITIVE, "train.outer_momentum": FRACTION,
-    "train.easgd_alpha": FRACTION, "train.compile": BY_TYPE,
+    "train.easgd_alpha": FRACTION,
+    "train.compile": ByType("auto: per block on CUDA where known to work (Sections.compile_for), eager on the CPU"),
     # [data]
     "data.source": Text("parsed", "synthetic, stdlib, a prepared directory, a text file, a directory of text "
                                   "or a .npy token array"),

@@ -37,8 +37,9 @@ class Config(Sections):
     """The whole configuration: its sections, read and checked."""
 
     def for_device(self, device_type: str) -> "Config":
-        """The `auto` settings (precision) settled for the device the run uses."""
-        return replace(self, precision=self.precision.for_device(device_type))
+        """The `auto` settings (precision, train.compile) settled for the device the run uses."""
+        return replace(self, precision=self.precision.for_device(device_type),
+                       train=replace(self.train, compile=self.compile_for(device_type)))
 
     def validate(self, world_size: int) -> "Config":
         """Check everything against `world_size`; return the config with derived values set."""
@@ -209,7 +210,7 @@ def _parse_text(section: str, name: str, text: str):
     kind = _field_type(section, name)
     key = f"{section}.{name}"
     try:
-        if kind is bool:
+        if kind is bool or bool in _union_members(kind) and text.lower() in ("true", "false", "1", "0", "yes", "no"):
             lowered = text.lower()
             if lowered not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError

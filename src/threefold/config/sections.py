@@ -248,7 +248,9 @@ class TrainConfig:
     outer_lr: float = 0.7  # DiLoCo outer learning rate
     outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
     easgd_alpha: float = 0.0  # > 0: elastic averaging SGD, each replica pulled towards a centre variable
-    compile: bool = False  # torch.compile of the whole forward and loss (docs/gpu.md)
+    # torch.compile per block (parallel/compile.py, docs/gpu.md); auto: on with CUDA where compiled training is
+    # known to work, eager on the CPU (settled for the run's device: Sections.compile_for)
+    compile: bool | Literal["auto"] = "auto"
 
     @property
     def periodic(self) -> bool:

@@ -253,7 +253,7 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
                           units=chosen)
         pieces = grad_sync.pieces(placements)
         placements = grad_sync.placements(placements)
-    if cfg.train.compile:  # each unit's forward compiled; the strategies' module hooks stay eager around it
+    if cfg.train.compile is True:  # each unit compiled (settled for the device: an unsettled auto stays eager)
         from .compile import keep_eager
 
         keep_eager()

@@ -78,7 +78,7 @@ def overlaps_pairs(cfg: Config, mesh: Mesh) -> bool:
     no other collective inside a stage or process-wide state two threads would share - tp = 1,
     ZeRO below 3, no activation checkpointing, no compiled stages."""
     return (kind(cfg.pipeline.schedule).pairs is not None and mesh.size("ep") > 1
-            and not pair_overlap_blockers(mesh.size("tp"), cfg.parallel.zero, cfg.remat.policy, cfg.train.compile))
+            and not pair_overlap_blockers(mesh.size("tp"), cfg.parallel.zero, cfg.remat.policy, cfg.train.compile is True))
 
 
 def plan_stages(model: nn.Module, adapter: PipelineAdapter, cfg: Config, num_stages: int,

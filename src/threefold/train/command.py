@@ -96,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, repeatable, e.g. --set model.layers=4")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-compile", action="store_true", help="sets train.compile=false: eager on CUDA too (the "
+                   "default, auto, compiles per block on CUDA where known to work, and runs eager on the CPU)")
     p.add_argument("--overwrite", action="store_true",
                    help="--out holds another run: move it aside to OUT.old-<time> (nothing is deleted)")
     p.add_argument("--verbose", action="store_true",
@@ -113,6 +115,8 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
     out += [f"{key}=true" for option, key in FLAG_KEYS.items() if getattr(args, option)]
     if args.no_progress:
         out.append("run.progress=false")
+    if args.no_compile:
+        out.append("train.compile=false")
     return out + list(args.overrides)
 
 

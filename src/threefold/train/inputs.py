@@ -59,7 +59,8 @@ def _pair_warnings(cfg: Config) -> list[str]:
     p = cfg.parallel
     if p.pp == 1 or p.ep == 1 or kind(cfg.pipeline.schedule).pairs is None:
         return []
-    blockers = pair_overlap_blockers(p.tp, p.zero, cfg.remat.policy, cfg.train.compile)
+    # before the device is known `auto` is not settled: only a chosen compile is named
+    blockers = pair_overlap_blockers(p.tp, p.zero, cfg.remat.policy, cfg.train.compile is True)
     if not blockers:
         return []
     return [f"pipeline.schedule={cfg.pipeline.schedule}: with {', '.join(blockers)} each pair's forward and backward "
