@@ -10,7 +10,9 @@
     peer.py          in-memory copies on this node's and a peer node's launcher (checkpoint.peer_copy)
     peer_wire.py     the keeper's wire format: challenge, signed request, reply
     export.py        one Hugging Face-style safetensors file: export and import
-    command.py       `threefold ckpt inspect | verify | export`
+    dcp.py           torch.distributed.checkpoint directories in and out (names, this rank's boxes)
+    dcp_io.py        torch's side of it, imported only when a DCP directory is met
+    command.py       `threefold ckpt inspect | verify | export [--hf | --dcp]`
 """
 
 from .checkpointer import Checkpointer
