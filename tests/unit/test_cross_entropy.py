@@ -136,3 +136,17 @@ def test_a_retained_graph_gives_the_same_gradient_twice():
     assert torch.equal(torch.autograd.grad(loss, x)[0], first)
     assert rel_err(first[:, :VALID], 2 * reference(logits.detach(), targets, VALID)[1]) < 1e-6
 
+
+
+def test_the_loss_holds_one_fp32_copy_of_a_chunk():
+    """Forward and backward of bf16 logits in one chunk allocate the gradient buffer (2 bytes a logit)
+    and one fp32 copy of the rows that the softmax overwrites (4); backward the scaled gradient (2) while
+    the buffer lives, and on a CPU an eighth of the rows' fp32 temporaries of the cast (1): at most 6
+    bytes a logit at once (a separate softmax output would be 10, a whole cast's temporaries 12)."""
+    from threefold.observe.memory import allocation_peak
+
+    n, v = 64, 4096
+    logits = torch.randn(n, v).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (n,))
+    peak = allocation_peak(lambda: cross_entropy.summed_cross_entropy(logits, targets, v - 96).backward())
+    assert 6 * n * v <= peak < 6.5 * n * v, peak / (n * v)

@@ -8,9 +8,9 @@ the logits' own bytes), else the fewest equal chunks that do):
 * the rows in fp32 (bf16/fp16 logits: an upcast; fp32 logits: the rows themselves, or a copy when
   the vocabulary is padded), the padded columns set to -inf in that fp32 copy - a slice of V - valid
   columns written, never a mask over the logits - so the softmax gives them exactly 0;
-* p = softmax(rows) by aten's fused kernel; the loss of a token is lse - logit[target], with the
-  fp32 log-sum-exp read off the softmax at the row's largest logit, lse = max - log p[argmax]
-  (p[argmax] = 1 / sum exp(x - max) >= 1 / V: no underflow, fp32 accurate);
+* p = softmax(rows) by aten's fused kernel, in place in that fp32 copy; the loss of a token is
+  lse - logit[target], with the fp32 log-sum-exp read off the softmax at the row's largest logit,
+  lse = max - log p[argmax] (p[argmax] = 1 / sum exp(x - max) >= 1 / V: no underflow, fp32 accurate);
 * p - one_hot(target) is written into the gradient buffer in the logits' dtype (fp32 logits: the
   softmax writes straight into it).
 
@@ -43,19 +43,21 @@ IGNORE_INDEX = -100  # a target that does not count (torch's convention)
 
 
 def _softmax_rows(rows: torch.Tensor, valid: int, out: torch.Tensor | None) -> torch.Tensor:
-    """softmax(rows[:, :valid]) in fp32 over all columns (padded ones exactly 0); written into `out`
-    when the logits are fp32 (out is the gradient buffer's rows), else a fresh fp32 tensor."""
+    """softmax(rows[:, :valid]) in fp32 over all columns (padded ones exactly 0). fp32 logits with `out`
+    (the gradient buffer's rows): written into it; else into the fp32 upcast or copy of the rows, in place
+    (aten's softmax kernels read a row before they write it), so the chunk holds one fp32 tensor."""
+    padded = valid < rows.shape[-1]
+    if rows.dtype == torch.float32 and out is not None and not padded:
+        return torch.ops.aten._softmax.out(rows, -1, False, out=out)
+    if rows.dtype == torch.float32 and not padded:
+        return torch.softmax(rows, -1)
     if rows.dtype != torch.float32:
         x = rows.float()
-    elif valid < rows.shape[-1]:
-        x = rows.clone()
     else:
-        x = rows
-    if valid < rows.shape[-1]:
+        x = rows.clone() if out is None else out.copy_(rows)
+    if padded:
         x[:, valid:] = -torch.inf
-    if out is not None and out.dtype == torch.float32:
-        return torch.ops.aten._softmax.out(x, -1, False, out=out)
-    return torch.softmax(x, -1)
+    return torch.ops.aten._softmax.out(x, -1, False, out=x)
 
 
 def _loss_and_gradient(logits_nv: torch.Tensor, local_n: torch.Tensor, valid: int,
@@ -89,9 +91,19 @@ class _SummedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         saved, targets = ctx.saved_tensors
         rows = grad.float().expand(targets.shape[0]).masked_fill(targets == IGNORE_INDEX, 0.0)
-        # one kernel: read the buffer, scale in fp32, write in the logits' dtype (not in place: a
-        # retained graph may run backward again)
-        return torch.mul(saved, rows[:, None], out=torch.empty_like(saved)), None, None
+        return _scaled(saved, rows), None, None
+
+
+def _scaled(saved: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """saved * rows[:, None] computed in fp32, written in saved's dtype: one kernel on a GPU, which casts
+    in registers (not in place: a retained graph may run backward again). A CPU's TensorIterator casts
+    through fp32 temporaries of both operands: there an eighth of the rows at a time."""
+    out = torch.empty_like(saved)
+    n = saved.shape[0]
+    step = n if saved.dtype == rows.dtype or saved.device.type != "cpu" else max(1, -(-n // 8))
+    for i in range(0, n, step):
+        torch.mul(saved[i:i + step], rows[i:i + step, None], out=out[i:i + step])
+    return out
 
 
 def softmax_minus_one_hot(logits_nv: torch.Tensor, local_targets_n: torch.Tensor, lse_n: torch.Tensor, valid: int,
