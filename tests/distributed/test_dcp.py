@@ -68,17 +68,15 @@ def plain_run(dcp_dir: Path) -> dict:
 
 
 def continue_from_dcp(overrides: list[str], out: str, dcp_dir: str) -> dict:
-    """On every rank: the weights by checkpoint.init_from, then a resume from the same directory
-    continued to N steps (the trainer's own resume path: Checkpointer.load, the step, after_load)."""
-    from threefold.checkpoint.dcp import import_dcp
+    """On every rank, through the config keys a user sets: the weights by checkpoint.init_from (read before
+    any step), then a run resumed from the same directory (checkpoint.resume) continued to N steps."""
     from threefold.train.trainer import Trainer
 
-    trainer = Trainer(make_config(overrides, out))
-    import_dcp(Path(dcp_dir), list(trainer.parallel.module.named_parameters()), trainer.parallel.placements)
-    initial = {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}
-    manifest = trainer.checkpointer.load(Path(dcp_dir), trainer.training_state())
-    trainer.step = manifest.step
-    trainer.optimizer.after_load(manifest.step, masters_loaded=False)
+    started = Trainer(make_config(overrides + [f"checkpoint.init_from={dcp_dir}"], f"{out}-init"))
+    initial = {n: p.detach().clone() for n, p in started.parallel.module.named_parameters()}
+    del started
+    trainer = Trainer(make_config(overrides + [f"checkpoint.resume={dcp_dir}"], out))
+    assert trainer.step == K, f"resumed at step {trainer.step}, not {K}"
     records = trainer.run()
     return {"initial": initial, "steps": [r["step"] for r in records], "placements": trainer.parallel.placements,
             "params": {n: p.detach().clone() for n, p in trainer.parallel.module.named_parameters()}}

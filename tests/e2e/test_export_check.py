@@ -8,9 +8,6 @@ from tests.e2e.cli import threefold
 
 pytest.importorskip("transformers")
 
-# enabled once checkpoint/command.py runs checkpoint/logit_check.py's check_export after `--hf` (and has --no-check)
-pytestmark = pytest.mark.skip(reason="ckpt export --hf runs no logit check yet (command.py wiring)")
-
 BROKEN = ("import sys\n"
           "from threefold.models import reference_hf\n"
           "reference_hf.rope_pairs_to_halves = lambda t, head_dim: t.clone()\n"

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="a LoRA run's --hf export: the adapters merged into the base (a plain model), or a "
                              "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
     export.add_argument("--shard-mb", type=float, default=2048.0, help="largest safetensors shard of --hf (MB)")
+    export.add_argument("--no-check", action="store_true",
+                        help="--hf: skip the logit check (transformers' forward of the export against threefold's "
+                             "forward of the checkpoint, fp32, 4x16 tokens; it holds the model twice in host memory)")
 
 
 def _size(n: int) -> str:
@@ -92,7 +95,7 @@ def check(path: Path) -> int:
             print(f"FAILED {problem}", file=sys.stderr)
         return 1
     print(f"OK {ckpt}: step {manifest.step}, {len(manifest.files)} files, {_size(manifest.total_bytes())}, "
-          f"{len(manifest.tensors)} tensors complete, headers match the manifest, checksums match")
+          f"{len(manifest.tensors)} tensors complete, headers match the manifest, checksums match, every tensor finite")
     return 0
 
 
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.out, args.hf, args.dcp)) != 1:
         raise UserError("ckpt export: give one of an output file (OUT), --hf OUT (a Hugging Face directory) or "
                         "--dcp OUT (a torch.distributed.checkpoint directory)")
+    if args.no_check and args.hf is None:
+        raise UserError("ckpt export: --no-check skips the logit check of a --hf export; give --hf OUT")
     if args.lora != "merged" and args.hf is None:
         raise UserError("ckpt export: --lora adapter writes a PEFT directory; give it with --hf OUT")
     if args.hf is not None:
@@ -112,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
         ckpt, count = export_hf(Path(args.dir), Path(args.hf), int(args.shard_mb * 2**20), args.lora)
         opener = "peft's PeftModel.from_pretrained" if args.lora == "adapter" else "transformers' from_pretrained"
         print(f"wrote {args.hf}: {count} tensors from {ckpt} (open with {opener})")
+        if not args.no_check:
+            from .logit_check import check_export
+
+            check = check_export(ckpt, Path(args.hf))  # a mismatch: CheckpointError (exit 2), the export removed
+            print(check.line() if check is not None else "export check: skipped (a LoRA checkpoint: threefold's "
+                  "forward of it needs its base; docs/lora.md)")
         return 0
     if args.dcp is not None:
         from .dcp import export_dcp

@@ -96,9 +96,10 @@ def _validate(c: S, world_size: int) -> S:
     ck = c.checkpoint
     if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
         raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
-    if ck.init_from and not Path(ck.init_from).is_file():
-        raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is not a file; give a .safetensors file "
-                          "written by `threefold ckpt export` (or with the same tensor names)")
+    if ck.init_from and not (Path(ck.init_from).is_file() or (Path(ck.init_from) / ".metadata").is_file()):
+        raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is neither a file nor a torch.distributed."
+                          "checkpoint directory (.metadata); give a .safetensors file written by `threefold ckpt "
+                          "export` (or with the same tensor names) or a DCP directory")
     _validate_optimizer(t)
     _validate_compress(c.compress, p.zero, t)
     _validate_periodic(c, dp)

@@ -199,7 +199,7 @@ DOMAINS: dict[str, Domain] = {
     "checkpoint.save_every": AtLeast(0, "0 = never"), "checkpoint.mtbf_hours": POSITIVE,
     "checkpoint.restart_seconds": AtLeast(0), "checkpoint.async_save": BY_TYPE,
     "checkpoint.resume": Text("parsed", "none, auto or a checkpoint or run directory"),
-    "checkpoint.keep": AtLeast(0, "0 keeps all"), "checkpoint.init_from": Text("path", "a .safetensors file"),
+    "checkpoint.keep": AtLeast(0, "0 keeps all"), "checkpoint.init_from": Text("path", "a .safetensors file or a torch.distributed.checkpoint directory"),
     "checkpoint.peer_copy": BY_TYPE,
     # [run]
     "run.out": Text("path", "a run directory"), "run.id": Text("free", "the id of the run that owns run.out"),

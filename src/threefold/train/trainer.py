@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, TrainingState, import_model, read_manifest
+from ..checkpoint.dcp import import_dcp, is_dcp
 from ..checkpoint.format import step_dir_name
 from ..checkpoint.hf import pretrained
 from ..checkpoint.logit_check import pretrained_check_line
@@ -150,7 +151,8 @@ class Trainer:
         ck = self.cfg.checkpoint
         path = self.checkpointer.find_resume(ck.resume)
         if path is not None:
-            check_resume(path, read_manifest(path).config, self.cfg)  # only this run's state, or the same model's
+            if not is_dcp(path):  # a DCP directory names no model: its keys and shapes are checked as it loads
+                check_resume(path, read_manifest(path).config, self.cfg)  # only this run's state, or the same model's
             manifest = self.checkpointer.load(path, self.training_state())
             self.step = manifest.step
             self.optimizer.after_load(manifest.step, any(n.endswith("/master") for n in manifest.tensors))
@@ -161,7 +163,8 @@ class Trainer:
                 self._warn_data_mismatch(manifest.data)
         elif ck.init_from:
             self.parallel.settle()  # nvme under ZeRO-3: the shards in memory to be filled
-            import_model(Path(ck.init_from), list(self.parallel.module.named_parameters()), self.parallel.placements)
+            (import_dcp if is_dcp(ck.init_from) else import_model)(
+                Path(ck.init_from), list(self.parallel.module.named_parameters()), self.parallel.placements)
             self.optimizer.after_load(0, masters_loaded=False)  # masters not sharing the model's storage: from it
             if self.is_writer:
                 print(f"threefold: initialised the model from {ck.init_from} (checkpoint.init_from)", file=sys.stderr,
