@@ -76,9 +76,12 @@ def test_a_compiled_function_is_counted_as_compiled():
 STEP_OPS_CAUSE = ("threefold's step issues more operations than the plain loop (bench/step_proxies.py prints them "
                   "by source): q, k and v (and Llama's gate and up) as separate Linears instead of one fused qkv, the "
                   "chunked cross-entropy's ~20 eager operations against F.cross_entropy's 6, the loss divided by "
-                  "the global token count outside the loss, the gradient norm computed apart from the clip "
+                  "the global token count outside the loss, Llama's rotary on interleaved pairs (mul, stack, "
+                  "select_backward: 28 forward against rotate-half's 20; compiled, its cos/sin tables recomputed in "
+                  "every block's graph, forward and backward), the gradient norm computed apart from the clip "
                   "(sum of squares, sqrt) with a non-finite flag (isfinite, ~) and the skip it passes to fused "
-                  "AdamW, the accumulation of gradients into bucket views and the buckets' zeroing")
+                  "AdamW, the accumulation of gradients into bucket views (a _foreach_add_ per bucket) and the buckets' "
+                  "zeroing")
 
 
 @pytest.mark.xfail(strict=True, reason=STEP_OPS_CAUSE)
