@@ -80,8 +80,8 @@ STEP_OPS_CAUSE = ("threefold's step issues more operations than the plain loop (
                   "select_backward: 28 forward against rotate-half's 20; compiled, its cos/sin tables recomputed in "
                   "every block's graph, forward and backward), the gradient norm computed apart from the clip "
                   "(sum of squares, sqrt) with a non-finite flag (isfinite, ~) and the skip it passes to fused "
-                  "AdamW, the accumulation of gradients into bucket views (a _foreach_add_ per bucket) and the buckets' "
-                  "zeroing")
+                  "AdamW, the accumulation of gradients into bucket views (a _foreach_add_ per bucket) and the "
+                  "buckets' zeroing")
 
 
 @pytest.mark.xfail(strict=True, reason=STEP_OPS_CAUSE)
