@@ -203,3 +203,18 @@ def test_gpu_sh_refuses_an_only_pattern_that_names_no_stage(tmp_path):
     assert run.returncode == 2, run.stderr
     assert "--only 'lama-compare' matches no stage" in run.stderr and "llama-compare" in run.stderr, run.stderr
     assert not (tmp_path / "a").exists()  # nothing ran, nothing written
+
+
+def test_the_compare_sizes_its_sides_to_the_free_memory(tmp_path):
+    """gpu_compare.py with less free memory than its three sides need (--free-gib stands in for the device's):
+    the Hugging Face side is left out, the batch halved, and the JSON says so and what it estimated."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_compare.py"), "--smoke", "--model", "tiny-llama",
+                          "--free-gib", "0.0018", "--json", str(tmp_path / "c.json"), "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    result = json.loads((tmp_path / "c.json").read_text())
+    memory = result["memory"]
+    assert list(result["sides"]) == memory["sides"] == ["threefold", "plain"] and result["batch"] == memory["batch"] == 1
+    assert memory["notes"][0].startswith("hf: dropped") and memory["notes"][1] == "batch 2 -> 1 to fit 0.0 GiB free"
+    assert memory["total_gib"] <= 0.9 * 0.0018 and memory["fits"], memory
