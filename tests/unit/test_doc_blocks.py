@@ -140,8 +140,9 @@ def check_command(words: list[str], where: str, standin: str) -> None:
         if re.search(r'threefold train .*"\$@"', text):  # a job script whose arguments go to `threefold train`
             check_threefold(["train", *extra], where, standin)
         else:
-            for option in (w for w in extra if w.startswith("--")):
-                assert f'"{option.split("=")[0]}"' in text, f"{where}: {script} has no option {option}"
+            for option in (w.split("=")[0] for w in extra if w.startswith("--")):
+                # argparse's "--name", or a shell script's case pattern `--name)` / `--name|`
+                assert re.search(rf'"{option}"|^\s*{option}[)|]', text, re.M), f"{where}: {script} has no option {option}"
     elif head == "make":
         makefile = (ROOT / "Makefile").read_text()
         for target in rest:
