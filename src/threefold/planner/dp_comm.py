@@ -1,7 +1,8 @@
 """Data-parallel and ZeRO traffic of one step, and what of it is exposed (not hidden behind compute).
 
 Gradients (in the precision's gradient bytes) are all-reduced bucket by bucket during the last
-micro-batch's backward, so only what exceeds that backward is exposed - unless the workload's
+micro-batch's backward, each bucket once its gradients are ready (`bucket_tail`): the last bucket is
+always exposed, and whatever the collectives cannot keep up with - unless the workload's
 software reduces after the pipeline flush (`Workload.grad_overlap = False`: Megatron-LM and
 DeepSpeed of 2021-22, below), where all of it is. ZeRO-1 reduce-scatters the same way and
 all-gathers the updated parameters after the step: in threefold without pipeline or expert
@@ -91,9 +92,10 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
         return t, t
     m = st.microbatches
     hide = backward_s if w.grad_overlap else 0.0
+    buckets = sum(_buckets(n * grad_bytes, st) for n, _ in trainable)
     if st.zero == 0:
         t = sum(_in_buckets(comm.all_reduce, n * grad_bytes, st, g, link) for n, g in trainable)
-        return t, max(0.0, t - hide)
+        return t, bucket_tail(t, buckets, hide)
     wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
     wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes
     params = _groups(st, count.total - expert, expert)
@@ -109,13 +111,29 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     # the parameter all-gathers after the step overlap the next forward (threefold without pp or ep)
     ag_exposed = max(0.0, ag - forward_s) if w.grad_overlap and st.pp == 1 and st.ep == 1 else ag
     if st.zero == 1:
-        return rs + ag, max(0.0, rs - hide) + ag_exposed
+        return rs + ag, bucket_tail(rs, buckets, hide) + ag_exposed
     if st.zero == 2:
-        return m * rs + ag, m * max(0.0, rs - hide) + ag_exposed
+        return m * rs + ag, m * bucket_tail(rs, buckets, hide) + ag_exposed
     # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
     ag_b = _hpz_gather(st, gpu, params, units) if st.hpz else ag
     exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag_b + rs - backward_s))
     return m * (ag + ag_b + rs), exposed
+
+
+def bucket_tail(total_s: float, buckets: int, backward_s: float) -> float:
+    """What of `total_s` of gradient collectives, `buckets` equal ones issued in order as each bucket's
+    gradients are ready, outlasts a backward of `backward_s` (0: issued after it, all exposed).
+
+    Gradients are ready at an even rate over the backward: bucket k of n at k/n of it (DDP and
+    Megatron-Core launch a bucket when its last gradient arrives; parallel/buckets.py does the same). One
+    collective runs at a time, c = total / n each, so bucket k ends at max over j <= k of (j/n B + (k - j + 1) c);
+    the last ends at B + c when the collectives keep up (c <= B / n: only the last bucket is exposed) and at
+    B / n + total when they do not. A larger bucket pays fewer latencies but leaves a larger last bucket
+    exposed: the trade-off that sets the default size (`best_bucket_mb`)."""
+    if backward_s <= 0.0:
+        return total_s
+    c = total_s / buckets
+    return max(c, total_s - backward_s * (buckets - 1) / buckets)
 
 
 def _hpz_gather(st: Strategy, gpu: Gpu, params: list[tuple[float, int]], units: int) -> float:
