@@ -60,7 +60,9 @@ def test_the_loss_is_charged_on_the_last_stage_and_by_the_software():
     assert f > 0 and b > 0
     assert f == pytest.approx(8 * 1024 * m.padded_vocab * 30 / (h100.hbm_bytes_per_s * h100.compute_efficiency))
     mega = loss_seconds(m, 8, 1024, 1, h100, "bf16", "megatron")
-    assert mega[0] > f and mega[1] < b  # Megatron keeps the fp32 softmax: more passes forward, one backward
+    # Megatron keeps the fp32 softmax (more passes forward) and casts its gradient back; threefold's forward
+    # writes softmax - one_hot in the logits' dtype and its backward only scales it
+    assert mega[0] > f and mega[1] > b
     w = Workload(m, 64, 1024)
     st = Strategy(dp=8, microbatches=1)
     with_loss = step_time(w, st, h100)

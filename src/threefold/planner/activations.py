@@ -23,8 +23,8 @@ Korthikanti et al. 2022 section 4.2.2; parallel/sequence_region.py `SequenceRegi
 Outside the blocks: the token indices (without tp the int64 rows of the rank's whole batch,
 shared by inputs and targets: a view, so the whole storage counts in every forward that
 saves it; with tp the embedding's masked local ids 8*bs and mask bs), learned positions 8*s,
-the final norm, the loss's logits in the compute dtype c*bsV and fp32 log-sum-exp 4*bs
-(models/cross_entropy.py; vocabulary-parallel: the local slice c*bsV/t, log-sum-exp 4*bs, local
+the final norm, the loss's softmax - one_hot in the compute dtype c*bsV (models/cross_entropy.py keeps it in
+place of the logits, which are freed; vocabulary-parallel: the logits and an fp32 log-sum-exp 4*bs: the local slice c*bsV/t, log-sum-exp 4*bs, local
 ids 8*bs, mask bs) and the flattened targets (8*bs, a copy unless one row). V is the padded
 vocabulary (`model.vocab_multiple`), padded again to a multiple of t when tp does not divide it. With the loss in pieces (`model.loss_chunk` < bs, models/loss.py) the
 head and loss are checkpointed: only the head's input (c*bsh, /t under SP) and the targets' rows
@@ -229,7 +229,7 @@ def head_bytes(m: ModelConfig, x: Shape, rank_rows: int, with_rows: bool, hf: bo
     if x.t > 1:
         return norm + x.c * bs * padded(m.padded_vocab, x.t) + 13 * bs  # local logits, log-sum-exp, local ids, mask
     targets = 8 * bs if x.b > 1 or x.cp > 1 else (rows if with_rows else 0)
-    return norm + x.c * bs * m.padded_vocab + 4 * bs + targets  # logits, log-sum-exp, targets
+    return norm + x.c * bs * m.padded_vocab + targets  # softmax - one_hot in the logits' dtype, targets
 
 
 def loss_in_pieces(m: ModelConfig, x: Shape) -> bool:

@@ -20,6 +20,7 @@ import math
 from functools import lru_cache
 
 from ..config import ModelConfig
+from ..models.loss_pieces import loss_bytes_per_logit as whole_loss_bytes_per_logit
 from .hardware import Gpu
 from .moe import dense_mlp_flops_per_token, sparse_blocks, sparse_mlp_flops_per_token
 from .workload import Strategy, Workload
@@ -312,8 +313,9 @@ def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int
 
 # ---- the cross-entropy over the vocabulary: memory-bound passes over the logits, per software
 # HBM bytes per logit of its forward and backward kernels on a GPU (eager), c = the logits' element size:
-#   "threefold"  models/cross_entropy.py (tp = 1): an fp32 copy (c + 4; none of fp32 logits),
-#                torch.logsumexp's amax, subtract, exp and sum (4 + 8 + 8 + 4); parallel/tensor.py's vocabulary-parallel loss (tp > 1): amax
+#   "threefold"  models/cross_entropy.py (tp = 1): models/loss_pieces.py `loss_bytes_per_logit` (the row max,
+#                the upcast chunk, torch's fused softmax in place, softmax - one_hot in the logits' dtype; backward
+#                scales it per row: bf16 30 + 4, fp32 20 + 8); parallel/tensor.py's vocabulary-parallel loss (tp > 1): amax
 #                (c), an fp32 copy of each chunk (c + 4), subtract, exp in place, sum (8 + 8 + 4); backward
 #                (both, softmax_minus_one_hot): an fp32 copy (c + 4), subtract, exp, scale in place
 #                (8 + 8 + 8), written back in the logits' dtype (4 + c)
@@ -326,16 +328,17 @@ def head_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int
 # The gathers of the target's logit and the one-hot's scatter touch one logit per token: left out.
 
 
-def loss_bytes_per_logit(kind: str, c: int, vocab_parallel: bool) -> tuple[int, int]:
+def loss_bytes_per_logit(kind: str, c: int, vocab_parallel: bool, padded: bool = False) -> tuple[int, int]:
     """(forward, backward) HBM bytes per logit of the cross-entropy `kind` computes (workload.LOSSES); a cast of
-    fp32 logits to fp32 (`.float()`) moves nothing."""
+    fp32 logits to fp32 (`.float()`) moves nothing; `padded`: the vocabulary is padded (model.vocab_multiple)."""
     cast = 0 if c == 4 else c + 4
     if kind == "megatron":
         return cast + 4 + 8 + 8 + 4 + 8, 8 + cast
     if kind == "torch":
         return cast + 4 + 4 + 8, 4 + (4 + 8 + 4) + cast
-    forward = c + (c + 4) + 8 + 8 + 4 if vocab_parallel else cast + 4 + 8 + 8 + 4
-    return forward, (c + 4) + 8 + 8 + 8 + (4 + c)
+    if not vocab_parallel:
+        return whole_loss_bytes_per_logit(c, padded)
+    return c + (c + 4) + 8 + 8 + 4, (c + 4) + 8 + 8 + 8 + (4 + c)
 
 
 def loss_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, gpu: Gpu, precision: str,
@@ -343,6 +346,7 @@ def loss_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, gpu: G
     """(forward, backward) seconds of one micro-batch's cross-entropy on one tp rank: its logits
     (rows x padded vocabulary / tp) times `loss_bytes_per_logit` over the HBM bandwidth."""
     logits = micro_batch * seq_len * _ceil(m.padded_vocab, tp)
-    forward, backward = loss_bytes_per_logit(kind, compute_element_bytes(precision), tp > 1)
+    forward, backward = loss_bytes_per_logit(kind, compute_element_bytes(precision), tp > 1,
+                                             m.padded_vocab != m.vocab)
     rate = gpu.hbm_bytes_per_s * gpu.compute_efficiency
     return logits * forward / rate, logits * backward / rate

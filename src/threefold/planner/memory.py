@@ -302,7 +302,8 @@ def _stage_working_set(w: Workload, st: Strategy, stage: int, counted_only: bool
         transient += min(2, len(moved)) * biggest
     if any(c.last for c in chunks):
         # the logits' gradient (and, in pieces, the piece's recomputed logits) in the compute dtype, and
-        # the cross-entropy's fp32 chunk and its exp (models/cross_entropy.py)
+        # the cross-entropy's fp32 chunk (models/cross_entropy.py: its softmax overwrites the chunk in place,
+        # 4 bytes a logit, while softmax - one_hot is written during the forward; 8 is the tp loss's copy and exp)
         # (transformers' own loss, hf-llama: the logits, their fp32 copy and its gradient)
         tokens, vocab = loss_piece_tokens(w.model, x), w.model.padded_vocab / st.tp
         if hf:
