@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_check:
             from .logit_check import check_export
 
-            check = check_export(ckpt, Path(args.hf))  # a mismatch: CheckpointError (exit 2), the export removed
-            print(check.line() if check is not None else "export check: skipped (a LoRA checkpoint: threefold's "
+            logits = check_export(ckpt, Path(args.hf))  # a mismatch: CheckpointError (exit 2), the export removed
+            print(logits.line() if logits is not None else "export check: skipped (a LoRA checkpoint: threefold's "
                   "forward of it needs its base; docs/lora.md)")
         return 0
     if args.dcp is not None:
