@@ -1,20 +1,8 @@
 """Gradient buckets: flat buffers that gradients accumulate into, launched as they fill.
 
-Shared machinery of the data-parallel reducer and ZeRO stages 1 and 2: between backward passes
-each parameter's `.grad` is a view into its bucket's flat buffer (torch DDP's
-gradient_as_bucket_view), so a full bucket is one contiguous tensor ready for one collective, and
-the optimizer, the norm and the clip read the buffers with no copy.
-
-Within a pass, gradients land in the bucket one multi-tensor operation per bucket, not one per
-parameter. `begin_pass()` (entering `accumulating`) sets every `.grad` to None, so autograd's
-AccumulateGrad hands each new gradient over as it is (it steals the tensor: no operation) instead
-of adding it into the view (one `add_` per parameter and micro-batch, which is what DDP's bucket
-views cost). When the last gradient of a bucket has arrived the bucket is *merged*: one
-`_foreach_add_` adds every new gradient into its view (the buffer holds the earlier micro-batches'
-sum, zeros after `zero_grad`), and each `.grad` is the view again. A gradient that arrives with
-`.grad` still its view (a backward outside `accumulating`) is added by autograd as before and the
-merge skips it. Until its bucket is merged a gradient is held on its own: at most the bucket
-being filled, as with DDP without bucket views, and released at the merge.
+Shared machinery of the data-parallel reducer and ZeRO stage 2: each parameter's `.grad` is a
+view into its bucket's flat buffer, so autograd accumulates in place and a full bucket is one
+contiguous tensor ready for one collective, with no copy.
 
 Parameters are bucketed in reverse registration order, which is roughly the order backward
 produces their gradients. A bucket becomes *ready* when every one of its parameters has
@@ -70,18 +58,17 @@ class GradientBuckets:
 
     `launch` starts the bucket's communication and returns an object with `wait()`;
     `complete(bucket)` (optional) runs after that wait, e.g. to copy a reduced result back;
-    `merge(bucket)` (optional; default `merge_into_buffer`) takes the gradients autograd handed
-    over in this pass (`.grad` not the view) once the bucket's last one arrived (ZeRO-2 copies
-    them into a pooled buffer instead).
+    `arrive(bucket, param)` (optional) runs when autograd has accumulated `param.grad`, before
+    the bucket is counted as nearer ready (ZeRO-2 copies the gradient into a pooled buffer).
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_bytes: int, launch: Callable[[Bucket], object],
                  complete: Callable[[Bucket], None] | None = None, pad_to: int = 1,
-                 merge: Callable[[Bucket], None] | None = None):
+                 arrive: Callable[[Bucket, nn.Parameter], None] | None = None):
         self.params = [p for p in params if p.requires_grad]
         self._launch_fn = launch
         self._complete_fn = complete
-        self._merge_fn = merge or self.merge_into_buffer
+        self._arrive_fn = arrive
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         for index, group in enumerate(assign_buckets(self.params, bucket_bytes)):
@@ -108,40 +95,14 @@ class GradientBuckets:
 
     # ------------------------------------------------------------ during backward
 
-    def begin_pass(self) -> None:
-        """Before a backward pass: no `.grad`, so autograd hands each new gradient over without adding it."""
-        for p in self.params:
-            p.grad = None
-
     def _on_grad(self, param: nn.Parameter) -> None:
         self._hooks_fired += 1
         bucket = self._bucket_of[param]
+        if self._arrive_fn is not None:
+            self._arrive_fn(bucket, param)
         bucket.pending -= 1
-        if bucket.pending <= 0:  # the bucket's last gradient (or a late one): into the buffer
-            self._merge_fn(bucket)
         if self.sync:
             self._launch_ready()
-
-    @staticmethod
-    def handed_over(bucket: Bucket) -> list[int]:
-        """Indices of the bucket's parameters whose `.grad` autograd set in this pass (not the view)."""
-        return [i for i, (p, view) in enumerate(zip(bucket.params, bucket.views))
-                if p.grad is not None and p.grad is not view]
-
-    @staticmethod
-    def merge_into_buffer(bucket: Bucket) -> None:
-        """Add the gradients handed over into their views (one multi-tensor add); every `.grad` is its view."""
-        new = GradientBuckets.handed_over(bucket)
-        if new:
-            torch._foreach_add_([bucket.views[i] for i in new], [bucket.params[i].grad for i in new])
-        for p, view in zip(bucket.params, bucket.views):
-            p.grad = view
-
-    def merge_all(self) -> None:
-        """Merge what is still held apart (a bucket some parameter of which had no gradient in this pass)."""
-        for bucket in self.buckets:
-            if self.handed_over(bucket):
-                self._merge_fn(bucket)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending <= 0:
@@ -158,12 +119,10 @@ class GradientBuckets:
         """Around one micro-batch's backward: buckets launch as they fill only in the last one;
         before it, gradients only accumulate locally."""
         self.sync = last
-        self.begin_pass()
         try:
             yield
         finally:
             if not last:
-                self.merge_all()
                 self.reset_pass()
 
     # ------------------------------------------------------------ after backward
@@ -171,10 +130,7 @@ class GradientBuckets:
     def flush(self) -> None:
         """Launch the buckets not yet launched (in order), wait for all, then reset for the next pass."""
         while self._next < len(self.buckets):
-            bucket = self.buckets[self._next]
-            if bucket.pending > 0:  # some parameter had no gradient: what arrived is still apart
-                self._merge_fn(bucket)
-            self._launch(bucket)
+            self._launch(self.buckets[self._next])
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()

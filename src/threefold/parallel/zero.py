@@ -22,10 +22,9 @@ replica whole again.
              writes the shard, the later ones add to it). A bucket is whole only from its first
              gradient of a pass until its reduce-scatter is done, in a buffer of a small pool
              (bucket_pool.py, DeepSpeed's "ipg" buffers) that the buckets of a step take in turn:
-             the gradients autograd hands over are copied in by one multi-tensor copy once the
-             bucket's last one arrived (every element written once, so nothing is zeroed but the
-             gaps of parameters no gradient reached), and the buffer is given back once the
-             reduce-scatter was waited for. The pool's memory is freed at the
+             each gradient is copied in as autograd produces it (every element written once, so
+             nothing is zeroed but the gaps of parameters no gradient reached), and the buffer is
+             given back once the reduce-scatter was waited for. The pool's memory is freed at the
              end of the step: between steps a rank holds only its gradient shards.
 
 Communication per step, per rank (ring volumes, counted by `comm/`): reduce-scatter of the
@@ -117,9 +116,9 @@ class ZeroReducer(HooklessSync):
         trainable = [(name, p) for name, p in named_params if p.requires_grad]
         self.names = {id(p): name for name, p in trainable}
         pooled = stage == 2 and not defer  # stage 2 fills pooled buffers by copy (see the module's docstring)
-        merge = self._merge_pooled if pooled else self._merge_whole if stage == 2 else None
         self.buckets = GradientBuckets([p for _, p in trainable], int(bucket_mb * 2**20), launch=self._launch,
-                                       complete=self._complete, pad_to=self.n, merge=merge)
+                                       complete=self._complete, pad_to=self.n,
+                                       arrive=self._arrive if pooled else None)
         whole = [b.numel() * b.buffer.element_size() for b in self.buckets.buckets]
         self.pool = BufferPool(max(whole), self.buckets.buckets[0].buffer.device) if pooled and whole else None
         self._offset = {id(p): off for b in self.buckets.buckets for p, off in zip(b.params, b.offsets)}
@@ -138,7 +137,10 @@ class ZeroReducer(HooklessSync):
             self.param_flats.append(flat)
             if stage == 2:
                 self.grad_shards.append(torch.zeros(self.shard_len(b), dtype=b.buffer.dtype, device=flat.device))
-                self._release(b)  # deferred: whole again at its first merge (`_merge_whole`)
+                if defer:  # whole buckets accumulate over the schedule's micro-batches
+                    for p in b.params:  # runs before autograd accumulates into p.grad (a view of the bucket)
+                        p.register_hook(functools.partial(self._materialize, b))
+                self._release(b)
 
     def shard_len(self, bucket: Bucket) -> int:
         return bucket.numel() // self.n
@@ -154,37 +156,21 @@ class ZeroReducer(HooklessSync):
 
     # ------------------------------------------------------------ during backward
 
-    def _merge_pooled(self, bucket: Bucket) -> None:
-        """Stage 2 (pooled): the gradients autograd handed over in this pass into the bucket's pooled
-        buffer, one multi-tensor copy (and one add for a second accumulation in one pass)."""
-        new = GradientBuckets.handed_over(bucket)
-        if not new:
+    def _arrive(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Stage 2 (pooled): copy `param`'s gradient of this pass into its bucket's pooled buffer."""
+        grad, param.grad = param.grad, None
+        if grad is None:
             return
         if bucket.launched:
-            late = bucket.params[new[0]]
-            raise RuntimeError(f"the gradient of {self.names[id(late)]} arrived after its bucket was reduced")
-        whole, seen = self._pooled(bucket), bucket.state["seen"]
-        copy, add = ([], []), ([], [])
-        for i in new:
-            p, off = bucket.params[i], bucket.offsets[i]
-            into = add if id(p) in seen else copy
-            into[0].append(whole[off: off + p.numel()].view_as(p))
-            into[1].append(p.grad)
-            seen.add(id(p))
-            p.grad = None
-        if copy[0]:
-            torch._foreach_copy_(*copy)
-        if add[0]:
-            torch._foreach_add_(*add)
-
-    def _merge_whole(self, bucket: Bucket) -> None:
-        """Stage 2 under a pipeline: the bucket whole again (zeroed, at its first gradient of the step), then
-        the gradients handed over added into it (`GradientBuckets.merge_into_buffer`)."""
-        new = GradientBuckets.handed_over(bucket)
-        grads = [bucket.params[i].grad for i in new]  # before _materialize points every .grad at its view
-        self._materialize(bucket, None)
-        if new:
-            torch._foreach_add_([bucket.views[i] for i in new], grads)
+            raise RuntimeError(f"the gradient of {self.names[id(param)]} arrived after its bucket was reduced")
+        whole = self._pooled(bucket)
+        off = self._offset[id(param)]
+        dst = whole[off: off + param.numel()].view_as(param)
+        if id(param) in bucket.state["seen"]:  # a second accumulation in one pass
+            dst.add_(grad)
+        else:
+            dst.copy_(grad)
+            bucket.state["seen"].add(id(param))
 
     def _pooled(self, bucket: Bucket) -> torch.Tensor:
         """Stage 2 (pooled): the bucket's whole buffer this pass, taken from the pool at its first use.
@@ -217,13 +203,16 @@ class ZeroReducer(HooklessSync):
         whole[bucket.offsets[-1] + bucket.params[-1].numel():].zero_()
 
     def _materialize(self, bucket: Bucket, grad: torch.Tensor | None) -> None:
-        """Stage 2 under a pipeline: re-allocate a released bucket (zeroed) at its first gradient of the
-        step; every `.grad` of the bucket is its view (the views outlive the release: same storage)."""
+        """Stage 2 under a pipeline: re-allocate a released bucket (zeroed) when its first gradient arrives.
+
+        Runs as a tensor hook, before autograd accumulates into `p.grad`, so the gradients
+        accumulate into the bucket as in plain DP.
+        """
         if not _allocated(bucket.buffer):
             bucket.buffer.untyped_storage().resize_(bucket.numel() * bucket.buffer.element_size())
             bucket.buffer.zero_()
-        for p, view in zip(bucket.params, bucket.views):
-            p.grad = view
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.grad = bucket.buffer[off: off + p.numel()].view_as(p)
 
     @staticmethod
     def _release(bucket: Bucket) -> None:
@@ -284,7 +273,6 @@ class ZeroReducer(HooklessSync):
                 yield
             return
         self.buckets.sync = True
-        self.buckets.begin_pass()
         yield
         if not last:
             self.buckets.flush()
