@@ -28,9 +28,13 @@ def _storages() -> dict[int, int]:
     out = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.device.type != "meta":
-            storage = obj.untyped_storage()
+            try:
+                storage = obj.untyped_storage()
+                address = storage.data_ptr()
+            except RuntimeError:  # a fake tensor an earlier compile in this process keeps (no data): not ours
+                continue
             if storage.nbytes() > obj.element_size():
-                out[storage.data_ptr()] = storage.nbytes()
+                out[address] = storage.nbytes()
     return out
 
 
