@@ -221,7 +221,7 @@ def cp_extra(m, method: str, cp: int, b: int, seq: int, c: int = 4) -> int:
         return 4 * b * s * a * d + c * b * s * a * d - c * b * s * a * d * (2 if rope else 1)
     if method == "allgather":  # the other ranks' K and V, SDPA's mask of the local queries against the sequence
         return c * b * (cp - 1) * s * 2 * g * d + c * b * s * seq
-    return c * b * seq * seq + (0 if rope else c * b * s * a * d)  # ulysses: the S x S mask; SDPA's own output
+    return 0 if rope else c * b * s * a * d  # ulysses: SDPA's own output (is_causal: no mask)
 
 
 def test_activations_per_rank_are_one_cp_th_of_cp1_plus_the_methods_extra(worlds, tmp_path):
@@ -241,8 +241,8 @@ def test_activations_per_rank_are_one_cp_th_of_cp1_plus_the_methods_extra(worlds
                    - c b s a d with RoPE (the o projection's input is a copy of the core's output either way,
                    in place of SDPA's output and RoPE's copy); the blocks in flight are not saved
         allgather  c b (cp - 1) s 2 g d  (the other ranks' K and V, gathered)  +  c b s S  (SDPA's mask)
-        ulysses    c b S^2  (SDPA's mask of whole sequences)  +  c b s a d without RoPE (SDPA's head-sharded
-                   output beside the o projection's input)
+        ulysses    c b s a d without RoPE (SDPA's head-sharded output beside the o projection's input; SDPA
+                   runs is_causal on whole sequences: no mask)
     """
     counted = {size: counted_bytes(worlds, size, str(tmp_path)) for size in (1, 2, 4)}
     checked = 0

@@ -41,8 +41,8 @@ Context parallelism (cp > 1, docs/context.md): s is the rank's 1/cp zigzag part 
 every item above is per local token, so it is 1/cp of the whole sequence's - except what the method
 keeps of other ranks: allgather's attention saves the all-gathered K and V (cp x the local ones)
 and SDPA its causal (+ document) mask in the compute dtype (c*b*s*cp s: s x cp s per sequence, not
-1/cp of anything); ulysses' SDPA saves the mask of whole sequences (c*b*(cp s)^2) and, without
-RoPE's copy, its head-sharded output beside the o projection's input (c*bsh/t);
+1/cp of anything); ulysses' SDPA runs is_causal on whole sequences (no mask, models/attention.py)
+and, without RoPE's copy, keeps its head-sharded output beside the o projection's input (c*bsh/t);
 the ring's core saves its output in fp32 (4*bsh/t, its blocks are merged in fp32) beside the o
 projection's input copy (c*bsh/t). The rotary tables come from the core's global positions
 (`rotary_at`, not cached): each block computes and saves its own pair of the local s x d/2. The
@@ -52,7 +52,7 @@ Checkpointing: `full` keeps each block's input (c*bsh, /t under SP); `selective`
 attention core's internals (the log-sum-exp here - and the core's output where RoPE's copy feeds
 the o projection - the s^2 scores in the paper), keeping the core's inputs (the local q, k, v) and
 the o projection's input (c*bsh/t); under cp the core is the method's whole attention, so its
-gathered K and V, its mask, ulysses' head-sharded output and the ring's fp32 output all go (the
+gathered K and V, allgather's mask, ulysses' head-sharded output and the ring's fp32 output all go (the
 recomputation in backward holds them again, one block at a time); `every-k`
 applies `full` to the blocks whose global index is a multiple of k.
 
@@ -131,8 +131,7 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
     if x.cp > 1 and x.cp_method == "allgather":  # SDPA keeps the gathered K, V of the whole sequence
         items["qkv"] = c * bs * d * (heads + 2 * kv * x.cp)
         items["cp_mask"] = c * bs * x.s * x.cp  # and its (s, cp s) mask, in the compute dtype
-    elif x.cp > 1 and x.cp_method == "ulysses":  # whole sequences of heads/cp heads: the (cp s)^2 mask
-        items["cp_mask"] = c * x.b * (x.s * x.cp) ** 2
+    elif x.cp > 1 and x.cp_method == "ulysses":  # whole sequences of heads/cp heads, SDPA is_causal: no mask
         if not (rope and not hf):  # SDPA's head-sharded output beside the o projection's input
             items["attention_out"] += c * bs * heads * d
     elif x.cp > 1 and x.cp_method == "ring":  # the core's fp32 output; the o projection's input copy
