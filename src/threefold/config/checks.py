@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .sections import (CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
+from .sections import (CheckpointConfig, CompressConfig, FaultConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
                               offload_block_set)
 from ..errors import ConfigError, UserError
 from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
@@ -33,6 +33,16 @@ def validate(c: S, world_size: int) -> S:
 
         return rederive(c, world_size, _validate)
     return _validate(c, world_size)
+
+
+def _validate_checkpoint_paths(ck: CheckpointConfig) -> None:
+    """checkpoint.resume a directory (or auto / none); checkpoint.init_from a file or a DCP directory."""
+    if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
+        raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
+    if ck.init_from and not (Path(ck.init_from).is_file() or (Path(ck.init_from) / ".metadata").is_file()):
+        raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is neither a file nor a torch.distributed."
+                          "checkpoint directory (.metadata); give a .safetensors file written by `threefold ckpt "
+                          "export` (or with the same tensor names) or a DCP directory")
 
 
 def _validate(c: S, world_size: int) -> S:
@@ -93,13 +103,7 @@ def _validate(c: S, world_size: int) -> S:
     m = _validate_data(c)
     if c.data.pack:
         _validate_packing(c)
-    ck = c.checkpoint
-    if ck.resume not in ("none", "auto") and not Path(ck.resume).is_dir():
-        raise ConfigError("checkpoint.resume", f"'{ck.resume}' is not a checkpoint directory; use auto, none or a path")
-    if ck.init_from and not (Path(ck.init_from).is_file() or (Path(ck.init_from) / ".metadata").is_file()):
-        raise ConfigError("checkpoint.init_from", f"'{ck.init_from}' is neither a file nor a torch.distributed."
-                          "checkpoint directory (.metadata); give a .safetensors file written by `threefold ckpt "
-                          "export` (or with the same tensor names) or a DCP directory")
+    _validate_checkpoint_paths(c.checkpoint)
     _validate_optimizer(t)
     _validate_compress(c.compress, p.zero, t)
     _validate_periodic(c, dp)
