@@ -219,8 +219,8 @@ def cp_extra(m, method: str, cp: int, b: int, seq: int, c: int = 4) -> int:
     s, a, g, d, rope = seq // cp, m.heads, m.kv_heads, m.head_dim, m.position == "rope"
     if method == "ring":  # the core's fp32 output and the o projection's own input, for SDPA's output (+ RoPE's copy)
         return 4 * b * s * a * d + c * b * s * a * d - c * b * s * a * d * (2 if rope else 1)
-    if method == "allgather":  # the other ranks' K and V, SDPA's mask of the local queries against the sequence
-        return c * b * (cp - 1) * s * 2 * g * d + c * b * s * seq
+    if method == "allgather":  # the other ranks' K and V; its fused blocks merged in fp32 as the ring's
+        return c * b * (cp - 1) * s * 2 * g * d + 4 * b * s * a * d + c * b * s * a * d - c * b * s * a * d * (2 if rope else 1)
     return 0 if rope else c * b * s * a * d  # ulysses: SDPA's own output (is_causal: no mask)
 
 
@@ -240,7 +240,8 @@ def test_activations_per_rank_are_one_cp_th_of_cp1_plus_the_methods_extra(worlds
         ring       4 b s a d  (the core merges its blocks in fp32 and saves its output)
                    - c b s a d with RoPE (the o projection's input is a copy of the core's output either way,
                    in place of SDPA's output and RoPE's copy); the blocks in flight are not saved
-        allgather  c b (cp - 1) s 2 g d  (the other ranks' K and V, gathered)  +  c b s S  (SDPA's mask)
+        allgather  c b (cp - 1) s 2 g d  (the other ranks' K and V, gathered)  +  the ring's terms (its fused
+                   blocks over the gathered keys merged in fp32)
         ulysses    c b s a d without RoPE (SDPA's head-sharded output beside the o projection's input; SDPA
                    runs is_causal on whole sequences: no mask)
     """

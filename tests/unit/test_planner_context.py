@@ -50,7 +50,7 @@ def test_per_token_block_items_are_one_cp_th_of_the_whole_sequence(cp, tp, sp):
     kv, heads, d = m.kv_heads // tp, m.heads // tp, m.head_dim
     allgather = block_items(m, Shape(2, S // cp, 2, tp, sp, cp, "allgather"))
     assert allgather["qkv"] == 2 * 2 * (S // cp) * d * heads + 2 * 2 * S * d * 2 * kv  # local q, the whole K and V
-    assert allgather["cp_mask"] == 2 * 2 * (S // cp) * S  # the local queries' rows of the mask
+    assert allgather["cp_core"] == 4 * 2 * (S // cp) * heads * d  # fused blocks merged in fp32, as the ring's
     ring = block_items(m, Shape(2, S // cp, 2, tp, sp, cp, "ring"))
     assert ring["qkv"] * cp == whole["qkv"] and ring["cp_core"] == 4 * 2 * (S // cp) * heads * d
 
@@ -281,7 +281,7 @@ def test_hugging_face_llama_plans_cp_with_the_decoders_terms():
     one = block_items(LLAMA7B, Shape(1, 131072, 2), hf=True)
     allgather = block_items(LLAMA7B, Shape(1, 65536, 2, 1, False, 2, "allgather"), hf=True)
     d, a = LLAMA7B.head_dim, LLAMA7B.heads
-    assert allgather["cp_mask"] == 2 * 65536 * 131072
+    assert allgather["cp_core"] == 4 * 65536 * a * d  # its fused blocks merged in fp32
     assert allgather["qkv"] == 2 * 65536 * d * a + 2 * 131072 * d * 2 * a
     for key in ("norms", "attention_core", "mlp", "attention_out"):
         assert allgather[key] * 2 == one[key], key

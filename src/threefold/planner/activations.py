@@ -40,8 +40,7 @@ int64 tensor (8*bs).
 Context parallelism (cp > 1, docs/context.md): s is the rank's 1/cp zigzag part of the sequence, and
 every item above is per local token, so it is 1/cp of the whole sequence's - except what the method
 keeps of other ranks: allgather's attention saves the all-gathered K and V (cp x the local ones)
-and SDPA its causal (+ document) mask in the compute dtype (c*b*s*cp s: s x cp s per sequence, not
-1/cp of anything); ulysses' SDPA runs is_causal on whole sequences (no mask, models/attention.py)
+and, as the ring, its fused blocks' output merged in fp32 (4*bsh/t) beside the o projection's input; ulysses' SDPA runs is_causal on whole sequences (no mask, models/attention.py)
 and, without RoPE's copy, keeps its head-sharded output beside the o projection's input (c*bsh/t);
 the ring's core saves its output in fp32 (4*bsh/t, its blocks are merged in fp32) beside the o
 projection's input copy (c*bsh/t). The rotary tables come from the core's global positions
@@ -128,9 +127,10 @@ def block_items(m: ModelConfig, x: Shape, hf: bool = False) -> dict[str, float]:
         "attention_core": 4 * x.b * heads * x.s,  # log-sum-exp of flash attention
         "mlp": (4 if m.mlp == "swiglu" else 2) * c * bs * padded(m.ffn_hidden, t),
     }
-    if x.cp > 1 and x.cp_method == "allgather":  # SDPA keeps the gathered K, V of the whole sequence
-        items["qkv"] = c * bs * d * (heads + 2 * kv * x.cp)
-        items["cp_mask"] = c * bs * x.s * x.cp  # and its (s, cp s) mask, in the compute dtype
+    if x.cp > 1 and x.cp_method == "allgather":  # the gathered K, V of the whole sequence; fused blocks merged
+        items["qkv"] = c * bs * d * (heads + 2 * kv * x.cp)  # in fp32 as the ring's (models/attention.py)
+        items["attention_out"] = c * bs * heads * d
+        items["cp_core"] = 4 * bs * heads * d
     elif x.cp > 1 and x.cp_method == "ulysses":  # whole sequences of heads/cp heads, SDPA is_causal: no mask
         if not (rope and not hf):  # SDPA's head-sharded output beside the o projection's input
             items["attention_out"] += c * bs * heads * d
@@ -159,7 +159,7 @@ def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse:
         return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
     items = sparse_block_items(m, x, ep, hf) if sparse else block_items(m, x, hf)
     if policy == "selective":  # the core (attn.core) is recomputed: of it only its inputs and o's input stay
-        for inside in ("attention_core", "cp_mask", "cp_core"):  # log-sum-exp; the cp mask; the ring's fp32 output
+        for inside in ("attention_core", "cp_core"):  # log-sum-exp; the fused blocks' fp32 output (ring, allgather)
             items.pop(inside, None)
         heads, kv_heads = m.heads // x.t, max(1, m.kv_heads // x.t)
         items["qkv"] = x.c * x.bs * m.head_dim * (heads + 2 * kv_heads)  # the local q, k, v (not gathered K, V)
