@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models.spec import ModelSpec, retie
+from ..models.spec import ModelSpec, empty_whole, retie
 from ..sharding import Placement
 from .format import CheckpointError, read_manifest
 from .lora import is_lora
@@ -102,13 +102,7 @@ def library_logits(directory: Path, tokens: torch.Tensor, dtype: torch.dtype) ->
 
 def _empty_model(spec: ModelSpec) -> nn.Module:
     """`spec`'s whole model on the CPU with storage but no values (buffers a family computes kept)."""
-    with torch.device("meta"):
-        model = spec.build()
-    kept = {name: b.clone() for name, b in model.named_buffers() if b.device.type != "meta"}
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, value in kept.items():
-            model.get_buffer(name).copy_(value)
+    model = empty_whole(spec, "cpu")
     retie(model, spec.tied)  # `to_empty` gave tied parameters storages of their own
     return model
 

@@ -78,14 +78,19 @@ def _loss_and_gradient(logits_nv: torch.Tensor, local_n: torch.Tensor, valid: in
     return lse - logits_nv.gather(-1, local_n[:, None]).squeeze(-1).float()
 
 
+def _summed(logits_nv: torch.Tensor, targets_n: torch.Tensor, valid: int, grad_nv: torch.Tensor | None) -> torch.Tensor:
+    """The summed loss of the rows whose target counts (`_loss_and_gradient`, ignored rows at target 0)."""
+    ignored = targets_n == IGNORE_INDEX
+    per_row = _loss_and_gradient(logits_nv, targets_n.masked_fill(ignored, 0), valid, grad_nv)
+    return per_row.masked_fill_(ignored, 0.0).sum()
+
+
 class _SummedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_nv: torch.Tensor, targets_n: torch.Tensor, valid: int) -> torch.Tensor:
-        ignored = targets_n == IGNORE_INDEX
         grad = torch.empty(logits_nv.shape, dtype=logits_nv.dtype, device=logits_nv.device)
-        per_row = _loss_and_gradient(logits_nv, targets_n.masked_fill(ignored, 0), valid, grad)
         ctx.save_for_backward(grad, targets_n)  # the caller's targets: the ignored rows found again
-        return per_row.masked_fill_(ignored, 0.0).sum()
+        return _summed(logits_nv, targets_n, valid, grad)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -138,5 +143,4 @@ def summed_cross_entropy(logits_nv: torch.Tensor, targets_n: torch.Tensor, valid
         return F.cross_entropy(logits_nv[:, :valid].float(), targets_n, ignore_index=IGNORE_INDEX, reduction="sum")
     if torch.is_grad_enabled() and logits_nv.requires_grad:
         return _SummedCrossEntropy.apply(logits_nv, targets_n, valid)
-    ignored = targets_n == IGNORE_INDEX  # no gradient wanted (evaluation): the loss alone
-    return _loss_and_gradient(logits_nv, targets_n.masked_fill(ignored, 0), valid, None).masked_fill_(ignored, 0.0).sum()
+    return _summed(logits_nv, targets_n, valid, None)  # no gradient wanted (evaluation): the loss alone

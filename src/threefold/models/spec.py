@@ -151,8 +151,8 @@ def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> t
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
-def build_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Module:
-    """The whole model on `device` with its initial (seeded) values: for references and tests."""
+def empty_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole model on `device` with storage but no parameter values (tied parameters not yet retied)."""
     with torch.device("meta"):
         model = spec.build()
     # buffers a family builds with an explicit device (a Hugging Face model's rotary tables) keep their values
@@ -161,6 +161,13 @@ def build_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Modul
     with torch.no_grad():
         for name, value in kept.items():
             model.get_buffer(name).copy_(value)
+    return model
+
+
+def build_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole model on `device` with its initial (seeded) values: for references and tests."""
+    model = empty_whole(spec, device)
+    with torch.no_grad():
         seen = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in seen:
