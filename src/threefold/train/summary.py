@@ -80,12 +80,11 @@ def files_line(out: Path) -> str:
 def attention_line(out: Path) -> str | None:
     """The attention path of the run in `out` (its config.toml), from the device, the layout and the
     model's features: None when the config is not there or no longer loads."""
-    import torch
-
     from ..config.checks import _hf_window
     from ..config.hf import read_config_json
     from ..config.load import load_config
     from ..errors import UserError
+    from ..mesh import pick_device
     from ..models.attention import attention_path
 
     try:
@@ -93,7 +92,7 @@ def attention_line(out: Path) -> str | None:
         raw = read_config_json(Path(cfg.model.preset[3:])) if cfg.model.preset.startswith("hf:") else {}
     except UserError:
         return None
-    device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(cfg.run.device).type  # the trainer's own rule
     window = _hf_window(raw) if raw else None
     return attention_path(device, cp_method=cfg.parallel.cp_method if cfg.parallel.cp > 1 else None,
                           packed=cfg.data.pack, window=window is not None and window < cfg.train.seq_len)
