@@ -179,18 +179,18 @@ def test_the_writers_self_check_catches_a_hole_and_a_duplicate_among_many_slices
 
 
 def test_export_fills_zeros_never_uninitialised_memory(tmp_path, monkeypatch):
-    import threefold.checkpoint.export as export_module
+    import threefold.checkpoint.reader as reader_module  # where the export's whole tensors are allocated
 
     values = {"model/w": torch.arange(8, dtype=torch.float32)}
     ckpt = write_checkpoint(tmp_path / step_dir_name(1), {"model/w": ((8,), [((0,), (8,), "model/w@0")])}, values)
 
-    class NoEmpty:  # torch as the export module sees it, without torch.empty
+    class NoEmpty:  # torch as the reader module sees it, without torch.empty
         def __getattr__(self, name):
             if name == "empty":
                 pytest.fail("export allocates with torch.empty (uninitialised memory)")
             return getattr(torch, name)
 
-    monkeypatch.setattr(export_module, "torch", NoEmpty())
+    monkeypatch.setattr(reader_module, "torch", NoEmpty())
     export_model(ckpt, tmp_path / "out.safetensors")
     from safetensors.torch import load_file
 

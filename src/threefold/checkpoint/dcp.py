@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..sharding import Placement
-from .format import DTYPE_NAMES, DTYPES, CheckpointError, Manifest, TensorInfo
+from .format import DTYPE_NAMES, CheckpointError, Manifest, TensorInfo
 from .pieces import local_pieces, local_view
-from .reader import load_entries
+from .reader import whole_tensor
 from .state import Entry, TrainingState, model_entries
 from .verify import find_checkpoint_dir, verify
 
@@ -255,13 +254,7 @@ def export_dcp(path: Path, out: Path) -> tuple[Path, int, int]:
     if problems:
         raise CheckpointError(f"{ckpt} failed verification: {'; '.join(problems)}")
 
-    def read(name: str) -> torch.Tensor:
-        info = manifest.tensors[name]
-        full = torch.zeros(info.shape, dtype=DTYPES[info.dtype])  # verified: every element is filled
-        load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
-        return full
-
-    state_dict = dcp_state_dict(manifest, read)
+    state_dict = dcp_state_dict(manifest, lambda name: whole_tensor(ckpt, manifest, name))
     write_dcp(state_dict, out)
     states = sum(1 for k in state_dict.get("optimizer", {}) if k.startswith("state."))
     return ckpt, len(state_dict["model"]), states

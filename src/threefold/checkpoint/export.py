@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from ..sharding import Placement
-from .format import DTYPES, CheckpointError
-from .reader import index_of_file, load_entries
-from .state import Entry, model_entries
+from .format import CheckpointError
+from .reader import index_of_file, load_entries, whole_tensor
+from .state import model_entries
 from .verify import find_checkpoint_dir, verify
 
 
@@ -31,9 +30,7 @@ def export_model(path: Path, out: Path) -> tuple[Path, int]:
     for name, info in sorted(manifest.tensors.items()):
         if not name.startswith("model/"):
             continue
-        full = torch.zeros(info.shape, dtype=DTYPES[info.dtype])  # verified: every element is filled
-        load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
-        tensors[name[len("model/"):]] = full
+        tensors[name[len("model/"):]] = whole_tensor(ckpt, manifest, name)
     if not tensors:
         raise CheckpointError(f"{ckpt} holds no model tensors")
     metadata = {"format": "pt", "threefold_step": str(manifest.step),

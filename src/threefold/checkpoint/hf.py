@@ -32,7 +32,7 @@ from ..sharding import Placement
 from .format import DTYPES, CheckpointError, Slice, TensorInfo
 from .lora import export_lora, is_lora
 from .pieces import local_pieces, local_view
-from .reader import _SAFETENSORS_DTYPES, index_of_file, load_entries
+from .reader import _SAFETENSORS_DTYPES, index_of_file, load_entries, whole_tensor
 from .state import Entry
 from .verify import find_checkpoint_dir, verify
 
@@ -144,14 +144,6 @@ def _nbytes(info: TensorInfo) -> int:
     return math.prod(info.shape) * torch.empty((), dtype=DTYPES[info.dtype]).element_size()
 
 
-def _whole(ckpt: Path, manifest, name: str) -> torch.Tensor:
-    """Checkpoint tensor `name` assembled whole from its slices."""
-    info = manifest.tensors[name]
-    full = torch.zeros(info.shape, dtype=DTYPES[info.dtype])  # verified: every element is filled, none is left as is
-    load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
-    return full
-
-
 def _by_row(tensors: list[HFTensor], manifest) -> list[HFTensor]:
     """The tensors with every stacked one (a key with ROW) written as one tensor per row."""
     out = []
@@ -203,7 +195,7 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30, lora: str = "
         tensors = {}
         for hf_tensor in shard:  # one shard's tensors in memory at a time
             if last[0] != hf_tensor.sources:
-                last = (hf_tensor.sources, [_whole(ckpt, manifest, f"model/{n}") for n in hf_tensor.sources])
+                last = (hf_tensor.sources, [whole_tensor(ckpt, manifest, f"model/{n}") for n in hf_tensor.sources])
             parts = last[1]
             full = parts[0] if hf_tensor.combine is None else hf_tensor.combine(parts)
             if hf_tensor.row is not None:

@@ -22,7 +22,8 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .format import SAFETENSORS_DTYPES, CheckpointError, Slice, TensorInfo
+from ..sharding import Placement
+from .format import DTYPES, SAFETENSORS_DTYPES, CheckpointError, Slice, TensorInfo
 from .pieces import intersect, local_pieces, local_view, relative
 from .state import Entry
 
@@ -166,6 +167,14 @@ def load_entries(directory: Path, index: dict[str, TensorInfo], entries: list[En
                     raise CheckpointError(f"{directory}: tensor '{entry.name}' covers only {filled} of the "
                                           f"{piece.numel()} elements of box {list(piece.offsets)}+{list(piece.shape)}")
     return absent
+
+
+def whole_tensor(ckpt: Path, manifest, name: str) -> torch.Tensor:
+    """Checkpoint tensor `name` of a verified checkpoint assembled whole from its slices."""
+    info = manifest.tensors[name]
+    full = torch.zeros(info.shape, dtype=DTYPES[info.dtype])  # verified: every element is filled, none is left as is
+    load_entries(ckpt, {name: info}, [Entry(name, full, Placement.whole(name, info.shape))])
+    return full
 
 
 def index_of_file(path: Path) -> dict[str, TensorInfo]:
