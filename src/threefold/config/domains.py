@@ -150,8 +150,11 @@ DOMAINS: dict[str, Domain] = {
     AtLeast(0, "0 = model.ffn_hidden"), "model.moe_every": AtLeast(1), "model.moe_start": AtLeast(0),
     "model.expert_capacity": AtLeast(0, "0 = dropless"), "model.router_aux_weight": AtLeast(0),
     "model.router_z_weight": AtLeast(0), "model.lora_rank": AtLeast(0, "0: no LoRA"),
+    "model.router_balance": BY_TYPE, "model.router_bias_rate": AtLeast(0, "0: a fixed bias"),
+    "model.router_seq_aux_weight": AtLeast(0, "0 = no balance loss under router_balance=bias"),
     "model.lora_alpha": AtLeast(0, "0: the rank, a scaling of 1"), "model.lora_dropout": FRACTION,
     "model.lora_targets": Pattern(_NAMES, "a comma-separated list of module names, e.g. q_proj,v_proj"),
+    "model.mtp_depth": AtLeast(0, "0: no multi-token prediction"), "model.mtp_weight": AtLeast(0),
     # [parallel]
     "parallel.dp": AtLeast(0, "0 = world / (cp x tp x pp)"), "parallel.tp": AtLeast(1), "parallel.pp": AtLeast(1),
     "parallel.cp": AtLeast(1), "parallel.cp_method": BY_TYPE, "parallel.zero": Range(0, 3, means="the ZeRO stage"),
@@ -184,7 +187,8 @@ DOMAINS: dict[str, Domain] = {
     "train.microbatches": AtLeast(1), "train.seq_len": AtLeast(1), "train.optimizer": BY_TYPE, "train.lr": POSITIVE,
     "train.min_lr_ratio": Range(0, 1), "train.warmup_steps": AtLeast(0), "train.weight_decay": AtLeast(0),
     "train.beta1": FRACTION, "train.beta2": FRACTION, "train.eps": POSITIVE, "train.momentum": FRACTION,
-    "train.nesterov": BY_TYPE, "train.grad_clip": AtLeast(0, "0 disables"), "train.seed": Range(0, 2**63 - 1),
+    "train.nesterov": BY_TYPE, "train.muon_momentum": FRACTION, "train.muon_ns_steps": AtLeast(1),
+    "train.muon_nesterov": BY_TYPE, "train.grad_clip": AtLeast(0, "0 disables"), "train.seed": Range(0, 2**63 - 1),
     "train.deterministic": BY_TYPE, "train.eval_every": AtLeast(0, "0: never"), "train.eval_batches": AtLeast(1),
     "train.sync_every": AtLeast(1), "train.sync_warmup_steps": AtLeast(0), "train.sync_optimizer_state": BY_TYPE,
     "train.outer_optimizer": BY_TYPE, "train.outer_lr": POSITIVE, "train.outer_momentum": FRACTION,
@@ -204,6 +208,8 @@ DOMAINS: dict[str, Domain] = {
     # [run]
     "run.out": Text("path", "a run directory"), "run.id": Text("free", "the id of the run that owns run.out"),
     "run.device": BY_TYPE, "run.progress": BY_TYPE, "run.tensorboard": BY_TYPE,
+    "run.trackers": Pattern(r"\s*|\s*(tensorboard|wandb|mlflow)\s*(,\s*(tensorboard|wandb|mlflow)\s*)*",
+                            "empty or a comma-separated list of tensorboard, wandb, mlflow"),
     "run.plot": BY_TYPE, "run.collective_timeout_s": POSITIVE, "run.threads": AtLeast(0, "0 = auto"),
     # [debug]
     "debug.history": AtLeast(0, "0 turns the recorder off"), "debug.watchdog": BY_TYPE,

@@ -55,12 +55,22 @@ class ModelConfig:
     expert_capacity: float = 0.0  # capacity factor per sequence (tokens dropped past it); 0 = dropless
     router_aux_weight: float = 0.01  # load-balancing loss weight (per sequence, Switch's E * sum f_e P_e)
     router_z_weight: float = 0.001  # router z-loss weight (mean logsumexp(logits)^2)
+    # balancing: aux = the load-balancing loss above; bias = DeepSeek-V3's auxiliary-loss-free rule (a per-expert
+    # bias on the scores for the top-k choice only, b_e += rate * sign(mean load - load_e) after each step) with
+    # its sequence-wise balance loss weighted by router_seq_aux_weight (0 = off) in place of router_aux_weight
+    router_balance: Literal["aux", "bias"] = "aux"
+    router_bias_rate: float = 0.001  # the bias update speed (DeepSeek-V3's gamma); router_balance=bias only
+    router_seq_aux_weight: float = 0.0001  # sequence-wise balance loss weight under router_balance=bias (alpha)
     # LoRA (parallel/lora.py, docs/lora.md): rank 0 = off; alpha 0 = the rank (scaling alpha / rank 1);
     # targets: comma-separated module names ("" = the attention and MLP projections)
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_dropout: float = 0.0
     lora_targets: str = ""
+    # multi-token prediction (models/mtp.py, docs/models.md): DeepSeek-V3's extra depths, each predicting one
+    # token further ahead with the shared embedding and head; 0 = off. Their loss is weighted mtp_weight / depth
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
 
     @property
     def padded_vocab(self) -> int:
@@ -130,8 +140,9 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    # auto: bf16 on CUDA, fp32 elsewhere; fp8: the blocks' linears in float8 (parallel/fp8.py), the rest bf16
-    compute: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    # auto: bf16 on CUDA, fp32 elsewhere; fp8: the blocks' linears in float8 (parallel/fp8.py), the rest bf16;
+    # mxfp8: the same linears in MXFP8 (e4m3, one power-of-two scale per 32 elements: parallel/mxfp8.py)
+    compute: Literal["auto", "fp32", "bf16", "fp16", "fp8", "mxfp8"] = "auto"
     # the dtype gradients travel in over dp; auto: the compute dtype on CUDA, fp32 elsewhere
     reduce_dtype: Literal["auto", "fp32", "bf16", "fp16", "compute"] = "auto"
     tf32: bool = True  # on CUDA, fp32 matmuls and convolutions use TF32 tensor cores
@@ -149,7 +160,7 @@ class PrecisionConfig:
     @property
     def model_dtype(self) -> str:
         """The dtype of the model's parameters and activations: fp8 computes its linears in float8 on bf16 ones."""
-        return "bf16" if self.compute == "fp8" else self.compute
+        return "bf16" if self.compute in ("fp8", "mxfp8") else self.compute
 
     def for_device(self, device_type: str) -> "PrecisionConfig":
         """`auto` settled for a device: bf16 compute reduced in bf16 on CUDA, fp32 elsewhere."""
@@ -224,7 +235,8 @@ class TrainConfig:
     global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
     microbatches: int = 1  # per data-parallel rank per step (accumulation / pipeline)
     seq_len: int = 32
-    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: momentum SGD (what DGC and 1-bit gradients were made for)
+    optimizer: Literal["adamw", "sgd", "muon"] = "adamw"  # sgd: momentum SGD (what DGC and 1-bit gradients were made for)
+    # muon: orthogonalised momentum on hidden matrices, AdamW (beta1, beta2, eps) on the rest (optim/muon.py)
     lr: float = 3e-4  # SGD needs a much larger one, e.g. 0.1-1
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
@@ -234,6 +246,9 @@ class TrainConfig:
     eps: float = 1e-8  # adamw
     momentum: float = 0.9  # sgd; 0: plain SGD
     nesterov: bool = False  # sgd: Nesterov momentum
+    muon_momentum: float = 0.95  # muon: momentum of the hidden matrices
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per orthogonalisation
+    muon_nesterov: bool = True  # muon: Nesterov momentum (the reference's default)
     grad_clip: float = 1.0  # clip by global norm; 0 disables
     seed: int = 0
     deterministic: bool = False
@@ -294,7 +309,9 @@ class RunConfig:
     id: str = ""  # the run that owns `out` (DIR/run.json), set when the directory is claimed
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # DIR/tensorboard; the same as tensorboard in `trackers`
+    # experiment trackers, any of tensorboard, wandb, mlflow, comma-separated (observe/trackers.py, docs/observe.md)
+    trackers: str = ""
     plot: bool = True
     collective_timeout_s: float = 600.0  # the hang watchdog reports and stops the job after this
     threads: int = 0  # torch's CPU threads per process; 0 = OMP_NUM_THREADS when set, else cores / local processes

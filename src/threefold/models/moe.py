@@ -44,6 +44,8 @@ tokens can drop.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -93,6 +95,33 @@ def _matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return x @ weight.t()
 
 
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs, forward and backward, on `device` in `dtype`: a capability
+    test (one call on a few rows), never assumed. Asked on CUDA only (Hopper and later: bf16)."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([8, 16], device=device, dtype=torch.int32)).sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def expert_kernel(rows: torch.Tensor, counts: list[int], hidden: int, width: int) -> str:
+    """How `Experts` computes its experts (`kernel="auto"`): "grouped" (one `torch._grouped_mm` per
+    weight, no padding) where the capability test passes and the rows are 16-byte aligned; else
+    "padded" (one `torch.bmm` per weight over the experts' rows padded to the largest count) when the
+    padded rows are at most twice the real ones (max count x experts <= 2 x rows), so a skewed routing
+    never costs more than twice the rows' memory; else "loop" (a matmul per expert)."""
+    aligned = (hidden * rows.element_size()) % 16 == 0 and (width * rows.element_size()) % 16 == 0
+    if aligned and _grouped_mm_runs(rows.device, rows.dtype):
+        return "grouped"
+    return "padded" if max(counts, default=0) * len(counts) <= 2 * sum(counts) else "loop"
+
+
 class Experts(nn.Module):
     """The stacked expert MLPs (this device's experts: all of them, or a contiguous run under ep)."""
 
@@ -106,11 +135,42 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, h, f))
         # the experts' matmul y = x W^T (+ b), another one where set (fp8: parallel/fp8.py); None: x @ W^T
         self.linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+        self.kernel = "auto"  # how the experts run: auto, grouped, padded or loop (`forward`)
+        self.last_kernel = ""  # the kernel of the last forward
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`rows` grouped by local expert, `counts[j]` rows for expert j (variable sizes). Every expert
         runs, on no rows too: every expert weight gets a gradient (zero) in every backward, so every
-        rank's graph has the same shape and its gradient hooks fire alike (ZeRO-3's reductions)."""
+        rank's graph has the same shape and its gradient hooks fire alike (ZeRO-3's reductions).
+        `kernel`: "auto" (`expert_kernel`; the loop when `linear` is set: fp8's per-tensor matmuls),
+        or "grouped", "padded", "loop" as chosen."""
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = "loop" if self.linear is not None or not rows.numel() else expert_kernel(
+                rows, counts, self.w_up.shape[2], self.w_up.shape[1])
+        self.last_kernel = kernel
+        if kernel == "loop":
+            return self._loop(rows, counts)
+        if kernel == "grouped":
+            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+            return self._mlp(rows, lambda x, w: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
+        # padded: row i of expert j at j * m + i of an (experts x m) block, m the largest count
+        e, m = len(counts), max(counts)
+        sizes = torch.tensor(counts, device=rows.device)
+        expert_of = torch.repeat_interleave(torch.arange(e, device=rows.device), sizes, output_size=rows.shape[0])
+        starts = sizes.cumsum(0) - sizes
+        place = expert_of * m + torch.arange(rows.shape[0], device=rows.device) - starts[expert_of]
+        padded = rows.new_zeros(e * m, rows.shape[1]).index_copy(0, place, rows).view(e, m, -1)
+        out = self._mlp(padded, lambda x, w: torch.bmm(x, w.transpose(1, 2)))
+        return out.reshape(e * m, -1)[place]
+
+    def _mlp(self, x: torch.Tensor, mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The experts' MLP with `mm(x, stacked weight)` computing every expert's x W_e^T at once."""
+        up = mm(x, self.w_up)
+        act = F.silu(mm(x, self.w_gate)) * up if self.swiglu else F.gelu(up, approximate="tanh")
+        return mm(act, self.w_down)
+
+    def _loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs, start = [], 0
         for j, n in enumerate(counts):
             x = rows[start: start + n]
@@ -160,7 +220,12 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.experts, cfg.experts_top_k
         self.capacity_factor = cfg.expert_capacity
-        self.aux_weight, self.z_weight = cfg.router_aux_weight, cfg.router_z_weight
+        self.z_weight = cfg.router_z_weight
+        self.balance, self.bias_rate = cfg.router_balance, cfg.router_bias_rate
+        # the balance loss: Switch's under "aux", DeepSeek-V3's sequence-wise one (same formula) under "bias"
+        self.aux_weight = cfg.router_seq_aux_weight if self.balance == "bias" else cfg.router_aux_weight
+        if self.balance == "bias":  # fp32, built on the CPU explicitly (a meta build keeps its zeros)
+            self.register_buffer("expert_bias", torch.zeros(cfg.experts, dtype=torch.float32, device="cpu"))
         self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
         self.experts = Experts(cfg)
         self.shared = shared
@@ -200,7 +265,11 @@ class MoE(nn.Module):
         logits = self.router(x_bsh)  # (b, s, E), in fp32 at least
         logits = logits.float() if logits.element_size() < 4 else logits
         probs = logits.softmax(-1)
-        weight, idx = probs.topk(self.top_k, dim=-1)  # (b, s, k)
+        if self.balance == "bias":  # the bias picks the experts; the weights are the unbiased probabilities
+            idx = (probs + self.fp32_bias()).topk(self.top_k, dim=-1).indices
+            weight = probs.gather(-1, idx)
+        else:
+            weight, idx = probs.topk(self.top_k, dim=-1)  # (b, s, k)
         if self.top_k > 1:
             weight = weight / weight.sum(-1, keepdim=True)
         keep = self._keep(idx, seq)
@@ -246,6 +315,22 @@ class MoE(nn.Module):
             self.aux_sum = torch.zeros((), dtype=self.aux_sum.dtype, device=self.aux_sum.device)
         elif reports and not is_recomputing():  # a recomputation (activation checkpointing) was tallied the first time
             self.tally.add(counts.detach(), dropped.detach(), balance.detach().sum(), b, z.detach().sum(), b * seq)
+
+    def fp32_bias(self) -> torch.Tensor:
+        """The expert bias in fp32 (a compute-dtype cast of the model's buffers is undone: the bias moves
+        by steps of `bias_rate`, which bf16 would round away)."""
+        if self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self.expert_bias
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free rule, after an optimizer step: b_e += rate x sign(mean load -
+        load_e), `load` (experts,) this block's assignments per expert over the whole step (every rank's
+        tokens and micro-batches: the same tensor on every rank, so every copy of the bias stays equal)."""
+        load = load.to(torch.float64)
+        bias = self.fp32_bias()
+        bias.add_((load.mean() - load).sign().to(bias.dtype), alpha=self.bias_rate)
 
     def take_tally(self) -> RouterTally:
         tally, self.tally = self.tally, RouterTally()

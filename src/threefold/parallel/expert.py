@@ -207,7 +207,9 @@ def router_metrics(module: nn.Module, comm: Comm, pipelined: bool = False) -> di
     sparse block's experts, kept assignments), assignments dropped by the capacity, and `aux_loss`,
     the weighted auxiliary losses the logged loss includes (balance: mean over sequences, z-loss:
     mean over tokens; summed over blocks). None for a model without experts (every stage of a
-    pipeline calls it: its stages without experts too)."""
+    pipeline calls it: its stages without experts too). Called once per step, after the update: a
+    block with `router_balance=bias` moves its expert bias by the summed load (`MoE.update_bias`; the
+    same table on every rank of the block's stage, so every copy stays equal, with no extra collective)."""
     mods = moe_modules(module)
     if not mods and not pipelined:
         return None  # (a pipeline of a model without experts does not call it)
@@ -219,6 +221,9 @@ def router_metrics(module: nn.Module, comm: Comm, pipelined: bool = False) -> di
         table = torch.stack([moe.take_tally().row(moe.num_experts, device) for _, moe in mods])
         comm.all_reduce_over(table, comm.mesh.axes_where(BATCH, SEQUENCE), tag="moe")  # the tokens' shards
         kept, (dropped, balance, z, sequences, tokens) = table[:, :-5], table[:, -5:].unbind(1)
+        for (_, moe), load in zip(mods, kept):  # router_balance=bias: the step's load moves the bias
+            if moe.balance == "bias":
+                moe.update_bias(load)
         weights = torch.tensor([[moe.aux_weight, moe.z_weight] for _, moe in mods], dtype=torch.float64,
                                device=device)
         balance_mean, z_mean = balance / sequences.clamp(min=1), z / tokens.clamp(min=1)
