@@ -17,8 +17,11 @@ from .sections import (CheckpointConfig, CompressConfig, FaultConfig, ModelConfi
                               offload_block_set)
 from ..errors import ConfigError, UserError
 from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
+from ..observe.trackers import check_installed
 from .domains import check_domains
 from .moe_checks import validate_experts
+from ..models.mtp_checks import validate_mtp
+from .muon_checks import validate_muon
 
 if TYPE_CHECKING:
     from ..data.tokenizer import TokenizerIdentity
@@ -28,6 +31,7 @@ S = TypeVar("S", bound=Sections)  # a Config comes back a Config
 
 def validate(c: S, world_size: int) -> S:
     check_domains(c)  # a Config built from values (build_config) was checked already; one made by replace() not
+    check_installed(c.run)  # run.trackers / run.tensorboard: the libraries asked for are installed
     if c.parallel.elastic_world and c.parallel.elastic_world != world_size:  # an elastic job on fewer nodes
         from .elastic import rederive
 
@@ -65,10 +69,7 @@ def _validate(c: S, world_size: int) -> S:
     if p.offload == "nvme" and not p.offload_dir:
         raise ConfigError("parallel.offload_dir", "offload=nvme keeps the optimizer states in files there; "
                           "name a directory on a local SSD, e.g. parallel.offload_dir=/scratch/threefold")
-    pr = c.precision
-    if pr.compute == "fp8" and m.preset.startswith("py:"):  # fp8 converts the blocks.<i> of a ModelSpec's model
-        raise ConfigError("precision.compute", f"fp8 converts the linears of a model's blocks.<i>, which {m.preset} "
-                          "does not describe; use precision.compute=bf16 (or describe the model as a ModelSpec)")
+    _validate_fp8(c.precision.compute, m, p)
     _validate_activation_offload(c)
     if m.hidden % m.heads and not m.head_size:
         raise ConfigError("model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
@@ -88,6 +89,8 @@ def _validate(c: S, world_size: int) -> S:
     _validate_tensor_parallel(p, m, t)
     _validate_lora(c)
     validate_experts(c, dp)
+    validate_mtp(c)
+    validate_muon(c)
     if t.seq_len > m.max_seq:
         if m.preset.startswith("hf:") and m.position == "learned":
             raise ConfigError("train.seq_len", f"{t.seq_len} exceeds the {m.max_seq} rows of the model's learned "
@@ -206,6 +209,22 @@ def parse_layout(text: str, key: str) -> tuple[int, int, int]:
 def fault_applies(fault: FaultConfig, layout: tuple[int, int, int]) -> bool:
     """Whether the injected fault is meant for a run of `layout` (dp, tp, pp)."""
     return fault.rank >= 0 and (not fault.layout or parse_layout(fault.layout, "fault.layout") == tuple(layout))
+
+
+def _validate_fp8(compute: str, m: ModelConfig, p: ParallelConfig) -> None:
+    """fp8 / mxfp8 convert the blocks.<i> of a ModelSpec's model; mxfp8 needs torchao's MX training and whole
+    32-element blocks on each tp rank (parallel/mxfp8.py `refusal`)."""
+    if compute in ("fp8", "mxfp8") and m.preset.startswith("py:"):
+        raise ConfigError("precision.compute", f"{compute} converts the linears of a model's blocks.<i>, which "
+                          f"{m.preset} does not describe; use precision.compute=bf16 (or describe it as a ModelSpec)")
+    if compute == "mxfp8":
+        from ..parallel.mxfp8 import refusal
+        dims = {"model.hidden (attention width)": m.attn_width, "model.ffn_hidden": m.ffn_hidden}
+        if m.kv_heads % p.tp == 0:
+            dims["model.kv_heads x head size"] = m.kv_heads * m.head_dim
+        refused = refusal(compute, p.tp, dims)
+        if refused is not None:
+            raise ConfigError(*refused)
 
 
 def _validate_debug(c: Sections) -> None:
@@ -532,10 +551,13 @@ NIL_EFFECTS: tuple[NilEffect, ...] = (
     NilEffect(("precision.initial_scale", "precision.growth_interval", "precision.growth_factor",
                "precision.backoff_factor"), lambda c, dp: c.precision.compute == "fp16",
               "precision.compute=fp16 (the loss scaler)"),
-    NilEffect(("precision.fp8_recipe", "precision.fp8_linears", "precision.fp8_skip_first_last"),
-              lambda c, dp: c.precision.compute == "fp8", "precision.compute=fp8"),
+    NilEffect(("precision.fp8_recipe",), lambda c, dp: c.precision.compute == "fp8", "precision.compute=fp8"),
+    NilEffect(("precision.fp8_linears", "precision.fp8_skip_first_last"),
+              lambda c, dp: c.precision.compute in ("fp8", "mxfp8"), "precision.compute=fp8 or mxfp8"),
     NilEffect(("train.beta1", "train.beta2", "train.eps"), lambda c, dp: not _sgd(c, dp), "train.optimizer=adamw"),
     NilEffect(("train.momentum", "train.nesterov"), _sgd, "train.optimizer=sgd"),
+    NilEffect(("train.muon_momentum", "train.muon_ns_steps", "train.muon_nesterov"),
+              lambda c, dp: c.train.optimizer == "muon", "train.optimizer=muon"),
     NilEffect(("train.outer_lr", "train.outer_momentum"), lambda c, dp: c.train.outer_optimizer != "none",
               "train.outer_optimizer=nesterov (DiLoCo)"),
     NilEffect(("train.sync_warmup_steps", "train.sync_optimizer_state"), lambda c, dp: c.train.periodic,

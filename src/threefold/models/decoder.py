@@ -7,6 +7,8 @@ it from outside through its plan (`models/decoder_plan.py`): module names are pa
     blocks.<i>.attn_norm, .attn   pre-norm attention: q, k, v, o projections
     blocks.<i>.mlp_norm, .mlp     pre-norm MLP: up, down (GELU) or gate, up, down (SwiGLU)
     norm, head, loss              final norm, output projection, token cross-entropy (sum)
+    mtp.<k>                       multi-token prediction depths (`model.mtp_depth` > 0; models/mtp.py):
+                                  hidden_norm, embed_norm, proj, block (as blocks.<i>), norm
 
 Modules read their sizes from their weights at run time (heads = q.out_features / head_dim),
 so a tensor-parallel plan can shard the weights and the same forward runs on the shards.
@@ -26,6 +28,7 @@ from torch import nn
 from ..config import ModelConfig
 from .loss import TokenCrossEntropy, head_loss
 from .moe import MoE
+from .mtp import MTPDepth, mtp_loss
 
 __all__ = ["AttentionCore", "CausalCore", "Decoder", "TokenCrossEntropy", "build_model", "causal_forward",
            "count_parameters", "init_parameters", "initial_value", "make_norm", "rotary_at"]
@@ -188,9 +191,11 @@ class Embedding(nn.Module):
         # is split (context parallelism sets them from outside); None: 0 .. s-1
         self.positions: torch.Tensor | None = None
 
-    def forward(self, tokens_bs):
+    def forward(self, tokens_bs, positions: bool = True):
+        """Token (and learned position) embeddings; `positions=False`: the token embedding alone (the
+        multi-token prediction depths embed tokens for positions whose hidden state has them already)."""
         x = self.tok(tokens_bs)
-        if self.pos is not None:
+        if self.pos is not None and positions:
             positions = (self.positions if self.positions is not None
                          else torch.arange(tokens_bs.shape[1], device=tokens_bs.device))
             x = x + self.pos(positions)
@@ -206,6 +211,9 @@ class Decoder(nn.Module):
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
         self.loss = TokenCrossEntropy(cfg.vocab if cfg.padded_vocab > cfg.vocab else None)
+        if cfg.mtp_depth:  # DeepSeek-V3's extra depths (models/mtp.py); dense blocks, the shared embedding and head
+            self.mtp = nn.ModuleList(MTPDepth(cfg.hidden, make_norm(cfg), make_norm(cfg), Block(cfg), make_norm(cfg))
+                                     for _ in range(cfg.mtp_depth))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -218,7 +226,8 @@ class Decoder(nn.Module):
 
         The rows padding the vocabulary (`model.vocab_multiple`) are cut from whole logits; a
         tensor-parallel head's slice is left as it is (`parallel.tensor.gather_vocab` cuts them)."""
-        out = causal_forward(self, tokens_bs, targets_bs, self.cfg.loss_chunk)
+        out = causal_forward(self, tokens_bs, targets_bs, self.cfg.loss_chunk,
+                             self.mtp if self.cfg.mtp_depth else None, self.cfg.mtp_weight)
         if targets_bs is None and out.shape[-1] == self.cfg.padded_vocab > self.cfg.vocab:
             return out[..., :self.cfg.vocab]
         return out
@@ -285,10 +294,12 @@ def count_parameters(cfg: ModelConfig, padded: bool = True) -> int:
     return total
 
 
-def causal_forward(model: nn.Module, tokens_bs, targets_bs=None, loss_chunk: int = 0):
+def causal_forward(model: nn.Module, tokens_bs, targets_bs=None, loss_chunk: int = 0,
+                   mtp: nn.ModuleList | None = None, mtp_weight: float = 0.0):
     """The forward every causal family shares: embed, blocks, final norm, head; logits (b, s, vocab),
     or the summed token loss when `targets_bs` is given (head and loss in pieces of `loss_chunk`
-    tokens: models/loss.py)."""
+    tokens: models/loss.py), plus the multi-token prediction depths' weighted losses (`mtp`, models/mtp.py:
+    training forwards only)."""
     x = model.embed(tokens_bs)
     for block in model.blocks:
         x = block(x)
@@ -298,4 +309,5 @@ def causal_forward(model: nn.Module, tokens_bs, targets_bs=None, loss_chunk: int
     for block in model.blocks:  # the routers' auxiliary losses (models/moe.py), summed as token losses are
         if isinstance(block, Block) and isinstance(block.mlp, MoE):
             loss = loss + block.mlp.aux_sum
-    return loss
+    extra = mtp_loss(mtp, model.embed, model.head, model.loss, x, targets_bs, mtp_weight, loss_chunk) if mtp else None
+    return loss if extra is None else loss + extra

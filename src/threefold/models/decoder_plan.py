@@ -7,6 +7,10 @@ are the two tensor-parallel regions of a block, so a block costs two all-reduces
 two backward. The token embedding, the output head (tied or not) and the loss split the
 vocabulary, padded to a multiple of tp. Under sequence parallelism the norms run on
 sequence chunks and the learned position table is cut along the sequence.
+
+The multi-token prediction depths (`mtp.<k>`, models/mtp.py) split their block as a dense block;
+their norms and their 2h -> h projection stay whole on every tp rank (under sequence parallelism
+they run on sequence chunks, their gradients summed over tp as the norms' are).
 """
 
 from __future__ import annotations
@@ -36,9 +40,18 @@ def decoder_plan(cfg: ModelConfig) -> TensorPlan:
         layers[f"blocks.{block}.mlp.down"] = RowParallel(what=ffn)
         if cfg.mlp == "swiglu":
             layers[f"blocks.{block}.mlp.gate"] = ColumnParallel(what=ffn)
+    mtp = ("mtp.*.block.attn", "mtp.*.block.mlp") if cfg.mtp_depth else ()
+    if cfg.mtp_depth:
+        layers.update({f"mtp.*.block.{name}": layers[f"blocks.*.{name}"] for name in ("attn.q", "attn.k", "attn.v",
+                                                                                      "attn.o")})
+        layers.update({f"mtp.*.block.mlp.{name}": style for name, style in
+                       (("up", ColumnParallel(what=ffn)), ("down", RowParallel(what=ffn)),
+                        *((("gate", ColumnParallel(what=ffn)),) if cfg.mlp == "swiglu" else ()))})
+    mtp_sequence = tuple(f"mtp.*.{name}" for name in ("hidden_norm", "embed_norm", "proj", "block.attn_norm",
+                                                      "block.mlp_norm", "norm")) if cfg.mtp_depth else ()
     return TensorPlan(
         layers=layers,
-        regions=("blocks.*.attn", *(f"blocks.{block}.mlp" for block in dense), "head"),
-        sequence=("blocks.*.attn_norm", "blocks.*.mlp_norm", "norm"),
+        regions=("blocks.*.attn", *(f"blocks.{block}.mlp" for block in dense), *mtp, "head"),
+        sequence=("blocks.*.attn_norm", "blocks.*.mlp_norm", "norm", *mtp_sequence),
         scatter_sequence={"embed.pos": 0} if cfg.position == "learned" else {},
     )

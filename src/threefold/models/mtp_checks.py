@@ -1,0 +1,32 @@
+"""The checks of multi-token prediction (`model.mtp_depth`, models/mtp.py) against the other keys.
+
+Part of `Config.validate` (config/checks.py calls `validate_mtp`); torch-free. Each refusal names
+the key, why, and the fix.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+def validate_mtp(c) -> None:
+    """`c`: the config's sections (config/sections.py `Sections`)."""
+    m, p, t = c.model, c.parallel, c.train
+    if not m.mtp_depth:
+        return
+    for prefix, what in (("hf:", "a Hugging Face model (hf:DIR): its format has no place for the extra depths"),
+                         ("py:", "a user's own module (py:MODULE:FACTORY)")):
+        if m.preset.startswith(prefix):
+            raise ConfigError("model.mtp_depth", f"multi-token prediction is built into threefold's own decoder, "
+                              f"not {what}; set model.mtp_depth=0")
+    if p.pp > 1:
+        raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under pipeline parallelism "
+                          f"(pp={p.pp}): its depths embed tokens with the shared embedding, which lives on the "
+                          "first stage, and the last stage keeps no copy of it; use parallel.pp=1 or mtp_depth=0")
+    if p.cp > 1:
+        raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under context parallelism "
+                          f"(cp={p.cp}): depth k embeds and predicts tokens k positions along the sequence, which "
+                          "the zigzag split holds on other cp ranks; use parallel.cp=1 or mtp_depth=0")
+    if m.mtp_depth >= t.seq_len:
+        raise ConfigError("model.mtp_depth", f"{m.mtp_depth} depths leave no target in a row of train.seq_len="
+                          f"{t.seq_len} tokens (depth k predicts k + 1 ahead); use mtp_depth < seq_len")
