@@ -62,7 +62,7 @@ from .master import Piece
 from .materialise import Deferred, defer_parameters, materialise
 from .nvme import ScratchSettings, ShardStore, return_freed_memory
 from .model import GradSync, ParallelModel, accumulate
-from .context import install_context, install_documents
+from .context import PackedDocuments, install_context, install_documents
 from .module import parallelize_module
 from .precision import apply_precision
 from .remat import apply_offload, apply_remat
@@ -128,15 +128,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     # packed rows (data.pack): one core masking by document, handed each micro-batch's ids and positions
     # by the step (at cp = 1 over an axis of one rank: it sends nothing)
     documents = None
-    if cfg.data.pack:
-        method = cfg.parallel.cp_method if mesh.size("cp") > 1 else "allgather"
-        documents = install_documents(model, comm, "cp", method, cfg.train.seq_len)
-        if documents is None:
-            raise ConfigError("data.pack", f"model.preset={cfg.model.preset} has no attention to mask by document; "
-                              "use threefold's own decoder or data.pack=false")
-    elif mesh.size("cp") > 1 and not install_context(model, comm, "cp", cfg.parallel.cp_method, cfg.train.seq_len):
-        raise ConfigError("parallel.cp", f"model.preset={cfg.model.preset} has no attention context parallelism "
-                          "can split; use parallel.cp=1")
+    if cfg.data.pack or mesh.size("cp") > 1:
+        documents = _wire_context(model, spec, comm, cfg, mesh)
     if spec.local_hooks is not None:
         spec.local_hooks(model)
     # 3. activation checkpointing
@@ -179,9 +172,27 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     return parallel
 
 
+def _wire_context(model: nn.Module, spec: ModelSpec, comm: Comm, cfg: Config, mesh: Mesh) -> PackedDocuments | None:
+    """Context parallelism and packed rows wire the attention seams the family names (`spec.context`); a
+    family with none (or a model in which none is found) is refused under the key that asked."""
+    key, need, off = (("data.pack", "to mask by document", "data.pack=false") if cfg.data.pack else
+                      ("parallel.cp", "context parallelism can split", "parallel.cp=1"))
+    documents, wired = None, 0
+    if spec.context is not None and cfg.data.pack:
+        method = cfg.parallel.cp_method if mesh.size("cp") > 1 else "allgather"
+        documents = install_documents(model, spec.context, comm, "cp", method, cfg.train.seq_len)
+        wired = documents is not None
+    elif spec.context is not None:
+        wired = install_context(model, spec.context, comm, "cp", cfg.parallel.cp_method, cfg.train.seq_len)
+    if not wired:
+        raise ConfigError(key, f"model.preset={cfg.model.preset} has no attention {need}; use threefold's own "
+                          f"decoder or {off}")
+    return documents
+
+
 def _defers(cfg: Config, spec: ModelSpec) -> bool:
     """Whether ZeRO-3 builds the parameters unit by unit (`materialise.Deferred`)."""
-    return cfg.parallel.zero == 3 and cfg.precision.compute != "fp8" and spec.local_hooks is None
+    return cfg.parallel.zero == 3 and cfg.precision.compute not in ("fp8", "mxfp8") and spec.local_hooks is None
 
 
 def scratch_settings(cfg: Config, mesh: Mesh) -> ScratchSettings:
@@ -237,7 +248,7 @@ def _matmul_casts(model: nn.Module, cfg: Config) -> dict:
 def _convert_fp8(model: nn.Module, cfg: Config, comm: Comm, mesh: Mesh, names: dict[str, str] | None) -> None:
     """`precision.compute=fp8`: convert the blocks' linears (parallel/fp8.py), the auto rule reading this
     GPU's fp8/bf16 GEMM ratios (planner/compute.py); one line on rank 0 says how many converted and why."""
-    if cfg.precision.compute != "fp8":
+    if cfg.precision.compute not in ("fp8", "mxfp8"):
         return
     from ..planner.compute import fp8_gains
     from ..planner.hardware import fp8_gpu

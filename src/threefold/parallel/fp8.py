@@ -34,7 +34,6 @@ copies of fp32 masters): checkpoints hold no fp8 state, since dynamic scaling ke
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -45,7 +44,9 @@ from torch import nn
 from ..comm import Comm
 from ..config import PrecisionConfig
 from ..models.moe import Experts
+from ..errors import ConfigError
 from .lora import is_adapter_module
+from .mxfp8 import MxKernel, hardware_mx, misfit, quiet_torchao
 from .tensor import AXIS, ColumnParallelLinear, RowParallelLinear
 
 Sharded = Literal["in", "out"] | None
@@ -53,24 +54,11 @@ BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
 def _torchao_float8():
-    """torchao.float8's pieces, imported once they are needed; its warnings about CUDA extensions that
-    a CPU build cannot load are silenced here only."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(cpp extension|\\.so|C\\+\\+ extension|_C).*")
-        warnings.filterwarnings("ignore", category=UserWarning, module="torchao.*")
-        import logging
-
-        quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-        levels = [q.level for q in quiet]
-        for q in quiet:
-            q.setLevel(logging.ERROR)
-        try:
-            from torchao.float8.float8_training_tensor import (Float8TrainingTensor, GemmInputRole, LinearMMConfig,
-                                                               ScaledMMConfig, hp_tensor_and_scale_to_float8)
-            from torchao.float8.float8_utils import amax_to_scale
-        finally:
-            for q, level in zip(quiet, levels):
-                q.setLevel(level)
+    """torchao.float8's pieces, imported once they are needed (its import noise silenced)."""
+    with quiet_torchao():
+        from torchao.float8.float8_training_tensor import (Float8TrainingTensor, GemmInputRole, LinearMMConfig,
+                                                           ScaledMMConfig, hp_tensor_and_scale_to_float8)
+        from torchao.float8.float8_utils import amax_to_scale
     return (GemmInputRole, LinearMMConfig, ScaledMMConfig, hp_tensor_and_scale_to_float8, amax_to_scale,
             Float8TrainingTensor)
 
@@ -251,6 +239,7 @@ class Fp8Report:
     converted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # name -> reason
     adapters: list[str] = field(default_factory=list)
+    format: str = "fp8"  # or mxfp8 (parallel/mxfp8.py)
 
     def line(self) -> str:
         reasons: dict[str, int] = {}
@@ -258,7 +247,7 @@ class Fp8Report:
             reasons[why] = reasons.get(why, 0) + 1
         kept = "; ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
         total = len(self.converted) + len(self.kept)
-        return (f"threefold: fp8: {len(self.converted)} of {total} block linears compute in fp8"
+        return (f"threefold: {self.format}: {len(self.converted)} of {total} block linears compute in {self.format}"
                 + (f" (kept in bf16: {kept})" if kept else "")
                 + (f"; {len(self.adapters)} LoRA adapter linears stay in bf16" if self.adapters else ""))
 
@@ -294,12 +283,16 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
     its global one under a pipeline split); `gains(M, K, N)`: the auto rule (None: this device has
     no fp8 tensor cores, nothing gains). A block's stacked experts (models/moe.py `Experts`) count as one
     entry, their matmuls all fp8 or all bf16, judged at M = tokens x top-k / (local experts x
-    `experts_split`, the ep size)."""
-    report = Fp8Report()
-    if cfg.compute != "fp8":
+    `experts_split`, the ep size). `precision.compute=mxfp8` converts the same linears to MXFP8 matmuls
+    (parallel/mxfp8.py), those whose K or N is no multiple of its 32-element block kept in bf16 (refused
+    where tp splits that dimension); `gains` there only on a device with MX tensor cores (Blackwell)."""
+    mx = cfg.compute == "mxfp8"
+    report = Fp8Report(format=cfg.compute)
+    if cfg.compute not in ("fp8", "mxfp8"):
         return report
     recipe = Fp8Recipe.named(cfg.fp8_recipe)
-    emulate = not hardware_fp8(device)
+    emulate = not (hardware_mx(device) if mx else hardware_fp8(device))
+    gains = None if mx and emulate else gains
     for name, module in model.named_modules():
         shape = _linear_shape(module)
         if shape is None:
@@ -317,16 +310,22 @@ def convert_linears(model: nn.Module, cfg: PrecisionConfig, comm: Comm | None, d
             report.kept[name] = "in the first or last block (precision.fp8_skip_first_last)"
             continue
         k, n = shape
+        if mx and misfit(k, n):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.comm.mesh.size(AXIS) > 1:
+                raise ConfigError("parallel.tp", f"mxfp8: {global_name(name)}'s per-rank GEMM has {misfit(k, n)}; "
+                                                 "choose a tp that leaves whole blocks (or precision.compute=fp8)")
+            report.kept[name] = misfit(k, n)
+            continue
         rows = tokens
         if isinstance(module, Experts):  # an expert sees its share of the routed rows
             rows = max(1, tokens * experts_top_k // max(1, module.w_up.shape[0] * experts_split))
         if cfg.fp8_linears == "auto" and (gains is None or not gains(rows, k, n)):
-            report.kept[name] = ("without a gain on this device (precision.fp8_linears=auto: no fp8 tensor cores)"
-                                 if gains is None else "too small to gain (precision.fp8_linears=auto)")
+            report.kept[name] = (f"without a gain on this device (precision.fp8_linears=auto: no {cfg.compute} "
+                                 "tensor cores)" if gains is None else "too small to gain (precision.fp8_linears=auto)")
             continue
         sharded: Sharded = ("out" if isinstance(module, ColumnParallelLinear)
                             else "in" if isinstance(module, RowParallelLinear) else None)
-        kernel = Fp8Kernel(recipe, emulate, comm, sharded)
+        kernel = MxKernel(emulate) if mx else Fp8Kernel(recipe, emulate, comm, sharded)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.kernel = kernel
         elif isinstance(module, Experts):

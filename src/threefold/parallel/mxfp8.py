@@ -1,0 +1,178 @@
+"""MXFP8 training of the blocks' linears (`precision.compute=mxfp8`, docs/fp8.md).
+
+MXFP8 is the OCP Microscaling format with float8 e4m3 elements: every run of 32 consecutive values
+along a GEMM's contracted dimension (a 1x32 block) shares one power-of-two scale, stored as an e8m0
+exponent. Each of a linear's three matmuls casts both operands so, blocks along its own contracted
+dimension (torchao's `mx_mm` layouts):
+
+    output       x[M,K]  (blocks along K) @ W^T[K,N] (blocks along K)
+    grad input   dY[M,N] (blocks along N) @ W[N,K]   (blocks along N)
+    grad weight  dY^T[N,M] (blocks along M) @ x[M,K] (blocks along M)
+
+The cast and the matmul are torchao's (`torchao.prototype.mx_formats`: `MXTensor.to_mx`, whose
+`torch.mm` is the block-scaled `torch._scaled_mm` on Blackwell tensor cores and, with
+`KernelPreference.EMULATED`, a matmul of the dequantised operands on every other device), with
+the scale rule of torchao's MXFP8 training recipes (`ScaleCalculationMode.RCEIL`: the smallest power
+of two >= amax / 448, so no element saturates). threefold writes the autograd function around them
+(`MxMatmul`) for what `mx_mm` lacks: the sequence-parallel shard saved instead of the whole input,
+and the weight gradient over any number of rows (M zero-padded to the block, which leaves every
+block's amax and the product unchanged).
+
+A block never spans two ranks when every dimension tensor parallelism splits is a multiple of 32 on
+each rank: then tp=2 quantises exactly as one process does, with no reduction of any amax (unlike
+tensorwise fp8), and a layout that cannot give that is refused (`refusal`, `misfit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import torch
+
+BLOCK = 32  # elements per scale (OCP MX: k = 32)
+NEEDS = (0, 18)  # the torchao release whose MX training pieces threefold uses (pinned 0.18.0)
+
+
+@contextlib.contextmanager
+def quiet_torchao():
+    """Silence torchao's import-time complaints about CUDA extensions a CPU build cannot load."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(cpp extension|\\.so|C\\+\\+ extension|_C).*")
+        warnings.filterwarnings("ignore", category=UserWarning, module="torchao.*")
+        quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
+
+
+def _torchao_mx():
+    """(MXTensor, KernelPreference, ScaleCalculationMode) from the installed torchao."""
+    with quiet_torchao():
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    return MXTensor, KernelPreference, ScaleCalculationMode
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def mx_support() -> str | None:
+    """None where the installed torchao trains in MXFP8, else what is installed instead (for one line)."""
+    try:
+        with quiet_torchao():
+            import torchao
+    except ImportError:
+        return "torchao is not installed"
+    version = getattr(torchao, "__version__", "unknown")
+    if _version(version) < NEEDS:
+        return f"torchao {version} is installed"
+    try:
+        _torchao_mx()
+    except (ImportError, AttributeError) as e:
+        return f"torchao {version} lacks its MX training pieces ({e})"
+    return None
+
+
+def refusal(compute: str, tp: int, dims: dict[str, int]) -> tuple[str, str] | None:
+    """(key, one-line reason) when `precision.compute=mxfp8` cannot run: torchao without MX training, or
+    a dimension tensor parallelism splits that leaves a rank a part of a 32-element block. `dims`: the
+    model's key -> features that tp splits (attention width, MLP features)."""
+    if compute != "mxfp8":
+        return None
+    missing = mx_support()
+    if missing is not None:
+        need = ".".join(map(str, NEEDS))
+        return ("precision.compute", f"mxfp8 needs torchao>={need} (torchao.prototype.mx_formats); {missing}: "
+                                     f"pip install 'torchao>={need}', or use precision.compute=fp8")
+    for key, features in dims.items():
+        if tp > 1 and (features % tp or (features // tp) % BLOCK):
+            return ("parallel.tp", f"mxfp8 scales blocks of {BLOCK} features, and {key}={features} split over "
+                                   f"tp={tp} leaves {features / tp:g} per rank; choose a tp that leaves a multiple "
+                                   f"of {BLOCK} (or precision.compute=fp8)")
+    return None
+
+
+def hardware_mx(device: torch.device) -> bool:
+    """True where `torch._scaled_mm` takes MX block scales on tensor cores (CUDA compute capability 10.0 and up)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def misfit(k: int, n: int) -> str | None:
+    """Why a GEMM with contracted width K and output width N cannot be cast in whole blocks, or None."""
+    bad = [f"{name}={v}" for name, v in (("K", k), ("N", n)) if v % BLOCK]
+    return f"{' and '.join(bad)} not a multiple of the {BLOCK}-element MX block" if bad else None
+
+
+class MxKernel:
+    """The MXFP8 matmul of one linear (an `Fp8Kernel`'s interface, parallel/tensor.py `LinearKernel`)."""
+
+    takes_cast_weights = False  # ZeRO-3's fp8 gather sends tensorwise weights only
+
+    def __init__(self, emulate: bool):
+        self._mx, pref, mode = _torchao_mx()
+        self.emulate = emulate
+        self.preference = pref.EMULATED if emulate else pref.AUTO
+        self.mode = mode.RCEIL
+
+    def cast(self, t: torch.Tensor):
+        """`t` (2-D) as an MXTensor, one e8m0 scale per 32 consecutive elements of each row."""
+        return self._mx.to_mx(t.contiguous(), torch.float8_e4m3fn, BLOCK, self.mode, self.preference)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 shard: tuple[torch.Tensor, object] | None = None) -> torch.Tensor:
+        """y = x W^T + b with MXFP8 GEMMs; `shard` as `Fp8Kernel` takes it (sequence parallelism)."""
+        y = MxMatmul.apply(x, weight, self, shard)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` (M x F) with zero rows up to a multiple of the block: a zero adds nothing to a block's amax or a sum."""
+    extra = -t.shape[0] % BLOCK
+    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+
+class MxMatmul(torch.autograd.Function):
+    """x W^T with its three GEMMs in MXFP8, each operand blocked along the GEMM's contracted dimension."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kernel: MxKernel, shard):
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.mm(kernel.cast(rows), kernel.cast(weight).t())
+        if shard is not None:
+            regather = shard[1]
+            regather.uses += regather.open
+            ctx.save_for_backward(shard[0], weight)
+        else:
+            ctx.save_for_backward(x, weight)
+        ctx.kernel, ctx.regather, ctx.x_shape = kernel, None if shard is None else shard[1], x.shape
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved, weight = ctx.saved_tensors
+        if ctx.regather is not None:  # the shard's all-gather runs under the input-gradient matmul
+            ctx.regather.start(saved)
+        kernel = ctx.kernel
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(kernel.cast(g), kernel.cast(weight.t()).t()).reshape(ctx.x_shape)
+        x = ctx.regather.gather(saved) if ctx.regather is not None else saved
+        if ctx.needs_input_grad[1]:
+            rows = _pad_rows(x.reshape(-1, x.shape[-1]))
+            g_rows = _pad_rows(g)
+            grad_w = torch.mm(kernel.cast(g_rows.t()), kernel.cast(rows.t()).t()).to(weight.dtype)
+        return grad_x, grad_w, None, None
