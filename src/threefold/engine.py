@@ -23,7 +23,9 @@ The contract (docs/engine.md):
     Engine.train_step((inputs, targets)) -> dict   step, loss (mean over dp), grad_norm, lr, loss_scale,
                                                    skipped, step_time_s, comm ({axis: {op: bytes}})
     Engine.eval_step((inputs, targets)) -> float   the mean loss over dp, in eval mode, no gradients
-    Engine.save(dir) / Engine.load(dir)            checkpoints under dir/step-N (load: the newest, or a step dir)
+    Engine.save(dir) / Engine.load(dir)            checkpoints under dir/step-N (load: the newest, or a step dir);
+                                                   save returns None, saving nothing, after a step whose loss
+                                                   or grad_norm is not finite (one line names the rank)
     Engine.module                                  the model (ZeRO-3: parameters are this rank's flat shards)
     Engine.batch_shard                             (index, count): ranks of one index take the same batch
 
@@ -50,6 +52,8 @@ from .checkpoint.format import step_dir_name
 from .config import Config, load_config, with_overrides
 from .errors import ConfigError
 from .mesh import BATCH, Layout, Mesh, init_distributed, pick_device
+from .observe.nonfinite import PoisonedSaves, poisoned
+from .observe.stats import gather_world
 from .parallel.module import ModuleParallel, Plan, Units, parallelize_module, refuse_unplanned
 from .train.step import TrainStep
 
@@ -96,6 +100,10 @@ class Engine:
         self.step_fn = TrainStep(parallel, self.optimizer, comm, cfg.train)
         self.step = 0
         comm.traffic.take_window()  # the start's broadcast belongs to no step
+        self._last: dict | None = None  # the last step's record, and this rank's own loss of it (`save`)
+        self._local_loss: torch.Tensor | None = None
+        self._saved: Path | None = None  # the newest checkpoint this engine wrote or loaded
+        self.poisoned = PoisonedSaves(mesh.global_rank == 0)  # no save of a non-finite step (observe/nonfinite.py)
 
     @property
     def batch_shard(self) -> tuple[int, int]:
@@ -122,9 +130,11 @@ class Engine:
         loss = result.loss_sum.reshape(1).clone()
         self.comm.all_reduce(loss, batch_axis, tag="metrics")
         grad_norm, skipped, scale, loss_total = result.read(loss[0])
-        return {"step": self.step, "loss": loss_total / (self.mesh.size(batch_axis) * len(micro)), "grad_norm": grad_norm,
-                "lr": result.lr, "loss_scale": scale, "skipped": bool(skipped),
-                "step_time_s": time.perf_counter() - start, "comm": self.comm.traffic.take_window()}
+        self._local_loss = result.loss_sum  # read only when a save is refused: which rank's loss went non-finite
+        self._last = {"step": self.step, "loss": loss_total / (self.mesh.size(batch_axis) * len(micro)),
+                      "grad_norm": grad_norm, "lr": result.lr, "loss_scale": scale, "skipped": bool(skipped),
+                      "step_time_s": time.perf_counter() - start, "comm": self.comm.traffic.take_window()}
+        return self._last
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -156,20 +166,33 @@ class Engine:
         p = self.cfg.parallel
         return {"dp": p.dp, "tp": p.tp, "pp": 1, "zero": p.zero, "world_size": self.mesh.world_size}
 
-    def save(self, directory: str | Path) -> Path:
-        """Save parameters, buffers, optimizer, RNG and the step as `directory/step-N`; returns it."""
+    def save(self, directory: str | Path) -> Path | None:
+        """Save parameters, buffers, optimizer, RNG and the step as `directory/step-N`; returns it.
+
+        A step whose loss or gradient norm is not finite is not saved (the trainer's rule,
+        observe/nonfinite.py): rank 0 prints one line naming the step, the rank(s) whose own loss
+        went non-finite and the newest checkpoint, which stays the newest; returns None."""
+        if self._last is not None and poisoned(self._last) is not None:  # the same verdict on every rank
+            bad = gather_world(self.comm, (~torch.isfinite(self._local_loss.detach())).to(torch.uint8).reshape(1),
+                               tag="nonfinite")  # only on this path: which ranks' own losses
+            ranks = [r for r, flag in enumerate(bad.flatten().tolist()) if flag]
+            newest = str(self._saved) if self._saved is not None else "none (nothing saved yet)"
+            if self.poisoned.refuses({**self._last, "nonfinite": {"ranks": ranks}}, newest):
+                return None
         ckpt = Checkpointer(Path(directory), self.mesh, self.comm, keep=0)
         meta = {"layout": self._layout(), "data": {"step": self.step}, "config": self.cfg.to_dict()}
         ckpt.save(self.step, self._state(), meta)
         ckpt.close()
-        return Path(directory) / step_dir_name(self.step)
+        self._saved = Path(directory) / step_dir_name(self.step)
+        return self._saved
 
     def load(self, directory: str | Path) -> int:
         """Restore from `directory` (its newest checkpoint, or a step directory), any dp / ZeRO layout;
         returns the step it was written at (the next train_step is that step + 1)."""
         ckpt = Checkpointer(Path(directory).parent, self.mesh, self.comm, keep=0)
-        manifest = ckpt.load(find_checkpoint_dir(Path(directory)), self._state())
-        self.step = manifest.step
+        found = find_checkpoint_dir(Path(directory))
+        manifest = ckpt.load(found, self._state())
+        self.step, self._saved, self._last = manifest.step, found, None
         self.optimizer.after_load(manifest.step, any(n.endswith("/master") for n in manifest.tensors))
         return self.step
 
