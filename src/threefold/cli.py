@@ -22,6 +22,7 @@ COMMANDS = {
     "parity": ("threefold.train.parity", "run one job under several layouts and compare losses and weights"),
     "schedule": ("threefold.pipeline.command", "simulate, check and draw a pipeline schedule"),
     "data": ("threefold.train.data_command", "train a tokenizer and prepare token shards for training"),
+    "runs": ("threefold.train.runs_command", "where a run directory's wall time went (goodput, over its restarts)"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The end of a run in three lines: the path its attention took, what it did, and where its files are.
+"""The end of a run in three lines: the path its attention took, what it did (and where its wall time
+went: goodput, observe/goodput.py), and where its files are.
 
 Read from DIR/metrics.jsonl (so a resumed run reports the whole run, not only its last
 attempt), DIR/config.toml (the resolved config: the attention path, models/attention.py
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from ..observe.goodput import run_breakdown, summary_line
 
 PLOTS = ("loss.png", "throughput.png", "memory.png", "ranks.png", "pipeline.png")
 VALIDATION_KEYS = ("val_loss", "validation_loss", "eval_loss")
@@ -104,5 +107,7 @@ def print_summary(out: Path, file=None) -> None:
     attention = attention_line(out)
     if attention is not None:
         print(f"threefold: {attention}", file=file, flush=True)
-    print(f"threefold: {results_line(records)}", file=file, flush=True)
+    goodput = summary_line(run_breakdown(out))  # where the wall time went, over every attempt (observe/goodput.py)
+    done = results_line(records) + ("" if goodput is None else f"; {goodput}")
+    print(f"threefold: {done}", file=file, flush=True)
     print(f"threefold: {files_line(out)}", file=file, flush=True)

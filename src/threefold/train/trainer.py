@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ from ..mesh import BATCH, PIPELINE, SEQUENCE, TENSOR, Layout, Mesh, init_distrib
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
 from ..observe.faults import FaultInjector, first_attempt
+from ..observe.goodput import AttemptRecord
 from ..observe.memory import storage_bytes
 from ..observe.nonfinite import PoisonedSaves
 from ..observe.observer import Observer, process_group_timeout_s
@@ -58,6 +58,7 @@ class LaunchedStep:
     end: Mark
     local_tokens: int
     data_wait_s: float
+    save_wait_s: float  # its update waiting for the snapshot of an async save (inside its time)
     mem: dict  # the memory figures at its launch
     moe: dict | None
     comm: dict  # the step's bytes by axis and op
@@ -71,6 +72,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, stop: StopSignals | None = None):
+        began = time.time(), time.perf_counter()  # this attempt's start (observe/goodput.py)
         device = pick_device(cfg.run.device)
         if cfg.train.deterministic:
             set_deterministic_environment()  # read by NCCL / cuBLAS when they start
@@ -87,6 +89,7 @@ class Trainer:
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
         self.out = run_directory(cfg)
         self.is_writer = self.mesh.global_rank == 0
+        self.attempt = AttemptRecord(self.out, self.is_writer, *began)  # DIR/goodput.json: where the time went
         if self.is_writer and read_run(self.out) is not None:  # a claimed run directory (a library run may have none)
             update_run(self.out, "threads", {"count": threads[0], "from": threads[1]})
         t = cfg.train
@@ -216,14 +219,15 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
     def _save(self, record: dict) -> None:
-        """Save the step of `record` unless it is not finite; under save_every=auto, time the stall and set the next."""
+        """Save the step of `record` unless it is not finite; its stall in `record`; under save_every=auto, set the next."""
         if self.poisoned.refuses(record, self._newest_checkpoint()):  # a non-finite step: not saved
             return
         start = time.perf_counter()
         self.save_checkpoint()
+        record["save_stall_s"] = time.perf_counter() - start  # what training waited (async: the snapshot)
         if self.autosave is None:
             return
-        advice = self.autosave.after_save(self.step, time.perf_counter() - start)
+        advice = self.autosave.after_save(self.step, record["save_stall_s"])
         if self.is_writer:
             update_run(self.out, "checkpoint_interval", self.autosave.record())
             if advice is not None:
@@ -273,7 +277,7 @@ class Trainer:
         step = self.step + 1
         self.device.reset_memory_peak()  # the peak of this step alone, not of the evaluations and saves before
         self.observer.step_begin(step)
-        start = self.clock.mark()
+        start, stalled = self.clock.mark(), self.checkpointer.last_stall_s  # it grows when an update waits for a snapshot
         self.faults.step_start(step)
         micro_batches, data_wait = self.loader.get(step - 1)
         micro_batches, token_ids = bound_ids(micro_batches, self.cfg.model.vocab)
@@ -306,7 +310,8 @@ class Trainer:
             if self.parallel.routers else None  # the `moe` metrics of the step
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, figures, start, self.clock.mark(),
-                            sum(mb.targets.numel() for mb in micro_batches), data_wait, mem, moe, comm)
+                            sum(mb.targets.numel() for mb in micro_batches), data_wait,
+                            self.checkpointer.last_stall_s - stalled, mem, moe, comm)
 
     def _post_figures(self, two_bw: TwoBWStep, reduced: torch.Tensor, token_ids: torch.Tensor) -> PostedRead:
         """pipedream-2bw's metrics reduction, which makes no pipeline rank wait for another: summed over
@@ -345,7 +350,9 @@ class Trainer:
                   "tokens": self.global_tokens, "tokens_per_s": self.global_tokens / elapsed,
                   "world_size": self.mesh.world_size, "microbatches": self.cfg.train.microbatches,
                   "step_time_s": elapsed, "data_wait_s": launched.data_wait_s, "skipped": bool(skipped),
-                  "loss_scale": loss_scale, "mem": launched.mem}
+                  "loss_scale": loss_scale, "mem": launched.mem, "time": time.time()}
+        if launched.save_wait_s > 0:
+            record["save_wait_s"] = launched.save_wait_s
         if self.cfg.data.pack:
             record["targets"] = int(targets)
         record.update(self.observer.step_end(step, result.loss_sum, grad_norm, launched.local_tokens))
@@ -387,23 +394,21 @@ class Trainer:
             began = time.perf_counter()
             record.update(self.evaluator())  # reads its loss: done when it returns
             record["eval_time_s"] = time.perf_counter() - began
+        if self._save_due(step):
+            self._save(record)  # before the line: it holds the save's stall
         if log is not None:
             log.write(record)
-        if self._save_due(step):
-            self._save(record)
 
     def run(self) -> list[dict]:
         """Train to cfg.train.steps; returns every step's record (on every rank)."""
         cfg = self.cfg
         if cfg.train.steps == 0:
             return self._save_step_zero()
-        if self.is_writer and self.resumed_from is not None:
-            _truncate_metrics(self.out / "metrics.jsonl", self.step)
-        log = MetricsLog(self.out, cfg.run.progress, cfg.run.tensorboard, cfg.train.steps,
-                         self.step + 1) if self.is_writer else None
+        self.attempt.begin(self.step)  # the lines after this step are dropped (a crashed attempt's: recomputed)
+        log = MetricsLog(self.out, cfg, self.step + 1) if self.is_writer else None
         if log is not None:
             (self.out / "config.toml").write_text(cfg.to_toml())  # the resolved config of this run
-        records = []
+        records, outcome = [], "failed"
         self.observer.start()
         try:
             pending = None  # a launched step whose figures are read after the next step is launched
@@ -422,17 +427,23 @@ class Trainer:
             stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
             if stopped and self._saved_step != self.step and not (
                     records and self.poisoned.refuses(records[-1], self._newest_checkpoint())):
+                began = time.perf_counter()
                 self.save_checkpoint()
+                self.attempt.add("preemption", time.perf_counter() - began)
             self.parallel.complete()  # the last step's communication done (nvme under ZeRO-3: shards in the file)
             if stopped or cfg.checkpoint.save_every == "auto" or cfg.checkpoint.save_every > 0:
+                began = time.perf_counter()
                 self.checkpointer.close()  # an async save is written
+                self.attempt.add("preemption" if stopped else "checkpoint", time.perf_counter() - began)
             self.observer.finish()
+            outcome = "preempted" if stopped else "completed"
         finally:
             self.loader.close()
             self.observer.stop()
             restore(self._determinism)
             if log is not None:
                 log.close()
+            self.attempt.end(outcome)
         if stopped:
             raise self._preempted()
         if log is not None and cfg.run.plot and records:
@@ -479,21 +490,6 @@ class Trainer:
             title = f"{p.schedule} pp={self.mesh.size('pp')} m={self.cfg.train.microbatches} (measured, step {self.step})"
             draw_timeline(events, self.mesh.size("pp"), self.out / "pipeline.png", title, unit="seconds")
             chrome_trace(events, self.out / "pipeline-trace.json")
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records of steps after the resumed checkpoint (a crashed attempt ran past it, and may
-    have died halfway through a line)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line)
-        except (json.JSONDecodeError, AttributeError):
-            continue
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 def train(cfg: Config, stop: StopSignals | None = None) -> list[dict]:
