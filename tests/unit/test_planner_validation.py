@@ -20,6 +20,7 @@ from threefold.planner.hardware import PRESETS
 from threefold.planner.search import search
 from threefold.planner.step_time import hardware_tflops_per_gpu
 from threefold.planner.workload import Workload
+from tests.unit.test_planner_published import NEW_RUNS, NEW_SOURCES
 
 A100, H100 = PRESETS["a100-80gb"], PRESETS["h100-80gb"]
 # BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs, i.e. 50 Gb/s per GPU
@@ -122,7 +123,7 @@ RUNS = [
     # interleaving, dp 64, batch 2,304 x 4,096, 8.0 s per iteration (MFU 41.0%)
     ("Nemotron-4 340B, 6144 H100", NEMOTRON4, H100, 6144, 2304, 4096, dict(tp=8, pp=12, schedule="interleaved"),
      "seconds", 8.0, None),
-]
+] + NEW_RUNS  # the rows of tests/unit/test_planner_published.py, each from its source
 
 
 # software of 2021-2022 (Megatron-LM/DeepSpeed, metaseq): the attention kernel computed the whole s x s
@@ -144,7 +145,7 @@ NO_SEQUENCE_PARALLEL = ("MT-NLG", "BLOOM", "OPT")
 # (Megatron-LM, Megatron-DeepSpeed, metaseq's model-parallel models), torchtitan's F.cross_entropy of the
 # logits in fp32; Meta's own for Llama 3 is not published (threefold's counted)
 MEGATRON_LOSS = ("MCore", "Korthikanti", "Nemotron", "MT-NLG", "BLOOM", "OPT")
-TORCH_LOSS = ("torchtitan",)
+TORCH_LOSS = ("torchtitan", "MPT")  # llm-foundry's MPT: torch's cross-entropy of the logits
 
 
 def workload(name, m, batch, seq):
@@ -153,7 +154,8 @@ def workload(name, m, batch, seq):
     loss = "megatron" if name.startswith(MEGATRON_LOSS) else "torch" if name.startswith(TORCH_LOSS) else "threefold"
     return Workload(m, batch, seq, attention="dense" if name.startswith(DENSE_ATTENTION) else "flash",
                     grad_overlap=not name.startswith(AFTER_FLUSH), pipeline_p2p=p2p,
-                    regather="linear" if name.startswith(MEGATRON) else "region", loss=loss)
+                    regather="linear" if name.startswith(MEGATRON) else "region", loss=loss,
+                    selective="torchtitan-op" if name.startswith("torchtitan") else "threefold")
 
 
 # the ZeRO stages a run's software offered, where it does not say which it used: Megatron-LM's distributed
@@ -183,11 +185,16 @@ def software_options(name: str, knobs: dict, schedules: list | None = None) -> l
 # collective; DeepSpeed's pipeline engine in buckets of 500M elements (MEMORY_OPT_ALLREDUCE_SIZE); FSDP
 # (OPT, torchtitan) per unit, as ZeRO-3 does here; the others threefold's 25 MiB
 MCORE_DDP = ("MCore", "Nemotron")
+# llm-foundry's FSDP wraps each MPTBlock as a unit (llmfoundry/models/mpt/modeling_mpt.py `_fsdp_wrap_fn`): under
+# SHARD_GRAD_OP too, its gradients are reduce-scattered and its parameters gathered one block at a time
+FSDP_BLOCK_UNITS = ("MPT",)
 ONE_BUFFER = ("Korthikanti",)
 
 
-def bucket_mb(name: str, dp: int | None) -> float | None:
+def bucket_mb(name: str, dp: int | None, m=None) -> float | None:
     """The run's software's gradient bucket in MiB of bf16 gradients (dp None: the floor)."""
+    if name.startswith(FSDP_BLOCK_UNITS) and m is not None:
+        return 12 * m.hidden**2 * 2 / 2**20  # one block's gradients (its weight matrices)
     if name.startswith(MCORE_DDP):
         return max(40e6, 1e6 * (dp or 0)) * 2 / 2**20
     if name.startswith(ONE_BUFFER):
@@ -202,7 +209,7 @@ def fixed_knobs(run) -> dict:
     name, m, gpu, gpus, batch, seq, knobs, *_ = run
     knobs = dict(knobs, **({"sequence_parallel": False} if name.startswith(NO_SEQUENCE_PARALLEL) else {}))
     knobs.setdefault("hpz", False)  # none of these runs kept a secondary ZeRO-3 copy
-    bucket = bucket_mb(name, gpus // (knobs["tp"] * knobs["pp"] * knobs.get("cp", 1)))
+    bucket = bucket_mb(name, gpus // (knobs["tp"] * knobs["pp"] * knobs.get("cp", 1)), m)
     if bucket is not None:
         knobs["bucket_mb"] = bucket
     micro_batch = knobs.pop("micro_batch", None)
@@ -214,7 +221,9 @@ def fixed_knobs(run) -> dict:
 def best_of(w, gpus, gpu, options: list[dict]):
     best = None
     for fixed in options:
-        for c in search(w, gpus, gpu, fixed).candidates:
+        fixed = dict(fixed)
+        precision = fixed.pop("precision", "bf16")
+        for c in search(w, gpus, gpu, fixed, precision).candidates:
             if c.fits and (best is None or c.tokens_per_s > best.tokens_per_s):
                 best = c
     return best
@@ -231,7 +240,8 @@ def predict(run, gpu_override=None):
     if best is None:
         return None, None
     value = {"tflops": hardware_tflops_per_gpu(w, best.strategy, best.time.total_s),
-             "model_tflops": best.mfu * gpu.peak_flops / 1e12, "mfu": best.mfu, "seconds": best.time.total_s}[metric]
+             "model_tflops": best.mfu * gpu.peak_flops / 1e12, "mfu": best.mfu, "seconds": best.time.total_s,
+             "tokens_per_gpu": best.tokens_per_s / gpus}[metric]
     return value, best
 
 
@@ -295,6 +305,7 @@ def test_validation_runs_within_15_percent(run):
 REPEATS_CALIBRATION = ("Korthikanti 530B, 2240 A100",)
 CALIBRATION_SOURCE = "Narayanan et al. 2021, SC'21 (arXiv 2104.04473), tables 1-2"
 SOURCES = {
+    **NEW_SOURCES,  # before "torchtitan": the longer name is looked up first
     "MT-NLG": "Smith et al. 2022, Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.3",
     "BLOOM": "BigScience 2022, BLOOM (arXiv 2211.05100), section 3.4",
     "OPT": "Zhang et al. 2022, OPT (arXiv 2205.01068), section 2.4",

@@ -151,12 +151,37 @@ def sparse_block_items(m: ModelConfig, x: Shape, ep: int = 1, hf: bool = False) 
     return items
 
 
+def op_sac_items(m: ModelConfig, x: Shape, fp8: bool) -> dict[str, float]:
+    """Bytes a Llama block keeps under torchtitan's op-level selective checkpointing (`selective_ac_option =
+    'op'`, torchtitan/parallelisms/parallelize_llama.py `_save_list`, commit 9dec370): the checkpointed block's
+    input, then only the outputs of aten.mm - every second one recomputed, counted per block in call order wq,
+    wk, wv, wo, w1, w3, w2, so wq, wv, w1 and w2 are kept - and of the SDPA kernel (its output and fp32
+    log-sum-exp); norms, RoPE, SiLU and products are recomputed. Under Float8 the linears run torch._scaled_mm,
+    which is not in the list: none of their outputs is kept."""
+    t, c, bs = x.t, x.c, x.bs
+    heads, kv_heads = m.heads // t, max(1, m.kv_heads // t)
+    items = {"input": c * bs * m.hidden / (t if x.sp and t > 1 else 1),
+             "attention": c * bs * heads * m.head_dim + 4 * x.b * heads * x.s}
+    if not fp8:  # wq's and wv's outputs, w1's (column-parallel: 1/t), w2's (its partial sum before the reduction)
+        items["mm"] = c * bs * (m.head_dim * (heads + kv_heads) + padded(m.ffn_hidden, t) + m.hidden)
+    return items
+
+
+def software_policy(remat: str, selective: str, precision: str) -> str:
+    """The policy `block_bytes` reads: the run's own, or torchtitan's op-level selective ("op", "op-fp8")."""
+    if remat == "selective" and selective == "torchtitan-op":
+        return "op-fp8" if precision == "fp8" else "op"
+    return remat
+
+
 @lru_cache(maxsize=65536)
 def block_bytes(m: ModelConfig, x: Shape, policy: str, hf: bool = False, sparse: bool = False,
                 ep: int = 1) -> float:
     """Bytes a block keeps until its backward under a checkpointing policy ('none', 'selective', 'full')."""
     if policy == "full":
         return x.c * x.bs * m.hidden / (x.t if x.sp and x.t > 1 else 1)  # the block's input
+    if policy in ("op", "op-fp8"):
+        return sum(op_sac_items(m, x, policy == "op-fp8").values())
     items = sparse_block_items(m, x, ep, hf) if sparse else block_items(m, x, hf)
     if policy == "selective":  # the core (attn.core) is recomputed: of it only its inputs and o's input stay
         for inside in ("attention_core", "cp_core"):  # log-sum-exp; the fused blocks' fp32 output (ring, allgather)

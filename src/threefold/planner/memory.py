@@ -38,7 +38,7 @@ from functools import lru_cache
 from ..config import Config
 from ..models.loss_pieces import chunk_rows
 from .activations import (Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_in_pieces,
-                          loss_piece_tokens, offload_split, offloaded_block_bytes)
+                          loss_piece_tokens, offload_split, offloaded_block_bytes, software_policy)
 from .hardware import CPU, GiB, Gpu
 from .workload import Chunk, ParamCount, Strategy, Workload, from_config, rank_chunks, rank_parameters
 
@@ -125,7 +125,8 @@ def micro_shape(w: Workload, st: Strategy) -> Shape:
 
 def chunk_bytes(w: Workload, st: Strategy, chunk: Chunk, rows_seen: bool = False) -> float:
     """Bytes one micro-batch's forward through `chunk` saves (one meter window)."""
-    return _chunk_bytes(w, micro_shape(w, st), w.global_batch // st.dp, chunk, st.remat, st.remat_every, st.ep,
+    policy = software_policy(st.remat, w.selective, st.precision)
+    return _chunk_bytes(w, micro_shape(w, st), w.global_batch // st.dp, chunk, policy, st.remat_every, st.ep,
                         st.act_offload, rows_seen)
 
 
@@ -295,7 +296,8 @@ def _stage_working_set(w: Workload, st: Strategy, stage: int, counted_only: bool
     if st.remat in ("full", "every-k") and layers:
         transient += block_bytes(w.model, x, "none", hf, sparse, st.ep)  # the block being recomputed
     elif st.remat == "selective" and layers:
-        transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, "selective", hf)
+        policy = software_policy(st.remat, w.selective, st.precision)
+        transient += block_bytes(w.model, x, "none", hf) - block_bytes(w.model, x, policy, hf)
     moved = [i for c in chunks for i in c.layers if i in st.act_offload] if st.act_offload else []
     if moved:  # brought back for the backward: the block running and the one prefetched behind it
         biggest = max(offloaded_block_bytes(w.model, x, i, st.remat, st.remat_every, hf, st.ep) for i in moved)

@@ -29,6 +29,10 @@ REGATHER = ("region", "linear", "exposed")
 # whose cross-entropy kernels run over the logits (planner/compute.py `loss_bytes_per_logit`): threefold's,
 # Megatron's vocabulary-parallel one, torch's F.cross_entropy of fp32 logits
 LOSSES = ("threefold", "megatron", "torch")
+# what `selective` checkpointing keeps (planner/activations.py `op_sac_items`): threefold's (the attention core
+# recomputed) or torchtitan's op-level policy (every op recomputed but the matmuls - every second one of them
+# recomputed too - and the attention kernel)
+SELECTIVE = ("threefold", "torchtitan-op")
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,14 @@ class Workload:
     # or not overlapped
     regather: str = "region"
     loss: str = "threefold"  # LOSSES
+    selective: str = "threefold"  # SELECTIVE
 
     def __post_init__(self):
         for name, value, choices in (("implementation", self.implementation, IMPLEMENTATIONS),
                                      ("attention", self.attention, ATTENTION_KERNELS),
                                      ("pipeline_p2p", self.pipeline_p2p, PIPELINE_P2P),
-                                     ("regather", self.regather, REGATHER), ("loss", self.loss, LOSSES)):
+                                     ("regather", self.regather, REGATHER), ("loss", self.loss, LOSSES),
+                                     ("selective", self.selective, SELECTIVE)):
             if value not in choices:
                 raise ValueError(f"Workload.{name}: unknown '{value}'; one of {', '.join(choices)}")
 
