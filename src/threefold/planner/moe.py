@@ -42,11 +42,11 @@ paired forward and backward of two different chunks at once (DeepSeek-V3's DualP
 computation and communication within a pair of individual forward and backward chunks", DeepSeek-AI
 2024, arXiv:2412.19437, section 3.2.1) hides one chunk's all-to-all behind the other chunk's compute.
 For the schedules whose registration names such pairs (`ScheduleKind.pairs`: dualpipev), a pair costs
-the larger of its compute and its all-to-all, so what stays exposed of it is
-    max(0, a2a(F chunk) + a2a(B other chunk) - compute(F chunk) - compute(B other chunk));
+each side's all-to-all hidden behind the other side's compute, so what stays exposed of it is
+    max(0, a2a(F chunk) - compute(B other chunk)) + max(0, a2a(B other chunk) - compute(F chunk));
 the forwards and backwards outside the pairs (warm-up, the zero-bubble rounds, cool-down) keep their
-all-to-all fully exposed. threefold's own runtime runs a pair back to back on one stream with a
-blocking dispatch (docs/pipeline.md, DualPipeV), so for it (the default) nothing is hidden.
+all-to-all fully exposed. threefold's own runtime runs the pairs that way (pipeline/expert_overlap.py:
+the two sides take turns at each exchange) where `pairs_overlap` holds.
 """
 
 from __future__ import annotations
@@ -182,19 +182,31 @@ def overlapped_pairs(schedule: str, p: int, m: int, rank: int) -> int:
     return len(kind.pairs(p, m, rank))
 
 
+def pairs_overlap(schedule: str, ep: int, tp: int, zero: int, remat: str, compiled: bool) -> bool:
+    """Whether threefold's runtime overlaps the expert all-to-all in `schedule`'s pairs: a schedule that
+    names pairs (dualpipev), ep > 1, and none of what keeps a pair's sides from taking turns
+    (`schedules.registry.pair_overlap_blockers`: tp > 1, ZeRO-3, activation checkpointing, compile)."""
+    from ..schedules.registry import SCHEDULES, pair_overlap_blockers
+
+    return (ep > 1 and SCHEDULES[schedule].pairs is not None
+            and not pair_overlap_blockers(tp, zero, remat, compiled))
+
+
 def overlapped_all_to_all(schedule: str, p: int, m: int, rank: int, compute_f: float, compute_b: float,
                           a2a_f: float, a2a_b: float) -> tuple[float, float, float]:
     """(forward, backward, hidden) all-to-all seconds per micro-batch of a rank, on average over its m
     micro-batches, when its schedule's pairs overlap one chunk's all-to-all with the other chunk's
     compute (module docstring). `compute_*` and `a2a_*` are one micro-batch's, all chunks together; a
-    pair holds one chunk's forward and the other chunk's backward (half of each, two chunks a rank)."""
+    pair holds one chunk's forward and the other chunk's backward (1/chunks of each). In a pair the
+    forward's all-to-all is on the wire while the backward computes and the backward's while the
+    forward computes (pipeline/expert_overlap.py: the sides take turns at each exchange), so per pair
+        exposed = max(0, a2a(F) - compute(B)) + max(0, a2a(B) - compute(F))."""
     pairs = overlapped_pairs(schedule, p, m, rank)
-    total = a2a_f + a2a_b
-    if not pairs or total <= 0:
+    if not pairs or a2a_f + a2a_b <= 0:
         return a2a_f, a2a_b, 0.0
     from ..schedules.registry import SCHEDULES
 
     chunks = SCHEDULES[schedule].chunks_for(1)
-    hidden = pairs * min(total, compute_f + compute_b) / chunks / m  # per micro-batch, on average
-    keep = 1 - hidden / total
-    return a2a_f * keep, a2a_b * keep, hidden
+    share = pairs / chunks / m  # of a micro-batch's forward (and backward) that runs in pairs, on average
+    hidden_f, hidden_b = share * min(a2a_f, compute_b), share * min(a2a_b, compute_f)
+    return a2a_f - hidden_f, a2a_b - hidden_b, hidden_f + hidden_b
