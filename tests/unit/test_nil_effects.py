@@ -33,6 +33,7 @@ SAMPLES = {
     "train.outer_optimizer": "nesterov", "train.easgd_alpha": "0.1",
     "parallel.offload_dir": "/tmp", "parallel.cp_method": "allgather", "parallel.offload_prefetch": "4", "parallel.offload_block_mb": "8",
     "parallel.offload_return_memory": "false",
+    "train.muon_momentum": "0.9", "train.muon_ns_steps": "3", "train.muon_nesterov": "false",
 }
 # what else a key needs to be valid at all (the layout still leaves it without effect)
 CONTEXT = {"train.beta1": ["train.optimizer=sgd"], "train.beta2": ["train.optimizer=sgd"],

@@ -41,9 +41,15 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import TrainConfig
+from ..errors import ConfigError
+from ..optim import adamw, sgd
+from ..optim.exchange import MatrixExchange
+from ..optim.muon import hidden_matrix
+from ..optim.registry import entry
 from ..sharding import Placement
 
 
@@ -59,7 +65,7 @@ class Piece:
     # when they are known only for the piece (ZeRO-3's unit-by-unit build: materialise.Deferred)
 
 
-STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+STATE_KINDS = {"adamw": adamw.KINDS, "sgd": sgd.KINDS}  # nvme.py's kernels (the optimizers it streams)
 
 
 def fused_on(device: torch.device) -> bool:
@@ -69,15 +75,9 @@ def fused_on(device: torch.device) -> bool:
 
 
 def make_inner(groups: list[dict], cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
-    """The torch optimizer `cfg.optimizer` over parameter groups, multi-tensor (module docstring):
-    elementwise kernels, so the same bits whatever the tensors' grouping (pieces reproduce whole tensors)."""
-    fused = fused_on(device)
-    kernel = {"foreach": None, "fused": True} if fused else {"foreach": True}
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kernel)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+    """The torch optimizer `cfg.optimizer` over parameter groups (optim/registry.py), multi-tensor (module
+    docstring): elementwise kernels, so the same bits whatever the tensors' grouping."""
+    return entry(cfg.optimizer).make(groups, cfg, device, None).optimizer
 
 
 def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -118,7 +118,7 @@ class ShardedOptimizer:
     scratch_nbytes = 0  # bytes kept in scratch files (parallel.offload=nvme's optimizer: parallel/nvme.py)
 
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, fp32_init: dict[str, torch.Tensor] | None = None,
-                 offload: bool = False, after_step: Callable[[], None] | None = None):
+                 offload: bool = False, after_step: Callable[[], None] | None = None, comm=None):
         self.pieces = pieces
         self._pre_hooks: list[Callable[[], None]] = []
         self.offload = offload
@@ -140,19 +140,39 @@ class ShardedOptimizer:
             self.masters.append(master)
             self.aliased.append(alias)
         self.placements = [p.placement for p in pieces]
-        groups = [{"params": [m for m, p in zip(self.masters, pieces) if p.decay], "weight_decay": cfg.weight_decay},
-                  {"params": [m for m, p in zip(self.masters, pieces) if not p.decay], "weight_decay": 0.0}]
-        # a placeholder keeps a rank that owns no piece (possible under ZeRO) a valid optimizer
-        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
-        self.inner = make_inner(groups, cfg, self.host)
+        made = self._make(cfg, comm)
+        self.inner, self.kinds = made.optimizer, made.kinds
         self.steps = 0  # optimizer steps taken (skipped steps excluded)
         # fused AdamW keeps its per-tensor step counts on the device (no host read per step)
-        step_device = self.host if cfg.optimizer == "adamw" and fused_on(self.host) else torch.device("cpu")
+        step_device = self.host if self.inner.defaults.get("fused") else torch.device("cpu")
         for master in self.masters:  # allocate the states now: counted and checkpointable from step 0
-            state = {kind: torch.zeros_like(master) for kind in state_kinds(self.inner)}
-            if cfg.optimizer == "adamw":
-                state = {"step": torch.tensor(0.0, device=step_device), **state}  # per-tensor step counts
+            kinds = self.kinds(master)
+            state = {kind: torch.zeros_like(master) for kind in kinds}
+            if "exp_avg" in kinds:
+                state = {"step": torch.tensor(0.0, device=step_device), **state}  # Adam's per-tensor step counts
             self.inner.state[master] = state
+
+    def _make(self, cfg: TrainConfig, comm):
+        """The registry's optimizer over the masters: decayed and not, and for an optimizer that needs
+        whole matrices the hidden matrices apart, with the exchange that assembles them (optim/exchange.py)."""
+        e, pieces = entry(cfg.optimizer), self.pieces
+        matrix = [e.whole_matrices and hidden_matrix(p.placement.name, p.placement.global_shape) for p in pieces]
+        groups = [{"params": [m for m, p, x in zip(self.masters, pieces, matrix) if x], "weight_decay": cfg.weight_decay,
+                   "matrix": True},
+                  {"params": [m for m, p, x in zip(self.masters, pieces, matrix) if p.decay and not x],
+                   "weight_decay": cfg.weight_decay},
+                  {"params": [m for m, p, x in zip(self.masters, pieces, matrix) if not p.decay and not x],
+                   "weight_decay": 0.0}]
+        if not e.whole_matrices:
+            groups = [g for g in groups[1:] if g["params"]]
+            # a placeholder keeps a rank that owns no piece (possible under ZeRO) a valid optimizer
+            return e.make(groups or [{"params": [torch.zeros(0)], "weight_decay": 0.0}], cfg, self.host, None)
+        if comm is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError("train.optimizer", f"{cfg.optimizer} on more than one process needs the run's Comm "
+                              "(ParallelModel.make_optimizer does not hand it over yet); use one process or adamw")
+        axis = comm.mesh.replica_axis if comm is not None else "dp"
+        exchange = MatrixExchange([p.placement for p, x in zip(pieces, matrix) if x], comm, axis)
+        return e.make([g for g in groups if g["params"] or g.get("matrix")], cfg, self.host, exchange)
 
     @staticmethod
     def _initial_values(piece: Piece, fp32_param: torch.Tensor | None) -> torch.Tensor:
@@ -254,7 +274,7 @@ class ShardedOptimizer:
             state = self.inner.state[master]
             if not alias:
                 out.append((replace(piece.placement, name=f"optimizer.master.{piece.placement.name}"), master))
-            for kind in state_kinds(self.inner):
+            for kind in self.kinds(master):
                 out.append((replace(piece.placement, name=f"optimizer.{kind}.{piece.placement.name}"), state[kind]))
         return out
 
@@ -290,6 +310,6 @@ class ShardedOptimizer:
             if not alias and key in tensors:
                 master.copy_(tensors[key])
                 piece.model.copy_(master)
-            for kind in state_kinds(self.inner):
+            for kind in self.kinds(master):
                 state[kind].copy_(tensors[f"optimizer.{kind}.{piece.placement.name}"])
         self._set_step(step)

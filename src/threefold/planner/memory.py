@@ -35,7 +35,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from ..config import Config
+from ..config import Config, TrainConfig
+from ..optim.registry import entry as optimizer_entry
 from ..models.loss_pieces import chunk_rows
 from .activations import (Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_in_pieces,
                           loss_piece_tokens, offload_split, offloaded_block_bytes, software_policy)
@@ -78,9 +79,10 @@ class MemoryBreakdown:
 # ------------------------------------------------------------------ model states
 
 
-def bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes per parameter before any ZeRO sharding."""
-    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+def bytes_per_param(precision: str, optimizer: str = "adamw") -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per parameter before any ZeRO sharding: the optimizer's states from
+    optim/registry.py (a hidden matrix's under Muon), plus its fp32 master under 16-bit compute."""
+    return optimizer_entry(optimizer).bytes_per_param(TrainConfig(optimizer=optimizer), precision)
 
 
 def model_state_bytes(count: ParamCount, precision: str, zero: int, dp: int, ep: int = 1) -> tuple[float, float, float]:
