@@ -1,95 +1,40 @@
-"""How much of an overlapped pair's all-to-all time the other side's computation hid.
+"""How much of the expert exchanges' time the schedule kept off the critical path.
 
-dualpipev runs a forward and a backward at once (pipeline/runtime.py); each side issues the
-expert all-to-alls of its blocks. For one pair, with each side's span (its action, host clock)
-and the spans its all-to-alls were in flight (issue to completion, `Comm`'s records):
+Every exchange of the paired dispatch (pipeline/expert_overlap.py) logs when it was posted (the
+issuing call returned: the transfers are under way), when its caller began to wait for it and
+when it completed. Between posting and waiting the rank did something else (the other side of a
+dualpipev pair computed); from the wait to completion it waited, exposed:
 
-    computing(X) = span(X) minus the union of X's all-to-alls   (X is neither waiting nor idle)
-    hidden       = |a2a(F) & computing(B)| + |a2a(B) & computing(F)|
-    in flight    = |a2a(F)| + |a2a(B)|
+    in flight = end - posted
+    hidden    = min(wait, end) - posted      (0 when it is waited where it is posted)
+    exposed   = in flight - hidden
 
-`fraction` = hidden / in flight over every pair: the share of the paired all-to-all time during
-which the other micro-batch computed. Without the pairing (the two back to back) it is 0 by
-construction: the other side's span does not meet this side's all-to-alls.
+`fraction` = hidden / in flight, summed over the exchanges counted: those issued inside the
+overlapped pairs, or every exchange of the steps (`PipelineRuntime.pair_overlap`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-Span = tuple[float, float]
-
-
-def union(spans: list[Span]) -> list[Span]:
-    """The spans merged: disjoint, sorted."""
-    out: list[list[float]] = []
-    for start, end in sorted(s for s in spans if s[1] > s[0]):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(a, b) for a, b in out]
-
-
-def length(spans: list[Span]) -> float:
-    return sum(b - a for a, b in union(spans))
-
-
-def intersect(xs: list[Span], ys: list[Span]) -> list[Span]:
-    """Where both unions cover."""
-    out, ys = [], union(ys)
-    for a, b in union(xs):
-        out += [(max(a, c), min(b, d)) for c, d in ys if max(a, c) < min(b, d)]
-    return out
-
-
-def minus(span: Span, holes: list[Span]) -> list[Span]:
-    """`span` without the holes."""
-    out, at = [], span[0]
-    for a, b in union(holes):
-        if a > at:
-            out.append((at, min(a, span[1])))
-        at = max(at, b)
-    if at < span[1]:
-        out.append((at, span[1]))
-    return [s for s in out if s[1] > s[0]]
-
-
-@dataclass
-class PairTimes:
-    """One overlapped pair: each side's span and its all-to-alls' spans (host clock, seconds)."""
-
-    forward: Span
-    backward: Span
-    forward_comm: list[Span] = field(default_factory=list)
-    backward_comm: list[Span] = field(default_factory=list)
-
-    def in_flight(self) -> float:
-        return length(self.forward_comm) + length(self.backward_comm)
-
-    def hidden(self) -> float:
-        computing_f = minus(self.forward, self.forward_comm)
-        computing_b = minus(self.backward, self.backward_comm)
-        return length(intersect(self.forward_comm, computing_b)) + length(intersect(self.backward_comm, computing_f))
+from dataclasses import dataclass
 
 
 @dataclass
 class Tally:
-    """Pairs, all-to-all seconds in flight and seconds hidden, summed."""
+    """Exchanges, their seconds in flight and the seconds of that hidden, summed."""
 
-    pairs: int = 0
+    exchanges: int = 0
     in_flight_s: float = 0.0
     hidden_s: float = 0.0
 
-    def add(self, pair: PairTimes) -> None:
-        self.pairs += 1
-        self.in_flight_s += pair.in_flight()
-        self.hidden_s += pair.hidden()
+    def add(self, posted: float, wait: float, end: float) -> None:
+        self.exchanges += 1
+        self.in_flight_s += end - posted
+        self.hidden_s += max(0.0, min(wait, end) - posted)
 
     @property
     def fraction(self) -> float:
         return self.hidden_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"pairs": self.pairs, "in_flight_s": self.in_flight_s, "hidden_s": self.hidden_s,
+        return {"exchanges": self.exchanges, "in_flight_s": self.in_flight_s, "hidden_s": self.hidden_s,
                 "fraction": self.fraction}
