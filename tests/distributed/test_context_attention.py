@@ -147,7 +147,7 @@ def expected_bytes(method: str, cp: int, h: int, hk: int, packed: bool) -> tuple
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_bytes_equal_theory(attention, case):
-    from threefold.parallel.context import theoretical_bytes
+    from threefold.planner.context_comm import theoretical_bytes
 
     cp, ranks = attention
     method, mask, h, hk = case

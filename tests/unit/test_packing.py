@@ -138,6 +138,7 @@ def test_packed_batch_equals_each_document_alone(alone, preset, method, extra):
     from threefold.mesh import Layout, Mesh, init_distributed
     from threefold.models.cross_entropy import IGNORE_INDEX
     from threefold.models.decoder import build_model
+    from threefold.models.reference import decoder_spec
     from threefold.parallel.context import install_documents
     from threefold.train.step import hand_documents, split_sequences
 
@@ -153,7 +154,7 @@ def test_packed_batch_equals_each_document_alone(alone, preset, method, extra):
     rows = packed.tokens.shape[0]
     batch = PackedSampler(_Rows(packed), seq, rows).samples(0, rows)
     (mb,) = split_sequences([batch], comm, packed=True)
-    documents = install_documents(model, comm, "cp", method, seq)
+    documents = install_documents(model, decoder_spec(cfg, 0).context, comm, "cp", method, seq)
     hand_documents(documents, mb)
     model(mb.inputs, mb.targets).backward()
     with torch.no_grad():

@@ -51,7 +51,7 @@ from .plans import TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_plans import llama_layers
 from .hf_attention import ATTENTION, HFAttentionCore, register as register_attention
-from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
+from .spec import CausalAdapter, ContextSeams, HFFormat, ModelSpec, seeded_normal
 
 HF_RENAMES = ((r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.layer\.", r"model.layers.\1."),
               (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."))
@@ -200,4 +200,5 @@ def causal_spec(directory: Path, config, seed: int) -> ModelSpec:
         tied=tied,
         hf=HFFormat(HF_RENAMES, trained_config(directory), Path(directory)),
         selective=("layer.self_attn",),  # the library computes attention inside its attention module
+        context=ContextSeams(attention=(HFBlock,)),
     )

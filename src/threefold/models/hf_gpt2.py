@@ -39,7 +39,7 @@ from .hf_attention import ATTENTION, HFAttentionCore, register as register_atten
 from .plans import ColumnParallel, RowParallel, TensorPlan, VocabEmbedding, VocabHead, VocabLoss
 from .decoder import TokenCrossEntropy, causal_forward
 from .hf_causal import trained_config
-from .spec import CausalAdapter, HFFormat, ModelSpec, seeded_normal
+from .spec import CausalAdapter, ContextSeams, HFFormat, ModelSpec, seeded_normal
 
 HF_RENAMES = ((r"^embed\.wte\.", "transformer.wte."), (r"^embed\.wpe\.", "transformer.wpe."),
               (r"^blocks\.(\d+)\.", r"transformer.h.\1."), (r"^norm\.", "transformer.ln_f."), (r"^head\.", "lm_head."))
@@ -160,4 +160,5 @@ def gpt2_spec(directory: Path, config, seed: int) -> ModelSpec:
         local_hooks=freeze_key_bias,
         hf=HFFormat(HF_RENAMES, trained_config(directory), Path(directory)),
         selective=("attn",),  # GPT2Attention: projections and the attention itself
+        context=ContextSeams(attention=(GPT2Block,), positions=(GPT2Embedding,)),
     )

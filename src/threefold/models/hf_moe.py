@@ -52,9 +52,9 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..config.hf import MoEShape, moe_shape
 from .decoder import causal_forward
-from .hf_causal import HF_RENAMES, HFCausalLM, hf_init, hf_plan, trained_config
+from .hf_causal import HF_RENAMES, HFBlock, HFCausalLM, hf_init, hf_plan, trained_config
 from .moe import MoE
-from .spec import ROW, CausalAdapter, HFFormat, ModelSpec
+from .spec import ROW, CausalAdapter, ContextSeams, HFFormat, ModelSpec
 
 _LAYER = r"^blocks\.(\d+)\.layer\.mlp\."
 # (our stacked expert tensor, the library's per-expert name) and where the MLP sits in the checkpoint
@@ -174,4 +174,5 @@ def moe_spec(directory: Path, config, seed: int) -> ModelSpec:
         tied=tied,
         hf=HFFormat(moe_renames(arch) + HF_RENAMES, trained_config(directory), Path(directory)),
         selective=("layer.self_attn",),
+        context=ContextSeams(attention=(HFBlock,)),
     )

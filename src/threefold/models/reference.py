@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .decoder import Decoder, initial_value
+from .decoder import Attention, Decoder, Embedding, initial_value
 from .decoder_plan import decoder_plan
 from .reference_hf import reference_hf
-from .spec import CausalAdapter, ModelSpec
+from .spec import CausalAdapter, ContextSeams, ModelSpec
 
 
 def decoder_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
@@ -19,4 +19,5 @@ def decoder_spec(cfg: ModelConfig, seed: int) -> ModelSpec:
         init=lambda name, shape: initial_value(name, shape, seed, cfg),
         tied=tied,
         hf=reference_hf(cfg),
+        context=ContextSeams(attention=(Attention,), positions=(Embedding,)),
     )

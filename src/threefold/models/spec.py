@@ -15,6 +15,8 @@ A family (models/<family>.py) describes itself completely here; strategies read 
                    tensor is made from ours), config.json to write, the directory it came from
                    (tokenizer files); None when the family has none
     weights        pretrained values to start from (None: initialised from the seed)
+    context        where its attention and learned positions are (`ContextSeams`): what context
+                   parallelism and packed documents wire; None: the family has no attention seam
 
 Every family has the same top-level shape, so one pipeline adapter serves all of them:
 `embed` (token ids -> x_bsh), `blocks` (a ModuleList of layers x_bsh -> x_bsh), `norm`,
@@ -124,6 +126,18 @@ class HFFormat:
 
 
 @dataclass(frozen=True)
+class ContextSeams:
+    """A family's seams for context parallelism and packed documents (parallel/context.py wires them):
+    `attention`, its module classes whose attention a core may compute (each has an `attention_core`:
+    None, or the core); `positions`, its embeddings with learned positions (each has `positions`: None,
+    or the positions of the local tokens). Rotary families have none of the second kind: their blocks
+    take the positions from the core."""
+
+    attention: tuple[type[nn.Module], ...]
+    positions: tuple[type[nn.Module], ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     build: Callable[[], nn.Module]
@@ -134,6 +148,7 @@ class ModelSpec:
     local_hooks: Callable[[nn.Module], None] | None = None
     hf: HFFormat | None = None
     weights: WeightSource | None = None
+    context: ContextSeams | None = None  # None: no attention seam (context parallelism and packing refused)
     # the parts of every block that `remat.policy=selective` recomputes unless remat.targets names others:
     # the family's own module names (submodules or methods, relative to blocks.<i>)
     selective: tuple[str, ...] = ("attn.core",)

@@ -50,10 +50,7 @@ from ..comm.collectives import Comm
 from ..errors import UserError
 from ..models.attention import (Block, additive, block_attention, block_backward, block_forward, document_attention,
                                 document_kernel, merge)
-from ..models.decoder import Attention, Embedding
-from ..models.hf_causal import HFBlock
-from ..models.hf_gpt2 import GPT2Block, GPT2Embedding
-from ..planner.context_comm import theoretical_bytes  # noqa: F401  (the one formula; the runtime's tests read it here)
+from ..models.spec import ContextSeams
 
 METHODS = ("ring", "allgather", "ulysses")
 
@@ -416,40 +413,33 @@ class ContextCore:
 
 # ------------------------------------------------------------------ training
 
-# The modules with an attention seam (an `attention_core`: None, or a core computing their attention):
-# the reference decoder's `Attention`, the Hugging Face blocks (`HFBlock`: the dense Llama-shaped families
-# and the mixtures of experts; `GPT2Block`; models/hf_attention.py). And the embeddings with a learned
-# positions' seam (`positions`: None, or the positions of the local tokens).
-AttentionSeam = Attention | HFBlock | GPT2Block
-LearnedPositions = Embedding | GPT2Embedding
-
-
-def _wire(model: torch.nn.Module, comm: Comm, axis: str, method: str,
-          seq_len: int) -> tuple[ContextCore, int, list[LearnedPositions]]:
+def _wire(model: torch.nn.Module, seams: ContextSeams, comm: Comm, axis: str, method: str,
+          seq_len: int) -> tuple[ContextCore, int, list[torch.nn.Module]]:
     """One `ContextCore` of `method` over `axis`, at this rank's zigzag index of a `seq_len` sequence, in
-    every attention seam of `model` (`AttentionSeam`): (the core, the attentions wired, the model's
-    embeddings with learned positions' seams, `LearnedPositions`)."""
+    every attention seam of `model` (the family's `seams.attention`, models/spec.py): (the core, the
+    attentions wired, the model's embeddings with learned positions, `seams.positions`)."""
     mesh = comm.mesh
     index = zigzag_index(seq_len, mesh.size(axis), mesh.rank(axis), device=mesh.device)
     core = ContextCore(method, comm, axis, index)
     wired, embeddings = 0, []
     for module in model.modules():
-        if isinstance(module, AttentionSeam):
+        if isinstance(module, seams.attention):
             module.attention_core = core
             wired += 1
-        elif isinstance(module, LearnedPositions):
+        elif isinstance(module, seams.positions):
             embeddings.append(module)
     return core, wired, embeddings
 
 
-def install_context(model: torch.nn.Module, comm: Comm, axis: str, method: str, seq_len: int) -> int:
-    """Wire context parallelism into the model (parallel step 2b): every attention seam (`AttentionSeam`:
-    the reference decoder's, the Hugging Face families') gets a `ContextCore` of `method` over `axis`,
-    and the learned position embeddings (`LearnedPositions`) the global positions, both at this rank's
+def install_context(model: torch.nn.Module, seams: ContextSeams, comm: Comm, axis: str, method: str,
+                    seq_len: int) -> int:
+    """Wire context parallelism into the model (parallel step 2b): every attention seam the family names
+    (`seams.attention`) gets a `ContextCore` of `method` over `axis`, and the learned position embeddings
+    (`seams.positions`) the global positions, both at this rank's
     zigzag index of a `seq_len` sequence (one document per sequence: the index is the same for every
     micro-batch, so one core serves the whole run). Returns the number of attentions wired (0: the
     model has no attention seam)."""
-    core, wired, embeddings = _wire(model, comm, axis, method, seq_len)
+    core, wired, embeddings = _wire(model, seams, comm, axis, method, seq_len)
     for embedding in embeddings:
         embedding.positions = core.index
     return wired
@@ -459,7 +449,7 @@ class PackedDocuments:
     """Packed rows (`data.pack`): the one `ContextCore` of every attention and the learned position
     embeddings, handed each micro-batch's document ids and positions (`set`) before its forward."""
 
-    def __init__(self, core: ContextCore, embeddings: list[LearnedPositions]):
+    def __init__(self, core: ContextCore, embeddings: list[torch.nn.Module]):
         self.core, self.embeddings = core, embeddings
 
     def set(self, documents: torch.Tensor, positions: torch.Tensor) -> None:
@@ -469,14 +459,14 @@ class PackedDocuments:
             embedding.positions = positions
 
 
-def install_documents(model: torch.nn.Module, comm: Comm, axis: str, method: str,
+def install_documents(model: torch.nn.Module, seams: ContextSeams, comm: Comm, axis: str, method: str,
                       seq_len: int) -> PackedDocuments | None:
     """Packed rows (parallel step 2b, `data.pack`): every block's attention gets one `ContextCore` of
     `method` over `axis` at this rank's zigzag index of `seq_len`, masking by document, and the learned
     position embedding is wired to the same per-token positions; `PackedDocuments.set` hands both each
     micro-batch's ids and positions. On an axis of one rank (cp = 1) the core communicates nothing
     (allgather there is SDPA under the causal + document mask). None: the model has no attention seam."""
-    core, wired, embeddings = _wire(model, comm, axis, method, seq_len)
+    core, wired, embeddings = _wire(model, seams, comm, axis, method, seq_len)
     return PackedDocuments(core, embeddings) if wired else None
 
 
