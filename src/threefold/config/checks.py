@@ -342,29 +342,6 @@ def _validate_periodic(c: Sections, dp: int) -> None:
                           "which periodic averaging (train.sync_every) removes; use compress.method=none")
 
 
-def _hf_window(raw: dict) -> int | None:
-    """The sliding window of config.json's windowed layers (None: every layer full causal), as the library
-    decides it (models/hf_causal.py `attention_windows`): Qwen's only with use_sliding_window - Qwen2/Qwen3
-    from max_window_layers on, Qwen2-MoE in the even layers below max_window_layers, unless layer_types
-    says which; Qwen3-MoE's in every layer -; Mistral's and Mixtral's in every layer; GPT-2 has none."""
-    kind = raw.get("model_type")
-    window = raw.get("sliding_window") or None
-    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window", False):
-        window = None
-    types = raw.get("layer_types")
-    if window is None or kind == "llama":
-        return None
-    if kind == "qwen3_moe":  # its attention takes config.sliding_window in every layer
-        return window
-    if types is not None:
-        return window if "sliding_attention" in types else None
-    if kind in ("qwen2", "qwen3"):
-        return window if raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0) else None
-    if kind == "qwen2_moe":  # layer 0 is windowed when any is
-        return window if raw.get("max_window_layers", 28) > 0 and raw.get("num_hidden_layers", 0) > 0 else None
-    return window
-
-
 def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) -> None:
     """Refuse (under `key`) a model without the attention seam that `need`s it: a module of one's own, and
     a Hugging Face model outside the families threefold builds (each has one: models/hf_attention.py -
@@ -372,7 +349,7 @@ def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) 
     the `seq_len` sequence are refused too (a core takes no banded mask). (Packing a mixture of experts
     is refused by `_validate_packing` itself.)"""
     if m.preset.startswith("hf:"):
-        from .families import FAMILIES
+        from .families import FAMILIES, sliding_window
         from .hf import read_config_json
 
         try:
@@ -384,7 +361,7 @@ def _own_attention(m: ModelConfig, key: str, need: str, off: str, seq_len: int) 
         if arch not in FAMILIES:
             raise ConfigError(key, f"{family} has no attention seam {need} (the families threefold builds have "
                               f"one: {', '.join(FAMILIES)}); use one of them, threefold's own decoder or {off}")
-        window = _hf_window(raw)
+        window = sliding_window(raw)
         if window is not None and window < seq_len:
             raise ConfigError(key, f"{family} has sliding-window attention (a window of {window} tokens, narrower "
                               f"than train.seq_len={seq_len}), which the attention seam does not compute; use "

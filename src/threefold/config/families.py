@@ -29,3 +29,26 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family("Qwen2MoeForCausalLM", "qwen2_moe", "hf_moe", experts=True),
     Family("Qwen3MoeForCausalLM", "qwen3_moe", "hf_moe", experts=True),
 )}
+
+
+def sliding_window(raw: dict) -> int | None:
+    """The sliding window of config.json's windowed layers (None: every layer full causal), as the library
+    decides it (models/hf_causal.py `attention_windows`): Qwen's only with use_sliding_window - Qwen2/Qwen3
+    from max_window_layers on, Qwen2-MoE in the even layers below max_window_layers, unless layer_types
+    says which; Qwen3-MoE's in every layer -; Mistral's and Mixtral's in every layer; GPT-2 has none."""
+    kind = raw.get("model_type")
+    window = raw.get("sliding_window") or None
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window", False):
+        window = None
+    types = raw.get("layer_types")
+    if window is None or kind == "llama":
+        return None
+    if kind == "qwen3_moe":  # its attention takes config.sliding_window in every layer
+        return window
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    if kind in ("qwen2", "qwen3"):
+        return window if raw.get("max_window_layers", 28) < raw.get("num_hidden_layers", 0) else None
+    if kind == "qwen2_moe":  # layer 0 is windowed when any is
+        return window if raw.get("max_window_layers", 28) > 0 and raw.get("num_hidden_layers", 0) > 0 else None
+    return window

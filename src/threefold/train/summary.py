@@ -83,7 +83,7 @@ def files_line(out: Path) -> str:
 def attention_line(out: Path) -> str | None:
     """The attention path of the run in `out` (its config.toml), from the device, the layout and the
     model's features: None when the config is not there or no longer loads."""
-    from ..config.checks import _hf_window
+    from ..config.families import sliding_window
     from ..config.hf import read_config_json
     from ..config.load import load_config
     from ..errors import UserError
@@ -96,7 +96,7 @@ def attention_line(out: Path) -> str | None:
     except UserError:
         return None
     device = pick_device(cfg.run.device).type  # the trainer's own rule
-    window = _hf_window(raw) if raw else None
+    window = sliding_window(raw) if raw else None
     return attention_path(device, cp_method=cfg.parallel.cp_method if cfg.parallel.cp > 1 else None,
                           packed=cfg.data.pack, window=window is not None and window < cfg.train.seq_len)
 
