@@ -143,3 +143,12 @@ def test_every_category_is_labelled():
     from threefold.observe.goodput import LABELS
 
     assert set(LABELS) == set(CATEGORIES)
+
+
+def test_runs_goodput_starts_without_torch(tmp_path):
+    from tests.unit.test_cli_startup import modules_after
+
+    (tmp_path / "goodput.json").write_text(json.dumps({"version": 1, "attempts": [
+        {"attempt": 1, "started_at": 1.0, "startup_s": 0.5, "resumed_step": 0, "outcome": "completed", "ended_at": 3.0}]}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_line(1, 1.0, 2.5)) + "\n")
+    assert modules_after(["runs", "goodput", str(tmp_path)], ["runs", "goodput", str(tmp_path), "--json"]) == "[]"
