@@ -30,6 +30,8 @@ Two sources, each row's layout and batch as published, on the GPU the source nam
 
 from dataclasses import replace
 
+import pytest
+
 from threefold.config import load_config
 from threefold.planner.hardware import GiB, PRESETS
 
@@ -136,6 +138,18 @@ MEASURED_PEAK_GIB = {
     f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, Interleaved 1F1B": 72.7,
 }
 
+# Measured peaks the planner does not model, left out of the memory check: the compiled Float8 rows with torchtitan's
+# op-level selective policy (torch.compile's partitioner may keep what the policy marks PREFER_RECOMPUTE; the
+# planner counts what the eager policy keeps: 59.5 and 44.1 GiB against 76.8 and 61.8)
+COMPILED_SELECTIVE = (f"{TITAN} Llama 3.1 8B, 8 H100, FSDP + compile + Float8",
+                      f"{TITAN} Llama 3.1 8B, 128 H100, FSDP + compile + Float8")
+# measured peaks the planner misses by more than 10%, with the error (predicted / measured - 1) the check pins
+# within 2 points: the 70B's all-gathered, tp-sharded logits and Float8 weight casts, and torch.distributed.pipelining's
+# 1F1B holding more than its schedule's activations (the same model's interleaved row is within 2%), are not modelled
+MEMORY_MISSES = {f"{TITAN} Llama 3.1 70B, 256 H100, FSDP 32 TP 8": -0.115,
+                 f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, 1F1B": -0.159}
+MEMORY_WITHIN = 0.10
+
 NEW_SOURCES = {
     TITAN: "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (tables 1-5; configs of commit 9dec370)",
     "MPT": "MosaicML llm-foundry scripts/train/benchmarking/README.md (commit 8c8dd48): H100 80GB BF16 (Large "
@@ -164,3 +178,21 @@ def test_the_added_rows_are_ten_or_more_each_with_its_source():
     assert len(NEW_RUNS) >= 10 and all(run[0] in names for run in NEW_RUNS)
     assert all(source(run[0]) in NEW_SOURCES.values() for run in NEW_RUNS)
     assert set(KNOWN_MISSES) <= {run[0] for run in NEW_RUNS} and set(MEASURED_PEAK_GIB) <= {run[0] for run in NEW_RUNS}
+
+
+MEMORY_ROWS = [run for run in NEW_RUNS if run[0] in MEASURED_PEAK_GIB and run[0] not in COMPILED_SELECTIVE]
+
+
+@pytest.mark.parametrize("run", MEMORY_ROWS, ids=[r[0] for r in MEMORY_ROWS])
+def test_measured_peak_memory_within_10_percent(run):
+    """The published layout's predicted peak (the rank that needs the most) against torchtitan's measured
+    max_reserved: within 10%, or its documented miss within 2 points (a miss that shrinks fails too)."""
+    from tests.unit.test_planner_validation import KNOWN_MISS_BAND, predict
+
+    _, best = predict(run)
+    err = best.memory.total / GiB / MEASURED_PEAK_GIB[run[0]] - 1
+    miss = MEMORY_MISSES.get(run[0])
+    if miss is None:
+        assert abs(err) <= MEMORY_WITHIN, f"{run[0]}: predicted {best.memory.total / GiB:.1f} GiB, {err:+.1%}"
+    else:
+        assert abs(err - miss) <= KNOWN_MISS_BAND, f"{run[0]}: {err:+.1%} against the documented {miss:+.1%}"

@@ -155,7 +155,8 @@ def workload(name, m, batch, seq):
     return Workload(m, batch, seq, attention="dense" if name.startswith(DENSE_ATTENTION) else "flash",
                     grad_overlap=not name.startswith(AFTER_FLUSH), pipeline_p2p=p2p,
                     regather="linear" if name.startswith(MEGATRON) else "region", loss=loss,
-                    selective="torchtitan-op" if name.startswith("torchtitan") else "threefold")
+                    selective="torchtitan-op" if name.startswith("torchtitan") else "threefold",
+                    sharding="fsdp2" if name.startswith("torchtitan") else "threefold")
 
 
 # the ZeRO stages a run's software offered, where it does not say which it used: Megatron-LM's distributed

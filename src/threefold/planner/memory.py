@@ -265,6 +265,8 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.replicas, st.ep)  # ZeRO over dp+cp
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
+    if w.sharding == "fsdp2" and st.pp > 1 and st.zero >= 2:
+        grads = 4.0 * count.trainable  # the stage's unsharded fp32 accumulators (workload.SHARDING)
     # what ZeRO, hpZ and the buckets do not change, once per shape (the search asks for each zero stage)
     acts, host, transient, buffers, layers = _stage_working_set(w, replace(st, zero=0, hpz=False, bucket_mb=0.0),
                                                                 stage, gpu is CPU)
@@ -277,6 +279,8 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     if st.zero >= 3:
         per_layer = count.total / max(1, layers)
         buffers += 2 * per_layer * compute_bytes(st.precision) * 2  # gathered layer in use + the one prefetched, with grads
+        if w.sharding == "fsdp2":
+            buffers += 4 * per_layer  # the unit's gradients cast to fp32 for the reduce-scatter
     used = params + grads + optim + acts + transient + buffers
     return MemoryBreakdown(params, grads, optim, acts, transient, buffers, ALLOCATOR_MARGIN * used + RESERVED_BYTES,
                            stage=stage, activations_host=host)
@@ -312,6 +316,10 @@ def _stage_working_set(w: Workload, st: Strategy, stage: int, counted_only: bool
         tokens, vocab = loss_piece_tokens(w.model, x), w.model.padded_vocab / st.tp
         if hf:
             transient += (x.c + 8) * tokens * vocab
+        elif w.loss == "torch":  # F.cross_entropy of fp32 logits, whole: the saved fp32 log-softmax, its gradient
+            # and the gradient it writes, 12 bytes a logit at the backward's peak, less what head_bytes counted
+            saved = 0 if loss_in_pieces(w.model, x) else x.c * x.bs * vocab
+            transient += 12 * x.bs * vocab - saved
         else:
             transient += ((2 if loss_in_pieces(w.model, x) else 1) * x.c * tokens * vocab
                           + 8 * chunk_rows(int(tokens), int(vocab), int(x.c)) * vocab)

@@ -33,6 +33,11 @@ LOSSES = ("threefold", "megatron", "torch")
 # recomputed) or torchtitan's op-level policy (every op recomputed but the matmuls - every second one of them
 # recomputed too - and the attention kernel)
 SELECTIVE = ("threefold", "torchtitan-op")
+# how ZeRO-2/3 holds gradients (planner/memory.py): threefold's buckets, or PyTorch's FSDP2 (fully_shard) with its
+# fp32 reduce_dtype - the unit's gradients cast to fp32 for the reduce-scatter, and under a pipeline the stage's
+# gradients accumulated unsharded in fp32 until the last micro-batch (torch.distributed.pipelining turns the
+# gradient sync off for the others: stage.py `backward_maybe_with_nosync`; FSDP2 `to_accumulated_grad_if_needed`)
+SHARDING = ("threefold", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,15 @@ class Workload:
     regather: str = "region"
     loss: str = "threefold"  # LOSSES
     selective: str = "threefold"  # SELECTIVE
+    sharding: str = "threefold"  # SHARDING
 
     def __post_init__(self):
         for name, value, choices in (("implementation", self.implementation, IMPLEMENTATIONS),
                                      ("attention", self.attention, ATTENTION_KERNELS),
                                      ("pipeline_p2p", self.pipeline_p2p, PIPELINE_P2P),
                                      ("regather", self.regather, REGATHER), ("loss", self.loss, LOSSES),
-                                     ("selective", self.selective, SELECTIVE)):
+                                     ("selective", self.selective, SELECTIVE),
+                                     ("sharding", self.sharding, SHARDING)):
             if value not in choices:
                 raise ValueError(f"Workload.{name}: unknown '{value}'; one of {', '.join(choices)}")
 
