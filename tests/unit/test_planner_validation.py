@@ -250,7 +250,7 @@ def software_best(run):
     """The planner's best layout of the run's GPUs, batch and sequence among what its software offered
     (its schedules and ZeRO stages, its sequence-parallel rule), every layout knob searched."""
     name, m, gpu, gpus, batch, seq, knobs, *_ = run
-    software = {k: v for k, v in fixed_knobs(run).items() if k in ("hpz", "sequence_parallel")}
+    software = {k: v for k, v in fixed_knobs(run).items() if k in ("hpz", "sequence_parallel", "precision")}
     if bucket_mb(name, None) is not None:
         software["bucket_mb"] = bucket_mb(name, None)
     # the family the source names (interleaved 1F1B) and its plain form
