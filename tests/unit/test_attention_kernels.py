@@ -63,8 +63,8 @@ def test_window_blocks_match_the_banded_mask(s, window):
 
 
 def test_hf_attention_runs_the_window_without_its_mask():
-    """The library's attention call with the block's banded mask and its `sliding_window`: the same
-    output as SDPA under that mask, no mask reaching a kernel, no host read."""
+    """The library's attention call with the block's window (`attention_window`, no mask built): the same
+    output as SDPA under the banded mask, no mask reaching a kernel, no host read."""
     from threefold.models.hf_attention import attention
 
     s, window = 20, 6
@@ -72,7 +72,7 @@ def test_hf_attention_runs_the_window_without_its_mask():
     band = _band(s, window).view(1, 1, s, s)
     want = _reference(q, k, v, do, band)
     watch = AttentionWatch()
-    got = _ours(lambda *x: attention(None, *x, band, scaling=8 ** -0.5, sliding_window=window)[0].transpose(1, 2),
+    got = _ours(lambda *x: attention(None, *x, None, scaling=8 ** -0.5, attention_window=window)[0].transpose(1, 2),
                 q, k, v, do, watch)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_err(a, b) <= 1e-5, f"{name} differs by {rel_err(a, b):.2e}"

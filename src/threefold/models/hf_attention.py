@@ -20,9 +20,9 @@ and `GPT2CausalLM` set in the library model's config. The block (`HFBlock`, `GPT
 A core replaces the whole attention: it takes no mask and no dropout (the config refuses sliding
 windows narrower than the sequence under cp and data.pack, and every family trains without dropout).
 
-A sliding window: the block hands the layer the banded mask of its window when the window is narrower
-than the sequence (models/hf_causal.py `window_mask`), and the library hands this function the same
-window (`sliding_window`); that attention runs on the fused kernels by blocks with no mask (models/
+A sliding window: the block hands the layer its window when the window is narrower than the sequence
+(`attention_window`, passed through the layer to this function; no s x s mask is built); that
+attention runs on the fused kernels by blocks (models/
 attention.py `window_attention`: per chunk of `window` queries, the causal diagonal and a reversed
 causal triangle in the chunk before), where SDPA under the boolean mask would leave the flash kernels.
 """
@@ -52,17 +52,19 @@ class HFAttentionCore(Protocol):
 
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-              attention_core: HFAttentionCore | None = None, sliding_window: int | None = None,
+              attention_core: HFAttentionCore | None = None, attention_window: int | None = None,
               **kwargs) -> tuple[torch.Tensor, None]:
-    """The library's attention-function signature: the library's SDPA path, `attention_core`, or (a
-    banded mask with the library's `sliding_window`) the window on the fused kernels, the mask unread."""
+    """The library's attention-function signature: the library's SDPA path, `attention_core`, or (the
+    block's `attention_window`, narrower than the sequence) the window on the fused kernels."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_core is None:
-        if attention_mask is not None and sliding_window is not None and not dropout:
-            return window_attention(query, key, value, sliding_window, scaling).transpose(1, 2).contiguous(), None
+        if attention_window is not None:
+            if dropout:
+                raise ValueError("a sliding window on the fused kernels takes no dropout")
+            return window_attention(query, key, value, attention_window, scaling).transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+                                      **kwargs)
     if attention_mask is not None or dropout:
         raise ValueError("an attention core replaces the whole attention: it takes no mask and no dropout")
     return attention_core(query, key, value, scaling).transpose(1, 2).contiguous(), None

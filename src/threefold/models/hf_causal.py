@@ -87,16 +87,9 @@ def attention_windows(config) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
-def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, s, s) boolean: query i attends key j when i - window < j <= i."""
-    i = torch.arange(s, device=device).unsqueeze(1)
-    j = torch.arange(s, device=device).unsqueeze(0)
-    return ((j <= i) & (j > i - window)).view(1, 1, s, s)
-
-
 class HFBlock(nn.Module):
-    """One library decoder layer, given the rotary position embeddings of the whole sequence (and the
-    banded mask of its sliding window, when it has one). `attention_core` is the attention seam
+    """One library decoder layer, given the rotary position embeddings of the whole sequence (and its
+    sliding window, when it has one narrower than the sequence: `attention_window`, no mask). `attention_core` is the attention seam
     (models/hf_attention.py): context parallelism and packed rows set one (parallel/context.py
     `ContextCore`), which gives the rotary positions and replaces the library's attention."""
 
@@ -113,9 +106,9 @@ class HFBlock(nn.Module):
         core = self.attention_core
         if core is None:
             positions = torch.arange(s, device=x_bsh.device).unsqueeze(0)
-            mask = window_mask(s, self.window, x_bsh.device) if self.window is not None and s > self.window else None
+            window = self.window if self.window is not None and s > self.window else None
             return self.layer(x_bsh, position_embeddings=self.rotary(x_bsh, positions), position_ids=positions,
-                              attention_mask=mask)
+                              attention_window=window)
         local = core.rotary_positions(s, x_bsh.device)  # the global (or per-document) positions, (s,) or (b, s)
         positions = torch.arange(s, device=x_bsh.device) if local is None else local.to(x_bsh.device)
         if positions.dim() == 1:
