@@ -58,7 +58,7 @@ def test_overlapped_pairs_equal_serial_pairs_bitwise(runs):
 
 
 def test_exchanges_hidden_only_inside_overlapped_pairs(runs):
-    hidden = 0.0
+    hidden = flight = 0.0
     for serial, overlapped in runs:
         assert serial["ep_ops"] == ["all_to_all", "all_to_all.splits"]  # the blocking dispatch
         assert overlapped["ep_ops"] == ["recv", "send"]  # point-to-point, through Comm (receives count 0 bytes)
@@ -70,4 +70,7 @@ def test_exchanges_hidden_only_inside_overlapped_pairs(runs):
         unpaired = got["step"]["in_flight_s"] - got["in_flight_s"]
         assert 0 <= got["step"]["hidden_s"] - got["hidden_s"] < 0.01 * unpaired, got
         hidden += got["hidden_s"]
-    assert hidden > 0
+        flight += got["in_flight_s"]
+    # a paired exchange stays unwaited while the other side computes up to its own exchange: far more
+    # than the clock's reads that a wait where it is posted leaves (the share is 0.8-0.9 at load 50)
+    assert hidden > 0.25 * flight
