@@ -132,8 +132,8 @@ def breakdown(doc: dict, lines: list[dict]) -> dict:
     wall_total = 0.0
     for i, attempt in enumerate(attempts):
         after = attempts[i + 1] if i + 1 < len(attempts) else None
-        low = attempt.get("resumed_step", 0)
-        high = after.get("resumed_step", 0) if after is not None else float("inf")
+        low = attempt.get("resumed_step", 0)  # its lines: up to the oldest step a later attempt resumed from
+        high = min((a.get("resumed_step", 0) for a in attempts[i + 1:]), default=float("inf"))
         kept = [line for line in lines if low < line["step"] <= high]
         s = _attempt_seconds(attempt, kept, i == 0)
         end = _end(attempt, kept + (attempt.get("lost") or []))
