@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from ..config import ModelConfig
 from ..models.loss_pieces import loss_bytes_per_logit as whole_loss_bytes_per_logit
+from .activations import software_policy
 from .hardware import Gpu
 from .moe import dense_mlp_flops_per_token, sparse_blocks, sparse_mlp_flops_per_token
 from .workload import Strategy, Workload
@@ -72,7 +73,19 @@ def recomputed_forward_flops_per_token(m: ModelConfig, seq_len: int, policy: str
         return math.ceil(layers / max(1, every)) * whole / max(1, layers)
     if policy == "selective":
         return layers * attention_share * attention_flops_per_token(m, seq_len)
+    if policy in ("op", "op-fp8"):  # torchtitan's op-level selective (activations.op_sac_items)
+        return layers * op_sac_recomputed_flops_per_token(m, policy == "op-fp8")
     return 0.0
+
+
+def op_sac_recomputed_flops_per_token(m: ModelConfig, fp8: bool) -> float:
+    """The matmuls torchtitan's op-level selective checkpointing redoes in a block's backward: every second
+    aten.mm in call order (wk, wo, w3 of wq, wk, wv, wo, w1, w3, w2), or every linear under Float8, whose
+    _scaled_mm it does not keep. The attention kernel's output is kept: not redone."""
+    h, d, f = m.hidden, m.head_dim, m.ffn_hidden
+    mms = [h * m.heads * d, h * m.kv_heads * d, h * m.kv_heads * d, m.heads * d * h]
+    mms += [h * f, h * f, f * h] if m.mlp == "swiglu" else [h * f, f * h]
+    return 2.0 * sum(mms if fp8 else mms[1::2])
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -84,7 +97,8 @@ def step_flops(w: Workload, st: Strategy, hardware: bool = True) -> float:
     """FLOPs of one optimizer step over all GPUs (with recomputation when `hardware`)."""
     per_token = model_flops_per_token(w.model, w.seq_len)
     if hardware:
-        per_token += recomputed_forward_flops_per_token(w.model, w.seq_len, st.remat, w.model.layers, st.remat_every,
+        policy = software_policy(st.remat, w.selective, st.precision)
+        per_token += recomputed_forward_flops_per_token(w.model, w.seq_len, policy, w.model.layers, st.remat_every,
                                                         sparse=sparse_blocks(w.model))
     return per_token * w.tokens
 

@@ -48,7 +48,7 @@ from functools import lru_cache
 
 from . import comm
 from .context_comm import attention_seconds, cp_link
-from .activations import is_checkpointed
+from .activations import is_checkpointed, software_policy
 from .compute import (block_forward_seconds, blocks_forward_flops_per_token, executed_attention_share,
                       fused_attention_seconds, head_forward_flops_per_token, head_forward_seconds,
                       loss_seconds, recomputed_forward_flops_per_token, regather_cover_seconds, step_flops)
@@ -158,7 +158,8 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
     if last:
         fwd += head_forward_flops_per_token(m)
-    recompute = recomputed_forward_flops_per_token(m, s, st.remat, layers, st.remat_every, share, sparse)
+    policy = software_policy(st.remat, w.selective, st.precision)  # another software's selective (workload.SELECTIVE)
+    recompute = recomputed_forward_flops_per_token(m, s, policy, layers, st.remat_every, share, sparse)
     # the blocks' rate from the shapes of a dense block's matmuls on this tp rank (compute.py); a sparse
     # block's MLP FLOPs run at that rate too
     mb = st.micro_batch_size(w)
