@@ -117,6 +117,7 @@ def test_depth_targets_stop_at_the_row_end_and_at_document_boundaries():
 @pytest.mark.parametrize("extra,needle", [
     (["parallel.pp=2", "model.layers=4"], "pipeline parallelism"),
     (["parallel.cp=2"], "context parallelism"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel"),
     (["train.seq_len=2"], "no target"),
     (["model.preset=py:tests.unit.test_mtp:nothing"], "user's own module"),
 ])

@@ -23,7 +23,9 @@ than the main targets. Embedded tokens that do not count become id 0: they only 
 positions whose targets are ignored (the attention is causal and masked by document).
 
 At evaluation (`val_loss`) and without targets (logits, generation, export) the depths do not
-run. `mtp_tally` and `mtp_figures` report the weighted loss they added to the logged `loss` (`mtp_loss`) and
+run. The head and the loss skip the last k positions of each row (the whole sequence is there, except
+under sequence parallelism, which config/ refuses: a vocabulary-parallel loss does not skip ignored
+targets). `mtp_tally` and `mtp_figures` report the weighted loss they added to the logged `loss` (`mtp_loss`) and
 each depth's mean cross-entropy over its counted targets.
 """
 
@@ -54,9 +56,11 @@ class MTPDepth(nn.Module):
         # this step's summed losses (weighted, as added to the loss; and the plain sum), counted targets
         self.tally: torch.Tensor | None = None
 
-    def forward(self, h_bsh: torch.Tensor, e_bsh: torch.Tensor) -> torch.Tensor:
-        """h^k from h^{k-1} and the embedding of the tokens k positions ahead."""
-        return self.block(self.proj(torch.cat([self.hidden_norm(h_bsh), self.embed_norm(e_bsh)], dim=-1)))
+    def forward(self, h_bsh: torch.Tensor, e_bsh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h^k, norm(h^k): the head's input) from h^{k-1} and the embedding of the tokens k positions ahead.
+        One call runs every parameter of the depth (ZeRO-3 gathers them around it)."""
+        h = self.block(self.proj(torch.cat([self.hidden_norm(h_bsh), self.embed_norm(e_bsh)], dim=-1)))
+        return h, self.norm(h)
 
     def add_tally(self, weighted: torch.Tensor, plain: torch.Tensor, counted: torch.Tensor) -> None:
         row = torch.stack([weighted.detach().double(), plain.detach().double(), counted.double()])
@@ -92,9 +96,12 @@ def mtp_loss(depths: nn.ModuleList, embed: nn.Module, head: Head, loss: Loss, x_
         return None
     total, h = None, x_bsh
     scale = weight / len(depths)
-    for depth, (tokens, targets) in zip(depths, depth_targets(targets_bs, len(depths))):
-        h = depth(h, embed(tokens, positions=False))
-        plain = head_loss(head, loss, depth.norm(h), targets, chunk)
+    seq = targets_bs.shape[1]
+    for k, (depth, (tokens, targets)) in enumerate(zip(depths, depth_targets(targets_bs, len(depths))), start=1):
+        h, normed = depth(h, embed(tokens, positions=False))
+        if normed.shape[1] == seq:  # the last k positions have no target: head and loss skip them
+            normed, targets = normed[:, :seq - k], targets[:, :seq - k]
+        plain = head_loss(head, loss, normed, targets, chunk)
         weighted = scale * plain
         if not is_recomputing():
             depth.add_tally(weighted, plain, (targets != IGNORE_INDEX).sum())

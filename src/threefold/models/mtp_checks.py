@@ -27,6 +27,11 @@ def validate_mtp(c) -> None:
         raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under context parallelism "
                           f"(cp={p.cp}): depth k embeds and predicts tokens k positions along the sequence, which "
                           "the zigzag split holds on other cp ranks; use parallel.cp=1 or mtp_depth=0")
+    if p.tp > 1 and p.sequence_parallel:
+        raise ConfigError("model.mtp_depth", "multi-token prediction does not run with parallel.sequence_parallel: "
+                          "each tp rank holds part of the sequence, so the depths cannot leave out the last k positions "
+                          "of a row, and the vocabulary-parallel loss counts ignored targets; use "
+                          "parallel.sequence_parallel=false or mtp_depth=0")
     if m.mtp_depth >= t.seq_len:
         raise ConfigError("model.mtp_depth", f"{m.mtp_depth} depths leave no target in a row of train.seq_len="
                           f"{t.seq_len} tokens (depth k predicts k + 1 ahead); use mtp_depth < seq_len")
