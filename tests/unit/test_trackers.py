@@ -145,6 +145,7 @@ def test_a_tracker_that_raises_costs_one_line(stores, alone, monkeypatch, capsys
     assert [r["step"] for r in _metrics(stores / "run")] == [1, 2, 3]
 
 
+@pytest.mark.timeout(300)  # a step that waited for the tracker would wait for ever
 def test_a_tracker_that_hangs_costs_one_line_and_holds_up_no_step(stores, alone, monkeypatch, capsys):
     release = threading.Event()
     monkeypatch.setattr(trackers.MlflowTracker, "log", lambda self, step, values: release.wait())
