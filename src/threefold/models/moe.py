@@ -28,6 +28,17 @@ Transformer, computed per sequence as DeepSeek-V3's sequence-wise balance loss) 
 `router_z_weight`. Without autograd (evaluation) they are not added: a validation loss is the
 cross-entropy alone.
 
+Balancing (`router_balance`): "aux" is the load-balancing loss above; "bias" is DeepSeek-V3's
+auxiliary-loss-free rule - a float32 buffer `expert_bias` (E,) added to the probabilities for the
+top-k choice only (the gate weights stay the unbiased probabilities, renormalised over k as above),
+moved after each step by `update_bias` with the step's load summed over every rank
+(parallel/expert.py's `router_metrics`), its balance loss the same per-sequence formula weighted by
+`router_seq_aux_weight` (DeepSeek-V3's sequence-wise loss over the biased choice).
+
+A rank's experts run as one batched matmul per weight (`Experts.forward`: `torch._grouped_mm` where
+a capability test passes, else a padded `torch.bmm` when padding at most doubles the rows, else a
+matmul per expert; `expert_kernel` states the rule).
+
 How the routed rows reach the experts is the `dispatch` (an `ExpertDispatch`): here all
 experts are local; expert parallelism (parallel/expert.py) replaces it with all-to-all.
 Under sequence parallelism a block holds only its part of every sequence and routes those
