@@ -9,12 +9,15 @@ pp2 ep2 and cp2 ep2 matches it within 1e-5 per tensor (loss, every parameter), a
 every block's bias equals the reference's exactly.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tests.helpers import make_config, rel_err
 from tests.zero_tasks import assemble
+from threefold.config import load_config
+from threefold.errors import ConfigError
 from threefold.data import Sampler, load_tokens
 from threefold.models.decoder import build_model
 
@@ -135,3 +138,16 @@ def test_bias_balancing_matches_a_plain_reference(worlds, tmp_path, capsys):
                 assert bias.dtype == torch.float32 and torch.equal(bias, want), f"{name} block {i}: {bias} != {want}"
     with capsys.disabled():
         print(f"\nbias balancing against the plain reference, {STEPS} steps:\n  " + "\n  ".join(lines))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.preset=tiny", "model.router_balance=bias"], "model.router_balance"),
+    (["model.preset=tiny-moe", "model.router_bias_rate=0.01"], "model.router_bias_rate"),
+    (["model.preset=tiny-moe", "model.router_seq_aux_weight=0.01"], "model.router_seq_aux_weight"),
+    (["model.preset=tiny-moe", "model.router_balance=bias", "model.router_aux_weight=0.1"], "model.router_aux_weight"),
+    (["model.preset=tiny-moe", "model.router_balance=bias", "model.router_bias_rate=-1"], "model.router_bias_rate"),
+])
+def test_balance_keys_that_would_do_nothing_are_refused(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides).validate(1)
+    assert key in str(err.value)
