@@ -152,3 +152,32 @@ def test_runs_goodput_starts_without_torch(tmp_path):
         {"attempt": 1, "started_at": 1.0, "startup_s": 0.5, "resumed_step": 0, "outcome": "completed", "ended_at": 3.0}]}))
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_line(1, 1.0, 2.5)) + "\n")
     assert modules_after(["runs", "goodput", str(tmp_path)], ["runs", "goodput", str(tmp_path), "--json"]) == "[]"
+
+
+SNAPSHOT_S = 2.0  # an async save's snapshot made this slow: the next update waits for it, so does the end
+
+
+def test_the_blocking_part_of_async_saves_is_checkpoint_time(tmp_path, alone, monkeypatch):
+    import threefold.checkpoint.checkpointer as checkpointer_module
+    from threefold.train.trainer import Trainer
+
+    snapshot = checkpointer_module.snapshot
+
+    def slow_snapshot(*args, **kwargs):
+        time.sleep(SNAPSHOT_S)
+        return snapshot(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "snapshot", slow_snapshot)
+    run = tmp_path / "run"
+    with contextlib.redirect_stderr(io.StringIO()):
+        Trainer(make_config([*QUICK, "train.steps=3", "checkpoint.save_every=2", "checkpoint.async_save=true"],
+                            str(run))).run()
+    lines = {line["step"]: line for line in read_lines(run / "metrics.jsonl")}
+    doc = json.loads((run / "goodput.json").read_text())["attempts"][0]
+    # step 3's update waited for step 2's snapshot (inside its step time); the end waited for step 3's
+    assert 0 < lines[3]["save_wait_s"] <= lines[3]["step_time_s"] and "save_wait_s" not in lines[2]
+    assert lines[3]["step_time_s"] >= SNAPSHOT_S * 0.9  # it began as the snapshot did, and its update waited for its end
+    assert doc["checkpoint_s"] >= SNAPSHOT_S * 0.9  # the whole snapshot of step 3, less the host work before the end
+    seconds = run_breakdown(run)["attempts"][0]["seconds"]
+    expected = lines[2]["save_stall_s"] + lines[3]["save_stall_s"] + lines[3]["save_wait_s"] + doc["checkpoint_s"]
+    assert seconds["checkpoint"] == pytest.approx(expected, rel=1e-12)
