@@ -4,11 +4,16 @@ Export assembles each `model/<name>` tensor from its slices (one tensor in memor
 besides the output dict) and writes `<name>` keys - the reference model's module names - with
 the model config as JSON metadata. Import (`checkpoint.init_from`) starts a run from such a
 file under any layout: each rank reads only the boxes its placements hold.
+
+Both keep every model tensor, the multi-token prediction depths (`mtp.<k>.*`, models/mtp.py)
+included; a Hugging Face export (checkpoint/hf.py) drops those, whose format has no place for
+them, and says so in one line (`hf_names`).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -46,3 +51,17 @@ def import_model(path: Path, named_params, placements: dict[str, Placement]) -> 
     path = Path(path)
     index = {f"model/{name}": info for name, info in index_of_file(path).items()}
     load_entries(path.parent, index, model_entries(named_params, placements), follow_links=True)
+
+
+MTP_PREFIX = "mtp."  # the multi-token prediction depths' parameters (models/decoder.py, models/mtp.py)
+
+
+def hf_names(names: list[str]) -> list[str]:
+    """The model tensors a Hugging Face export writes: all but the multi-token prediction depths', whose
+    dropping is said in one line on stderr (the depths only train; inference runs the main model)."""
+    kept = [n for n in names if not n.startswith(MTP_PREFIX)]
+    depths = {n.split(".")[1] for n in names if n.startswith(MTP_PREFIX)}
+    if depths:
+        print(f"threefold: export: {len(depths)} multi-token-prediction modules dropped (no place in the Hugging "
+              "Face format)", file=sys.stderr, flush=True)
+    return kept

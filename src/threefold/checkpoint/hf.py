@@ -30,6 +30,7 @@ from torch import nn
 from ..models.spec import ROW, HFFormat, HFTensor, ModelSpec
 from ..sharding import Placement
 from .format import DTYPES, CheckpointError, Slice, TensorInfo
+from .export import hf_names
 from .lora import export_lora, is_lora
 from .pieces import local_pieces, local_view
 from .reader import _SAFETENSORS_DTYPES, index_of_file, load_entries, whole_tensor
@@ -176,7 +177,7 @@ def export_hf(path: Path, out: Path, shard_bytes: int = 2 * 2**30, lora: str = "
         return ckpt, count
     if lora != "merged":
         raise CheckpointError(f"{ckpt} holds no LoRA adapters (model.lora_rank=0); --lora {lora} needs a LoRA run")
-    names = sorted(n[len("model/"):] for n in manifest.tensors if n.startswith("model/"))
+    names = hf_names(sorted(n[len("model/"):] for n in manifest.tensors if n.startswith("model/")))
     shards, current, size = [], [], 0
     for hf_tensor in _by_row(fmt.tensors(names), manifest):
         nbytes = sum(_nbytes(manifest.tensors[f"model/{n}"]) for n in hf_tensor.sources)
