@@ -44,7 +44,7 @@ def orthogonalise(g: torch.Tensor, steps: int) -> torch.Tensor:
     x = x / (x.norm() + 1e-7)
     for _ in range(steps):
         s = x @ x.T
-        x = a * x + (b * s + c * (s @ s)) @ x
+        x = a * x + (b * s + c * s @ s) @ x  # as the reference writes it: (c s) @ s
     return x.T if g.size(0) > g.size(1) else x
 
 
@@ -81,8 +81,8 @@ def reference_run(overrides: list[str]) -> dict:
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         with torch.no_grad():
             for p, m in zip(hidden, momentum):
-                m.mul_(mu).add_(p.grad, alpha=1 - mu)
-                u = p.grad * (1 - mu) + m * mu
+                m.lerp_(p.grad, 1 - mu)  # the reference's momentum.lerp_(grad, 1 - beta)
+                u = p.grad.lerp(m, mu)  # and its Nesterov grad.lerp_(momentum, beta)
                 o = orthogonalise(u, t.muon_ns_steps) * (0.2 * max(p.shape) ** 0.5)
                 p.mul_(1 - lr * t.weight_decay).add_(o, alpha=-lr)
         for group in adamw.param_groups:
@@ -137,8 +137,43 @@ def train_muon(runs: list[tuple[list[str], str]]) -> list[dict]:
                     "bytes": [{axis: ops.get("all_to_all.matrices", 0) for axis, ops in r["comm"].items()}
                               for r in records],
                     "owned": sum(1 for m in exchange.matrices if m.owner == (exchange.d, exchange.t)),
-                    "matrices": len(exchange.matrices)})
+                    "matrices": len(exchange.matrices), "formula_bytes": formula_bytes(trainer.optimizer.placements, trainer.mesh)})
     return out
+
+
+def formula_bytes(placements, mesh) -> int:
+    """docs/zero.md's formula, bytes a step summed over all ranks, from every rank's optimizer pieces
+    (gathered here: ZeRO-1's ranges are where a bucket's cut falls). Per stage, the k-th largest hidden
+    matrix (then by name) is owned by grid position k mod dp*tp = (dp coordinate, tp coordinate); per
+    matrix, tp: 2 sum of the other tp boxes (the scatter alone when the owner's box is whole); per tp box
+    of L elements, dp: 2 (L - h) under ZeRO (h: what the owner's dp coordinate holds), (dp-1) L plain."""
+    import torch.distributed as dist
+
+    from threefold.optim.muon import hidden_matrix
+
+    mine = [(p.name, p.global_shape, math.prod(p.shape), p.flat_range) for p in placements
+            if hidden_matrix(p.name, p.global_shape)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ((mesh.rank("pp"), mesh.rank("dp"), mesh.rank("tp")), mine))
+    dp, tp, total = mesh.size("dp"), mesh.size("tp"), 0
+    for stage in range(mesh.size("pp")):
+        held = {(d, t): rows for (s, d, t), rows in everyone if s == stage}
+        shapes = {name: shape for rows in held.values() for name, shape, _, _ in rows}
+        for k, name in enumerate(sorted(shapes, key=lambda n: (-math.prod(shapes[n]), n))):
+            owner_d, owner_t = divmod(k % (dp * tp), tp)
+            n = math.prod(shapes[name])
+            box = {t: next(size for d_ in range(dp) for nm, _, size, _ in held[(d_, t)] if nm == name) for t in range(tp)}
+            others = sum(box[t] for t in range(tp) if t != owner_t)
+            total += others * (1 if box[owner_t] == n else 2)
+            for t in range(tp):
+                ranges = {d: r for d in range(dp) for nm, _, _, r in held[(d, t)] if nm == name}
+                if all(r is None for r in ranges.values()):
+                    total += (dp - 1) * box[t]
+                else:
+                    r = ranges.get(owner_d)
+                    h = 0 if r is None else min(r[1], box[t]) - min(r[0], box[t])
+                    total += 2 * (box[t] - h)
+    return total * ELT
 
 
 def check(results: list[dict], ref: dict, name: str) -> str:
@@ -151,10 +186,63 @@ def check(results: list[dict], ref: dict, name: str) -> str:
     return line
 
 
-def test_muon_on_one_process_matches_a_plain_muon(worlds, tmp_path):
+def test_muon_on_one_process_matches_a_plain_muon(worlds, tmp_path, capsys):
     ref = reference_run(BASE)
     assert max(ref["norms"]) > 0.5, "clipping never active: the test would not cover it"
     assert ref["losses"][-1] < ref["losses"][0] - 0.05, "it did not train"
     single = worlds(1).run(train_muon, [(BASE, str(tmp_path / "single"))])[0][0]
-    check([single], ref, "one process")
+    line = check([single], ref, "one process")
     assert single["owned"] == single["matrices"] == 12  # 2 blocks x (q, k, v, o, up, down)
+    assert matrix_bytes([single]) == [0] * STEPS
+    with capsys.disabled():
+        print(f"\nMuon against the plain single-process Muon, {STEPS} steps: {line}")
+
+
+HIDDEN = 2 * (4 * 32 * 32 + 2 * 128 * 32)  # elements of the 12 hidden matrices (q, k, v, o, up, down per block)
+ELT = 4  # the exchange moves fp32
+
+
+def matrix_bytes(results: list[dict]) -> list[int]:
+    """Bytes the exchange sent per step, summed over ranks and axes."""
+    return [sum(sum(step.values()) for step in steps) for steps in zip(*(r["bytes"] for r in results))]
+
+
+def test_muon_under_dp_zero_and_tp_matches_a_plain_muon_with_the_bytes_of_docs_zero_md(worlds, tmp_path, capsys):
+    """dp2 ZeRO-1, dp2 plain, tp2, pp2 and dp2 ZeRO-3 on 2 ranks: the parameters of the plain Muon and the
+    bytes of the formula: ZeRO 2 (N - h) (h: the owner's share, N/2 under ZeRO-3), plain dp (dp-1) N, tp 2 N/2,
+    pp nothing (each stage's matrices stay on its rank)."""
+    ref = reference_run(BASE)
+    layouts = {"dp2 ZeRO-1": ["parallel.dp=2", "parallel.zero=1"], "dp2": ["parallel.dp=2"],
+               "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "dp2 ZeRO-3": ["parallel.dp=2", "parallel.zero=3"]}
+    runs = [(BASE + extra, str(tmp_path / name.replace(" ", "_"))) for name, extra in layouts.items()]
+    reports = worlds(2).run(train_muon, runs)  # reports[rank][run]
+    lines = []
+    for i, name in enumerate(layouts):
+        results = [r[i] for r in reports]
+        lines.append(check(results, ref, name))
+        owned = [r["owned"] for r in results]
+        if name == "pp2":
+            assert owned == [r["matrices"] for r in results] == [6, 6], owned  # each stage its own block
+        else:
+            assert sum(owned) == results[0]["matrices"] == 12 and max(owned) < 12, owned  # spread, each once
+        sent = matrix_bytes(results)
+        expected = {"dp2 ZeRO-1": results[0]["formula_bytes"], "dp2": HIDDEN * ELT, "tp2": HIDDEN * ELT,
+                    "pp2": 0, "dp2 ZeRO-3": HIDDEN * ELT}[name]  # the closed forms where ranges are even
+        assert sent == [expected] * STEPS == [results[0]["formula_bytes"]] * STEPS, (name, sent, expected)
+    with capsys.disabled():
+        print(f"\nMuon against the plain single-process Muon, {STEPS} steps:\n  " + "\n  ".join(lines))
+
+
+def test_muon_at_2_2_2_with_zero_1_matches_a_plain_muon(worlds, tmp_path, capsys):
+    """dp2 x tp2 x pp2 with ZeRO-1: each stage's 6 matrices spread over its 4 ranks, tp boxes and ZeRO
+    ranges assembled; bytes per step (all ranks): tp's 2 N/2 per matrix + ZeRO's 2 (L - h) per tp box."""
+    ref = reference_run(BASE)
+    layout = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "pipeline.schedule=1f1b"]
+    results = [r[0] for r in worlds(8).run(train_muon, [(BASE + layout, str(tmp_path / "222"))])]
+    line = check(results, ref, "(2,2,2) ZeRO-1")
+    assert [r["matrices"] for r in results] == [6] * 8 and sum(r["owned"] for r in results) == 12
+    assert max(r["owned"] for r in results) < 6  # no rank orthogonalises its stage's every matrix
+    sent = matrix_bytes(results)
+    assert sent == [results[0]["formula_bytes"]] * STEPS and HIDDEN * ELT <= sent[0] <= 3 * HIDDEN * ELT, sent
+    with capsys.disabled():
+        print(f"\nMuon against the plain single-process Muon, {STEPS} steps: {line}")

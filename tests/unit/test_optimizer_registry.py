@@ -23,13 +23,13 @@ def test_every_optimizer_a_user_can_name_has_an_entry_and_makes_its_torch_optimi
     assert set(names) <= set(ENTRIES) and set(ENTRIES) - set(names) == {"onebit_adam"}
     w = torch.nn.Parameter(torch.zeros(3, 3))
     cfg = TrainConfig()
-    made = entry("adamw").make([{"params": [w]}], cfg, torch.device("cpu"), None)
+    made = entry("adamw").make([{"params": [w]}], cfg, False, None)
     assert isinstance(made.optimizer, torch.optim.AdamW) and made.kinds(w) == ("exp_avg", "exp_avg_sq")
-    made = entry("sgd").make([{"params": [w]}], TrainConfig(optimizer="sgd", momentum=0.0), torch.device("cpu"), None)
+    made = entry("sgd").make([{"params": [w]}], TrainConfig(optimizer="sgd", momentum=0.0), False, None)
     assert isinstance(made.optimizer, torch.optim.SGD) and made.kinds(w) == ()
     assert [e.name for e in ENTRIES.values() if e.whole_matrices] == ["muon"]
     with pytest.raises(ValueError, match="muon needs whole matrices"):
-        entry("muon").make([{"params": [w]}], TrainConfig(optimizer="muon"), torch.device("cpu"), None)
+        entry("muon").make([{"params": [w]}], TrainConfig(optimizer="muon"), False, None)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         entry("lion")
 

@@ -40,9 +40,10 @@ class Made:
 @dataclass(frozen=True)
 class OptimizerEntry:
     name: str  # train.optimizer
-    # (parameter groups with their masters, the train section, the masters' device, matrices or None) -> Made;
+    # (parameter groups with their masters, the train section, fused: the masters are on CUDA (one fused
+    # kernel, parallel/master.py fused_on), matrices or None) -> Made;
     # a group may carry "matrix": True (whole-matrix optimizers: those masters are hidden 2-D weights)
-    make: Callable[[list[dict], TrainConfig, torch.device, Matrices | None], Made] | None
+    make: Callable[[list[dict], TrainConfig, bool, Matrices | None], Made] | None
     states: Callable[[TrainConfig, bool], tuple[str, ...]]  # (train section, hidden matrix?) -> state kinds
     whole_matrices: bool = False  # the update needs each 2-D weight whole (optim/exchange.py assembles it)
     summary: str = ""  # one line for docs and --help

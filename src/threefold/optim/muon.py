@@ -22,14 +22,9 @@ owner rank, orthogonalises it there and scatters the result back.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 from ..config import TrainConfig
 from .adamw import KINDS as ADAM_KINDS
 from .entry import Made, Matrices, OptimizerEntry
-
-if TYPE_CHECKING:
-    import torch
 
 KINDS = ("momentum_buffer",)
 EMBEDDING_PARTS = frozenset({"embed", "embeddings", "embed_tokens", "wte", "wpe", "lm_head", "head", "output"})
@@ -49,7 +44,7 @@ def states(cfg: TrainConfig, matrix: bool = True) -> tuple[str, ...]:
     return KINDS if matrix else ADAM_KINDS
 
 
-def make(groups: list[dict], cfg: TrainConfig, device: torch.device, matrices: Matrices | None = None) -> Made:
+def make(groups: list[dict], cfg: TrainConfig, fused: bool, matrices: Matrices | None = None) -> Made:
     from .muon_step import Muon  # torch: imported when an optimizer is made, not when the registry is read
 
     if matrices is None:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..config import TrainConfig
 from .adamw import kernel
 from .entry import Made, OptimizerEntry
-
-if TYPE_CHECKING:
-    import torch
 
 KINDS = ("momentum_buffer",)
 
@@ -18,10 +13,10 @@ def states(cfg: TrainConfig, matrix: bool = True) -> tuple[str, ...]:
     return KINDS if cfg.momentum else ()
 
 
-def make(groups: list[dict], cfg: TrainConfig, device: torch.device, matrices=None) -> Made:
+def make(groups: list[dict], cfg: TrainConfig, fused: bool, matrices=None) -> Made:
     import torch
 
-    inner = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kernel(device))
+    inner = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kernel(fused))
     kinds = states(cfg)
     return Made(inner, lambda master: kinds)
 

@@ -77,7 +77,7 @@ def fused_on(device: torch.device) -> bool:
 def make_inner(groups: list[dict], cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     """The torch optimizer `cfg.optimizer` over parameter groups (optim/registry.py), multi-tensor (module
     docstring): elementwise kernels, so the same bits whatever the tensors' grouping."""
-    return entry(cfg.optimizer).make(groups, cfg, device, None).optimizer
+    return entry(cfg.optimizer).make(groups, cfg, fused_on(device), None).optimizer
 
 
 def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -166,13 +166,13 @@ class ShardedOptimizer:
         if not e.whole_matrices:
             groups = [g for g in groups[1:] if g["params"]]
             # a placeholder keeps a rank that owns no piece (possible under ZeRO) a valid optimizer
-            return e.make(groups or [{"params": [torch.zeros(0)], "weight_decay": 0.0}], cfg, self.host, None)
+            return e.make(groups or [{"params": [torch.zeros(0)], "weight_decay": 0.0}], cfg, fused_on(self.host), None)
         if comm is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError("train.optimizer", f"{cfg.optimizer} on more than one process needs the run's Comm "
                               "(ParallelModel.make_optimizer does not hand it over yet); use one process or adamw")
         axis = comm.mesh.replica_axis if comm is not None else "dp"
         exchange = MatrixExchange([p.placement for p, x in zip(pieces, matrix) if x], comm, axis)
-        return e.make([g for g in groups if g["params"] or g.get("matrix")], cfg, self.host, exchange)
+        return e.make([g for g in groups if g["params"] or g.get("matrix")], cfg, fused_on(self.host), exchange)
 
     @staticmethod
     def _initial_values(piece: Piece, fp32_param: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay on matrices only, and the warm-up + cosine schedule."""
+"""The learning-rate schedule (warm-up + cosine) and its setter; the optimizers are optim/registry.py's."""
 
 from __future__ import annotations
 
@@ -8,22 +8,6 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-
-
-def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """Decay weight matrices and embeddings; never biases or norm gains (1-D tensors)."""
-    decay, no_decay = [], []
-    for _, p in named_params:
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def make_optimizer(named_params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    # foreach=False: the per-tensor loop gives the same bits whatever the tensors' grouping,
-    # so a sharded optimizer reproduces the unsharded one exactly.
-    return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
