@@ -22,7 +22,7 @@ NOT_RUN = ("text", "json", "toml")
 
 _FENCE = re.compile(r"^ {0,3}(`{3,})([^`\s]*)\s*$")
 # a line of an untagged block that a user would paste: a command, not its output (`threefold: ...`, `$ ...`)
-COMMAND_LINE = re.compile(r"^\s*(\w+=\S+\s+)*(threefold\s+(train|plan|ckpt|parity|schedule|data)|torchrun|python3?|pip|bash"
+COMMAND_LINE = re.compile(r"^\s*(\w+=\S+\s+)*(threefold\s+(train|plan|ckpt|parity|schedule|data|runs)|torchrun|python3?|pip|bash"
                           r"|sbatch|srun|make)\s")
 
 
