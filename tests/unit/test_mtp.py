@@ -125,3 +125,10 @@ def test_refusals_name_the_key(extra, needle):
     with pytest.raises(ConfigError, match=needle) as info:
         load_config(None, LLAMA + extra).validate(2)
     assert info.value.field == "model.mtp_depth"
+
+
+def test_a_weight_without_depths_is_refused():
+    with pytest.raises(ConfigError, match="model.mtp_depth=0 turns off") as info:
+        load_config(None, ["model.mtp_weight=0.1"]).validate(1)
+    assert info.value.field == "model.mtp_weight"
+    load_config(None, ["model.mtp_depth=0"]).validate(1)

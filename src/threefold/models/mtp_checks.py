@@ -13,6 +13,9 @@ def validate_mtp(c) -> None:
     """`c`: the config's sections (config/sections.py `Sections`)."""
     m, p, t = c.model, c.parallel, c.train
     if not m.mtp_depth:
+        if m.mtp_weight != type(m)().mtp_weight:
+            raise ConfigError("model.mtp_weight", f"{m.mtp_weight} weighs the multi-token prediction loss, which "
+                              "model.mtp_depth=0 turns off; set model.mtp_depth > 0, or drop model.mtp_weight")
         return
     for prefix, what in (("hf:", "a Hugging Face model (hf:DIR): its format has no place for the extra depths"),
                          ("py:", "a user's own module (py:MODULE:FACTORY)")):
