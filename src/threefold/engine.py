@@ -197,6 +197,27 @@ class Engine:
         return self.step
 
 
+# What the trainer's own loop reads and `threefold.prepare` never does: your loop saves, evaluates, logs and
+# stops, so each of these set away from its default would change nothing (refused in one line)
+TRAINER_ONLY = (
+    "debug.nan_check", "debug.stats", "debug.straggler_ratio", "debug.fingerprint_every", "debug.replica_check_every",
+    "debug.trace", "debug.dump_params", "debug.hang_timeout_s", "debug.hang_grace_s",
+    "run.trackers", "run.tensorboard", "run.out",
+    "checkpoint.save_every", "checkpoint.async_save", "checkpoint.keep", "checkpoint.resume", "checkpoint.init_from",
+    "checkpoint.peer_copy", "train.eval_every", "fault.rank",
+)
+
+
+def refuse_trainer_only(cfg: Config) -> None:
+    """One ConfigError for the first of `TRAINER_ONLY` set away from its default."""
+    defaults = Config()
+    for key in TRAINER_ONLY:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != getattr(getattr(defaults, section), name):
+            raise ConfigError(key, "is read by threefold train's own loop, not by threefold.prepare (your loop "
+                              "saves, evaluates, logs and watches; docs/engine.md); drop it")
+
+
 def prepare(model: nn.Module, loss_fn: Callable, config: Config | Sequence[str] | None = None, *,
             units: Units = None, remat: Units = None, buffers: str = "synced", plan: Plan = None,
             lora=None) -> Engine:
@@ -208,6 +229,7 @@ def prepare(model: nn.Module, loss_fn: Callable, config: Config | Sequence[str] 
     world = torch.distributed.get_world_size()
     cfg = cfg.for_device(device.type)
     refuse_unplanned(cfg, plan is not None)  # tp needs a plan, pp/ep/cp a model family: one line
+    refuse_trainer_only(cfg)
     tp = cfg.parallel.tp
     if world % tp:
         raise ConfigError("parallel.tp", f"{tp} does not divide the {world} processes")

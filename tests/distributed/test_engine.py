@@ -131,6 +131,8 @@ def test_refusals(worlds):
     from tests.engine_tasks import build
     for bad, key, plan in ((["parallel.tp=2"], "parallel.tp", None), (["remat.policy=selective"], "remat.policy", None),
                            (["parallel.pp=2"], "parallel.pp", None), (["parallel.cp=2"], "parallel.cp", None),
+                           (["debug.nan_check=true"], "debug.nan_check", None),
+                           (["checkpoint.save_every=5"], "checkpoint.save_every", None),
                            ([], "plan", {"encoder.layers.*.linear1": "columnwise"}),
                            ([], "plan", {"encoder.nothing.*": "colwise"})):
         with pytest.raises(ConfigError, match=key):
