@@ -20,7 +20,7 @@ from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_sch
 from ..observe.trackers import check_installed
 from .domains import check_domains
 from .moe_checks import validate_experts
-from ..models.mtp_checks import validate_mtp
+from .mtp_checks import validate_mtp
 from .muon_checks import validate_muon
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ positions whose targets are ignored (the attention is causal and masked by docum
 
 At evaluation (`val_loss`) and without targets (logits, generation, export) the depths do not
 run. The head and the loss skip the last k positions of each row (the whole sequence is there, except
-under sequence parallelism, which config/ refuses: a vocabulary-parallel loss does not skip ignored
+under sequence parallelism, which config/mtp_checks.py refuses: a vocabulary-parallel loss does not skip ignored
 targets). `mtp_tally` and `mtp_figures` report the weighted loss they added to the logged `loss` (`mtp_loss`) and
 each depth's mean cross-entropy over its counted targets.
 """

@@ -1,16 +1,16 @@
 """The checks of multi-token prediction (`model.mtp_depth`, models/mtp.py) against the other keys.
 
-Part of `Config.validate` (config/checks.py calls `validate_mtp`); torch-free. Each refusal names
-the key, why, and the fix.
+Part of `Config.validate` (checks.py calls `validate_mtp`), as moe_checks.py is for the experts.
+Each refusal names the key, why, and the fix.
 """
 
 from __future__ import annotations
 
+from .sections import Sections
 from ..errors import ConfigError
 
 
-def validate_mtp(c) -> None:
-    """`c`: the config's sections (config/sections.py `Sections`)."""
+def validate_mtp(c: Sections) -> None:
     m, p, t = c.model, c.parallel, c.train
     if not m.mtp_depth:
         if m.mtp_weight != type(m)().mtp_weight:
