@@ -56,7 +56,7 @@ from .dispatch import OPTIMIZER_OPS, stage_ops
 from .dp_comm import data_parallel
 from .hardware import Gpu
 from .memory import compute_bytes
-from .moe import (all_to_all_seconds, overlapped_all_to_all, routed_rows, routing_statistics_bytes,
+from .moe import (all_to_all_seconds, overlapped_all_to_all, pairs_overlap, routed_rows, routing_statistics_bytes,
                   sparse_mlp_flops_per_token)
 from .pipeline_p2p import p2p_seconds
 from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
@@ -275,7 +275,9 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
         tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage), stage)  # a replicated MoE: no MLP all-reduce
         ep_f, ep_b = _ep_comm(w, st, gpu, stage)
         hidden = 0.0
-        if w.a2a_overlap and st.pp > 1:  # the schedule's overlapped pairs hide part of it (planner/moe.py)
+        overlap = (w.a2a_overlap if w.a2a_overlap is not None
+                   else pairs_overlap(st.schedule, st.ep, st.tp, st.zero, st.remat, False))
+        if overlap and st.pp > 1:  # the schedule's overlapped pairs hide part of it (planner/moe.py)
             ep_f, ep_b, hidden = overlapped_all_to_all(st.schedule, st.pp, st.microbatches, stage, f, b, ep_f, ep_b)
         p2p_f, p2p_b = p2p_seconds(w, st, gpu)
         fwd, bwd = f + tp_f + ep_f + p2p_f, b + tp_b + ep_b + p2p_b

@@ -52,8 +52,9 @@ class Workload:
     grad_overlap: bool = True
     pipeline_p2p: str = "batched"  # PIPELINE_P2P
     # whether the software overlaps a chunk's expert all-to-all with the paired chunk's compute in the
-    # schedule's overlapped pairs (DeepSeek-V3's DualPipe); threefold's runtime does not (planner/moe.py)
-    a2a_overlap: bool = False
+    # schedule's overlapped pairs (DeepSeek-V3's DualPipe); None: as threefold's runtime does (planner/moe.py
+    # pairs_overlap: dualpipev's pairs with ep > 1, unless tp > 1, ZeRO-3 or recomputation keep the sides apart)
+    a2a_overlap: bool | None = None
     # when the sequence-parallel regather of a region's saved shard is issued (REGATHER): at the region's
     # backward start (threefold), inside the linear's backward under its input-gradient GEMM (Megatron-LM),
     # or not overlapped
