@@ -246,3 +246,19 @@ def test_muon_at_2_2_2_with_zero_1_matches_a_plain_muon(worlds, tmp_path, capsys
     assert sent == [results[0]["formula_bytes"]] * STEPS and HIDDEN * ELT <= sent[0] <= 3 * HIDDEN * ELT, sent
     with capsys.disabled():
         print(f"\nMuon against the plain single-process Muon, {STEPS} steps: {line}")
+
+
+def test_muon_state_saved_under_dp2_zero_1_resumes_under_tp2(worlds, tmp_path):
+    """The momentum buffers (optimizer.momentum_buffer.<matrix>) and AdamW's moments go through the
+    placement contract: saved at step 3 of 6 under dp2 ZeRO-1, resumed under tp2, the same parameters."""
+    from threefold.checkpoint.format import step_dir_name
+
+    saver = BASE + ["parallel.dp=2", "parallel.zero=1", "checkpoint.save_every=3"]
+    ckpt = tmp_path / "saver" / "checkpoints" / step_dir_name(3)
+    resumed = BASE + ["parallel.tp=2", f"checkpoint.resume={ckpt}"]
+    reports = worlds(2).run(train_muon, [(saver, str(tmp_path / "saver")), (resumed, str(tmp_path / "resumed"))])
+    want = assemble([r[0]["params"] for r in reports], [r[0]["placements"] for r in reports])
+    got = assemble([r[1]["params"] for r in reports], [r[1]["placements"] for r in reports])
+    worst = max((rel_err(got[k], v), k) for k, v in want.items())
+    assert worst[0] <= TOL, worst
+    assert len(reports[0][1]["losses"]) == STEPS - 3
