@@ -132,3 +132,17 @@ def test_a_weight_without_depths_is_refused():
         load_config(None, ["model.mtp_weight=0.1"]).validate(1)
     assert info.value.field == "model.mtp_weight"
     load_config(None, ["model.mtp_depth=0"]).validate(1)
+
+
+def test_depth_losses_in_pieces_equal_the_whole_loss():
+    """`model.loss_chunk`: each depth's head and loss in checkpointed pieces of its s - k positions."""
+    rows = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for chunk in (0, 5):
+        model = build_model(load_config(None, LLAMA + [f"model.loss_chunk={chunk}"]).model, seed=3)
+        loss = model(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({n: q.grad for n, q in model.named_parameters()})
+    assert abs(losses[0] - losses[1]) <= 1e-6 * losses[0]
+    assert max(float((grads[1][n] - g).norm() / g.norm()) for n, g in grads[0].items()) <= 1e-5
