@@ -6,7 +6,8 @@ threefold's initial weights, with `torch.optim.AdamW`, `clip_grad_norm_` and the
 rate written out (tests/distributed/test_reference.py). Loss and every parameter after 3 steps,
 relative 1e-5 per tensor, under (1,1,1), dp2, tp2 with a tied embedding (the head's vocabulary
 slice also embeds the depths' tokens), ZeRO-1 and ZeRO-3 at dp2. The (1,1,1) run's checkpoint then exports: to Hugging Face without
-the depths (one line says so; transformers' logits match threefold's), to DCP with them."""
+the depths (one line says so; transformers' logits match threefold's), to DCP with them. Packed rows:
+one packed step against the plain depths on each document alone."""
 
 from pathlib import Path
 
@@ -102,3 +103,36 @@ def exports_drop_the_depths_for_hugging_face_only(tmp_path: Path) -> None:
     _, tensors, _ = export_dcp(tmp_path / "single", tmp_path / "dcp")
     model = build_model(make_config(BASE, "unused").model, 0)
     assert tensors == len(dict(model.named_parameters()))  # the depths' tensors included
+
+
+def test_a_packed_step_is_each_document_alone_with_its_depths(worlds, tmp_path):
+    """data.pack: one packed step by the trainer (one process, peaked weights: the document mask changes the
+    result) against `plain_loss` on each document alone - the depths' targets never cross a boundary and
+    their attention is masked by document - loss and every gradient within relative 1e-5."""
+    import random
+
+    from tests.data_helpers import write_prepared
+    from tests.distributed.test_packed_training import BASE as PACKED, _pieces, packed_gradients, peaked
+    from threefold.data.build import build_samplers
+
+    rng = random.Random(1)
+    prepared = write_prepared(tmp_path / "prepared", [[rng.randrange(1, 256) for _ in range(rng.randrange(2, 13))]
+                                                      for _ in range(40)], vocab=256)
+    overrides = peaked(PACKED, prepared) + ["model.preset=tiny-llama", "model.mtp_depth=2", "model.mtp_weight=0.5"]
+    (got,) = worlds(1).run(packed_gradients, [(overrides, str(tmp_path / "run"))])[0]
+    cfg = make_config(overrides, str(tmp_path / "unused")).validate(1)
+    sampler, _ = build_samplers(cfg.data, cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed, cfg.model.vocab)
+    batch = sampler.step_batch(0)
+    p = {n: q.detach().clone().requires_grad_() for n, q in build_model(cfg.model, cfg.train.seed).named_parameters()}
+    total, count, longest = 0.0, 0, 0
+    for r in range(batch.inputs.shape[0]):
+        for inputs, targets in _pieces(batch, r, whole_rows=False):
+            if targets.numel():  # a document of one token, or padding: no target
+                main, extra = plain_loss(p, torch.cat([inputs, targets[:, -1:]], 1), cfg.model)
+                (main + extra).backward()
+                total, count, longest = total + float((main + extra).detach()), count + targets.numel(), \
+                    max(longest, targets.numel())
+    assert longest > 3 and got["targets"] == count  # documents long enough for both depths
+    assert abs(got["loss"] - total / count) <= TOL * total / count, (got["loss"], total / count)
+    for name, q in p.items():
+        assert rel_err(got["grads"][name], q.grad / count) <= TOL, name

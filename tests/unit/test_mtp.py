@@ -62,6 +62,8 @@ def plain_loss(p: dict, rows: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tens
     extra, h = 0.0, x
     for k in range(1, m.mtp_depth + 1):
         n, pre = s - k, f"mtp.{k - 1}."
+        if n <= 0:  # a row (a document) too short for depth k: no target
+            break
         e = p["embed.tok.weight"][rows[:, k:k + n]]  # t_{i+k}
         joined = torch.cat([rms(h[:, :n], p[pre + "hidden_norm.weight"], m.norm_eps),
                             rms(e, p[pre + "embed_norm.weight"], m.norm_eps)], -1)
