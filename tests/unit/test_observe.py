@@ -217,6 +217,7 @@ def test_plots_of_a_run(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("debug.straggler_ratio=1", "debug.straggler_ratio: must exceed 1"),
     ("fault.layout=2,1", "fault.layout: '2,1' is not a layout"),
+    ("fault.layout=2,1,1,0", "fault.layout: '2,1,1,0' is not a layout"),
     ("debug.hang_grace_s=0", "debug.hang_grace_s: must be positive"),
 ])
 def test_debug_config_mistakes(override, message):
@@ -232,6 +233,17 @@ def test_recorder_off_excludes_the_tools_that_need_it():
     load_config(None, ["fault.rank=3", "fault.layout=4,1,1"]).validate(1)
     with pytest.raises(ConfigError, match="fault.rank"):
         load_config(None, ["fault.rank=3", "fault.layout=1,1,1"]).validate(1)
+
+
+def test_a_fault_layout_tells_context_parallel_runs_apart():
+    """fault.layout names cp too (dp,tp,pp[,cp]; cp 1 when not written): a fault for dp 2 does not fire in a
+    run of dp 2 x cp 2, and one for 2,1,1,2 does."""
+    from threefold.config.checks import fault_applies
+
+    fault = load_config(None, ["fault.rank=0", "fault.layout=2,1,1"]).fault
+    assert fault_applies(fault, (2, 1, 1, 1)) and not fault_applies(fault, (2, 1, 1, 2))
+    fault = load_config(None, ["fault.rank=0", "fault.layout=2,1,1,2"]).fault
+    assert fault_applies(fault, (2, 1, 1, 2)) and not fault_applies(fault, (2, 1, 1, 1))
 
 
 def test_an_earlier_hang_report_survives_a_restart(tmp_path):

@@ -122,7 +122,7 @@ def _validate(c: S, world_size: int) -> S:
     for rule, key in nil_effects(c, dp):
         if rule.refuse:
             raise ConfigError(key, rule.message(key, c))
-    if fault_applies(c.fault, (dp, p.tp, p.pp)) and c.fault.rank >= world_size:
+    if fault_applies(c.fault, (dp, p.tp, p.pp, p.cp)) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
     return replace(c, parallel=replace(p, dp=dp), model=m, compress=_compress_warmup(c.compress, t.steps))
 
@@ -206,9 +206,22 @@ def parse_layout(text: str, key: str) -> tuple[int, int, int]:
     return values
 
 
-def fault_applies(fault: FaultConfig, layout: tuple[int, int, int]) -> bool:
-    """Whether the injected fault is meant for a run of `layout` (dp, tp, pp)."""
-    return fault.rank >= 0 and (not fault.layout or parse_layout(fault.layout, "fault.layout") == tuple(layout))
+def parse_fault_layout(text: str) -> tuple[int, int, int, int]:
+    """fault.layout "dp,tp,pp" or "dp,tp,pp,cp" -> (dp, tp, pp, cp), cp 1 when not written."""
+    parts = text.split(",")
+    if len(parts) == 4:
+        *three, cp = parts
+        dp, tp, pp = parse_layout(",".join(three), "fault.layout")
+        if not cp.strip().isdigit() or int(cp) < 1:
+            raise ConfigError("fault.layout", f"'{text}' is not a layout; write dp,tp,pp or dp,tp,pp,cp with "
+                              "positive integers, e.g. 2,1,1 or 1,1,1,2")
+        return dp, tp, pp, int(cp)
+    return (*parse_layout(text, "fault.layout"), 1)
+
+
+def fault_applies(fault: FaultConfig, layout: tuple[int, int, int, int]) -> bool:
+    """Whether the injected fault is meant for a run of `layout` (dp, tp, pp, cp)."""
+    return fault.rank >= 0 and (not fault.layout or parse_fault_layout(fault.layout) == tuple(layout))
 
 
 def _validate_fp8(compute: str, m: ModelConfig, p: ParallelConfig) -> None:
@@ -236,7 +249,7 @@ def _validate_debug(c: Sections) -> None:
                 raise ConfigError(key, "needs the flight recorder, which debug.history=0 turns off; "
                                   "keep debug.history > 0 or turn this off")
     if f.layout:
-        parse_layout(f.layout, "fault.layout")
+        parse_fault_layout(f.layout)
     if f.kind == "nan" and not f.module:
         raise ConfigError("fault.module", "name the module whose output becomes NaN, e.g. blocks.0.mlp.up")
 

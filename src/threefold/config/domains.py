@@ -222,7 +222,7 @@ DOMAINS: dict[str, Domain] = {
     # [fault]
     "fault.rank": AtLeast(-1, "-1 = no fault"), "fault.step": AtLeast(0), "fault.kind": BY_TYPE,
     "fault.module": Text("free", "a module name, e.g. blocks.0.mlp"), "fault.delay_s": AtLeast(0),
-    "fault.layout": Text("parsed", "dp,tp,pp; empty = any layout"), "fault.hold_file": Text("path", "a file"),
+    "fault.layout": Text("parsed", "dp,tp,pp or dp,tp,pp,cp; empty = any layout"), "fault.hold_file": Text("path", "a file"),
     "fault.signal": Choices(("SIGTERM", "SIGINT", "SIGUSR1"), listed=True),
 }
 

@@ -348,7 +348,7 @@ class FaultConfig:
     layout would). lose_node: the node whose launcher has `--node-rank` = `rank` loses its
     launcher (SIGKILL; its processes die with it) at the start of `step`; with `hold_file`, the
     processes of later attempts wait at the start of `step` while that file exists (a test's way
-    to let a node join again before the run ends). `layout` ("dp,tp,pp") limits the fault to runs
+    to let a node join again before the run ends). `layout` ("dp,tp,pp" or "dp,tp,pp,cp") limits the fault to runs
     of that layout; "" = any. Only the first attempt of a job fails: a process restarted by the
     launcher does not; `slow` stays slow in every attempt (a straggler stays one). signal: send
     `signal` (a comma list of SIGTERM, SIGINT, SIGUSR1) to the launcher at the start of `step`

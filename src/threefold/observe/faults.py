@@ -52,7 +52,7 @@ def first_attempt() -> bool:
 
 
 class FaultInjector:
-    def __init__(self, fault: FaultConfig, layout: tuple[int, int, int], rank: int, model: nn.Module, vocab: int,
+    def __init__(self, fault: FaultConfig, layout: tuple[int, int, int, int], rank: int, model: nn.Module, vocab: int,
                  stop: SignalCount | None = None):
         self.fault = fault
         self.stop = stop

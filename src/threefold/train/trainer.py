@@ -118,7 +118,7 @@ class Trainer:
         self.stopping = False  # the world agreed to stop at the step just finished
         self._saved_step = -1  # the step of the last save
         self.poisoned = PoisonedSaves(self.is_writer)  # no save of a non-finite step (observe/nonfinite.py)
-        self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp), self.mesh.global_rank, self.parallel.module,
+        self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp, p.cp), self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab, self.stop)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
