@@ -24,7 +24,7 @@ from tests.zero_tasks import assemble
 
 STEPS = 6
 BASE = ["model.preset=tiny", "model.layers=2", "train.global_batch=8", "train.seq_len=16", f"train.steps={STEPS}",
-        "train.optimizer=muon", "train.lr=2e-2", "train.warmup_steps=2", "train.min_lr_ratio=0.1",
+        "train.optimizer=muon", "train.lr=1e-2", "train.warmup_steps=2", "train.min_lr_ratio=0.1",
         "train.weight_decay=0.1", "train.eps=1e-6", "train.grad_clip=0.5", "train.microbatches=2",
         "run.progress=false", "run.plot=false"]
 TOL = 1e-5
