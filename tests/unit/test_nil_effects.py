@@ -1,6 +1,6 @@
 """Options that change nothing under the chosen layout are refused or warned, never silently
 accepted: every key of the strategy sections is either placed in the table of conditions
-(config/checks.py NIL_EFFECTS) or declared always effective, and each conditional key, set alone
+(config/nil_effects.py NIL_EFFECTS) or declared always effective, and each conditional key, set alone
 where its condition is false, is refused or warned naming the key."""
 
 from dataclasses import asdict
@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from threefold.config import load_config
-from threefold.config.checks import ALWAYS_EFFECTIVE, NIL_EFFECTS, checked_fields
+from threefold.config.nil_effects import ALWAYS_EFFECTIVE, NIL_EFFECTS, checked_fields
 from threefold.config.sections import Sections
 from threefold.errors import ConfigError
 from threefold.train.inputs import warnings_for

@@ -238,7 +238,7 @@ def test_recorder_off_excludes_the_tools_that_need_it():
 def test_a_fault_layout_tells_context_parallel_runs_apart():
     """fault.layout names cp too (dp,tp,pp[,cp]; cp 1 when not written): a fault for dp 2 does not fire in a
     run of dp 2 x cp 2, and one for 2,1,1,2 does."""
-    from threefold.config.checks import fault_applies
+    from threefold.config.debug_checks import fault_applies
 
     fault = load_config(None, ["fault.rank=0", "fault.layout=2,1,1"]).fault
     assert fault_applies(fault, (2, 1, 1, 1)) and not fault_applies(fault, (2, 1, 1, 2))

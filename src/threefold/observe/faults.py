@@ -34,7 +34,7 @@ from typing import Protocol
 from torch import nn
 
 from ..config import FaultConfig
-from ..config.checks import fault_applies
+from ..config.debug_checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
 from ..launch.nodes import AGENT_PID, NODE_RANK

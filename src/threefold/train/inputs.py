@@ -41,7 +41,7 @@ def check_data(cfg: Config) -> None:
 
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably not as meant; printed once, by the process that starts the job."""
-    from ..config.checks import nil_effect_warnings
+    from ..config.nil_effects import nil_effect_warnings
 
     found = nil_effect_warnings(cfg) + _dropout_warnings(cfg) + _context_warnings(cfg) + _pair_warnings(cfg)
     c = cfg.compress

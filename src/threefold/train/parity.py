@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 
 from ..config import load_config
-from ..config.checks import parse_layout
+from ..config.debug_checks import parse_layout
 from ..errors import UserError
 from ..launch.local import launch_local
 from ..observe.params import load_global
