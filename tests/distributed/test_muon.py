@@ -6,14 +6,12 @@ with threefold: the loss, the clipping, the learning-rate schedule, the momentum
 Newton-Schulz iteration, Moonlight's update scale and the AdamW for the other parameters are
 written below from the papers (Jordan et al. 2024, Liu et al. 2025), not taken from threefold.
 
-ParallelModel.make_optimizer does not hand the optimizer the run's Comm yet (a two-line change
-in parallel/model.py and parallel/__init__.py); `seam` below stands in for it in the test
-world, so the exchange runs on the trainer's own Comm and its bytes land in the step records.
+The exchange runs on the trainer's own Comm (ParallelModel.comm), so its bytes land in the step
+records.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -92,34 +90,6 @@ def reference_run(overrides: list[str]) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@contextlib.contextmanager
-def seam():
-    """The run's Comm handed to the optimizer (what parallel/model.py will do), for this test world only."""
-    from threefold.parallel.master import ShardedOptimizer
-    from threefold.parallel.model import ParallelModel
-    from threefold.train import trainer
-
-    made, original_comm, original_make = [], trainer.Comm, ParallelModel.make_optimizer
-
-    class Kept(original_comm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    def make_optimizer(self, cfg, compression=True):
-        fp32_init = self.precision.fp32_init if self.precision is not None else {}
-        optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step, comm=made[-1])
-        fp32_init.clear()
-        for piece in self.pieces:
-            piece.initial = None
-        return optimizer
-
-    trainer.Comm, ParallelModel.make_optimizer = Kept, make_optimizer
-    try:
-        yield
-    finally:
-        trainer.Comm, ParallelModel.make_optimizer = original_comm, original_make
-
 
 def train_muon(runs: list[tuple[list[str], str]]) -> list[dict]:
     """Each run on this rank of the world: losses, norms, local parameters, placements, matrix bytes."""
@@ -127,9 +97,8 @@ def train_muon(runs: list[tuple[list[str], str]]) -> list[dict]:
 
     out = []
     for overrides, path in runs:
-        with seam():
-            trainer = Trainer(make_config(overrides, path))
-            records = trainer.run()
+        trainer = Trainer(make_config(overrides, path))
+        records = trainer.run()
         exchange = trainer.optimizer.inner.matrices
         out.append({"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
                     "params": {n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()},

@@ -153,7 +153,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     parallel = ParallelModel(model, grad_sync, placements, pieces, precision, p.zero, p.offload != "none",
                              after_step, regions, spec=spec, materialised_bytes=allocated, periodic=periodic,
                              routers=routers, activation_offload=activation_offload,
-                             scratch=scratch, replica_axis=mesh.replica_axis, documents=documents)
+                             scratch=scratch, replica_axis=mesh.replica_axis, documents=documents, comm=comm)
     if lora is not None:  # checkpoints hold the adapters and name the base (parallel/lora.py LoraBase)
         parallel.lora_base = LoraBase(spec.hf.source if spec.hf is not None else None, lora)
     if isinstance(grad_sync, ZeroReducer):  # parameter gathers may be in flight after a step

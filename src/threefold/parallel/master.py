@@ -169,7 +169,7 @@ class ShardedOptimizer:
             return e.make(groups or [{"params": [torch.zeros(0)], "weight_decay": 0.0}], cfg, fused_on(self.host), None)
         if comm is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError("train.optimizer", f"{cfg.optimizer} on more than one process needs the run's Comm "
-                              "(ParallelModel.make_optimizer does not hand it over yet); use one process or adamw")
+                              "to exchange whole matrices, and none was given; use one process or adamw")
         axis = comm.mesh.replica_axis if comm is not None else "dp"
         exchange = MatrixExchange([p.placement for p, x in zip(pieces, matrix) if x], comm, axis)
         return e.make([g for g in groups if g["params"] or g.get("matrix")], cfg, fused_on(self.host), exchange)

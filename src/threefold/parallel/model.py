@@ -162,6 +162,7 @@ class ParallelModel:
     grad_home: ShardStore | None = None  # and the reduced gradients' (without a pipeline)
     lora_base: object | None = None  # LoRA (parallel/lora.py LoraBase): the frozen base a checkpoint refers to
     documents: Documents | None = None  # packed rows (data.pack): takes each micro-batch's document ids and positions
+    comm: object | None = None  # the run's Comm: an optimizer that sees whole matrices exchanges its pieces over it
     _meter: SavedTensorMeter | None = None
 
     def settle(self) -> None:
@@ -227,7 +228,7 @@ class ParallelModel:
         elif self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
             optimizer = self.periodic.make_optimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         else:
-            optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
+            optimizer = ShardedOptimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step, comm=self.comm)
         fp32_init.clear()  # the masters hold what is needed; free the whole fp32 copy
         for piece in self.pieces:  # and the fp32 chunks of a unit-by-unit ZeRO-3 build
             piece.initial = None

@@ -122,7 +122,6 @@ class ModuleParallel(ParallelModel):
     """`ParallelModel` of a user's module: its forward and backward run through `loss_of`."""
 
     loss_of: LossOf | None = None
-    comm: Comm | None = None
     synced_buffers: bool = True  # floating buffers averaged over dp after each step's forwards
     buffer_names: list[str] = field(default_factory=list)  # persistent buffers, saved in checkpoints
 
