@@ -84,6 +84,12 @@ class WeightSource(Protocol):
     def load(self, named_params: list[tuple[str, nn.Parameter]], placements: dict) -> None: ...
 
 
+# Buffers that are training state, not constants (their last name): they move every step, so a checkpoint
+# holds them and mixed precision leaves them in fp32 (a mixture of experts' bias under
+# model.router_balance=bias, models/moe.py)
+STATE_BUFFERS = ("expert_bias",)
+
+
 # In a Hugging Face key (`HFFormat.key_of`), ROW stands for the row index along dimension 0: our
 # parameter is the stack of one checkpoint tensor per row (experts stored one by one, e.g.
 # Mixtral's `experts.{row}.w1.weight`); loading reads those tensors, exporting writes them.

@@ -20,6 +20,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
 from .remat import ActivationOffload
+from ..models.spec import STATE_BUFFERS
 from ..sharding import Placement
 from .master import Piece, ShardedOptimizer
 from .nvme import NvmeOptimizer, ScratchSettings, ShardStore
@@ -246,7 +247,13 @@ class ParallelModel:
         is the one `lora_base` names)."""
         if self.lora_base is not None:
             return self.named_trainable(), self.placements
-        return list(self.module.named_parameters()), self.placements
+        state = [(n, b) for n, b in self.module.named_buffers() if n.rpartition(".")[2] in STATE_BUFFERS]
+        if not state:
+            return list(self.module.named_parameters()), self.placements
+        # equal on every rank that holds the block (models/spec.py STATE_BUFFERS): whole, written by coordinate 0
+        axes = [a for a in ("dp", "cp", "tp") if a in self.comm.mesh.axis_names]
+        places = {n: Placement.whole(n, tuple(b.shape)).replicated(*axes) for n, b in state}
+        return list(self.module.named_parameters()) + state, {**self.placements, **places}
 
     @property
     def stateful(self) -> dict[str, object]:
