@@ -130,6 +130,20 @@ def test_the_model_hash_ignores_how_the_loss_is_computed():
     assert model_hash(model) != model_hash({**model, "vocab": 512})
 
 
+def test_keys_added_later_leave_the_hash_of_older_runs_alone():
+    """A run.json written before model.router_balance and model.mtp_* existed still names the same run while
+    they are at their defaults; set away from them they make another run."""
+    from threefold.config import load_config
+    from threefold.train.rundir import ADDED_LATER, model_hash
+
+    model = load_config(None, []).to_dict()["model"]
+    assert {k: model[k] for k in ADDED_LATER} == ADDED_LATER  # the defaults as the config has them
+    older = {k: v for k, v in model.items() if k not in ADDED_LATER}
+    assert model_hash(model) == model_hash(older)
+    assert model_hash({**model, "mtp_depth": 1}) != model_hash(model)
+    assert model_hash({**model, "router_balance": "bias"}) != model_hash(model)
+
+
 def test_a_running_run_holds_its_directory_until_it_ends(tmp_path):
     out = tmp_path / "run"
     cfg, lock = rundir.claim(load_config(None, [f"run.out={out}"]))

@@ -58,9 +58,15 @@ def run_directory(cfg: Config) -> Path:
 NOT_IDENTITY = ("loss_chunk",)
 
 
+# `[model]` keys added after run directories existed, with their defaults: left out of the hash while at
+# them, so a run.json written before the key still names the same run
+ADDED_LATER = {"router_balance": "aux", "router_bias_rate": 0.001, "router_seq_aux_weight": 0.0001, "mtp_depth": 0,
+               "mtp_weight": 0.3}
+
+
 def model_hash(model: dict) -> str:
     """The run's identity: a short hash of its `[model]` section (shapes and architecture)."""
-    model = {k: v for k, v in model.items() if k not in NOT_IDENTITY}
+    model = {k: v for k, v in model.items() if k not in NOT_IDENTITY and ADDED_LATER.get(k, model) != v}
     if not model.get("lora_rank"):  # without LoRA its keys say nothing: hashes of runs from before them hold
         model = {k: v for k, v in model.items() if not k.startswith("lora_")}
     return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16]
@@ -402,6 +408,9 @@ NOT_FUNCTION = {
     "init_std": "the initial values, which the checkpoint's replace",
     "router_aux_weight": "a weight of the training loss (like the learning rate), not of the model",
     "router_z_weight": "a weight of the training loss (like the learning rate), not of the model",
+    "router_seq_aux_weight": "a weight of the training loss (like the learning rate), not of the model",
+    "router_bias_rate": "how fast the routing bias moves (like the learning rate); the bias itself is in the checkpoint",
+    "mtp_weight": "a weight of the training loss (like the learning rate), not of the model",
 }
 FUNCTION_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_FUNCTION)
 _MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
