@@ -46,7 +46,7 @@ def test_train_help_names_choices_and_defaults(capsys):
     except SystemExit:
         pass
     text = " ".join(capsys.readouterr().out.split())
-    assert "sets precision.compute; one of auto, fp32, bf16, fp16, fp8; default auto" in text
+    assert "sets precision.compute; one of auto, fp32, bf16, fp16, fp8, mxfp8; default auto" in text
     assert "sets model.preset; one of tiny," in text and "sets train.steps; at least 0 (0: save the initial model and exit); default 20" in text
     assert "--overwrite" in text and "--verbose" in text
 
