@@ -9,8 +9,9 @@ model, a micro-batch of one short sequence) the GPU waits for the host and the s
 Operator counts are those of threefold's own blocks, counted with a TorchDispatchMode over one
 forward and one backward (tests/unit/test_plan_dispatch.py keeps them within 40% of the count):
 a dense GPT-2 block (layer norm, GELU, learned positions) issues 39 operators forward and 94
-backward; RMSNorm adds 12 / 30, rotary positions 28 / 30, SwiGLU 5 / 15; a mixture-of-experts block ~131 / 146 plus 12 / 31
-per local expert; the embedding, final norm, head and loss ~22 / 30. The optimizer's foreach
+backward; RMSNorm adds 12 / 30, rotary positions 28 / 30, SwiGLU 5 / 15; a mixture-of-experts block ~160 / 186, its experts one grouped
+(or padded batched) matmul whatever their number (models/moe.py; the per-expert loop that a lopsided
+batch falls back to adds 12 / 31 per expert, which the planner's balanced routing does not reach); the embedding, final norm, head and loss ~22 / 30. The optimizer's foreach
 kernels and the gradient clip add ~16 launches per step.
 The seconds per operator (`Gpu.op_overhead_s`, 4 us) is PyTorch's eager dispatch (1.8 us for a
 one-element add measured on a 2-core x86 host with torch 2.13) plus a CUDA launch (2-4 us, NVIDIA's
@@ -24,8 +25,8 @@ from ..config import ModelConfig
 
 DENSE_BLOCK_OPS = (39, 94)  # (forward, backward) operators of a GPT-2 block ...
 RMSNORM_OPS, ROPE_OPS, SWIGLU_OPS = (12, 30), (28, 30), (5, 15)  # ... and what each variant adds
-SPARSE_BLOCK_OPS = (131, 146)  # a mixture-of-experts block: router, dispatch, combine ...
-PER_EXPERT_OPS = (12, 31)  # ... and each expert held by this rank
+SPARSE_BLOCK_OPS = (160, 186)  # a mixture-of-experts block: router, dispatch, the experts' grouped matmul, combine ...
+PER_EXPERT_OPS = (0, 0)  # ... and nothing per expert held by this rank (the grouped matmul takes them all)
 ENDS_OPS = (22, 30)  # embedding + final norm, head and loss (split between the first and last stage)
 OPTIMIZER_OPS = 16  # foreach AdamW and the global-norm clip, per step
 

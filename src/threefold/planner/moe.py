@@ -142,8 +142,9 @@ def sparse_mlp_saved_bytes(m: ModelConfig, b: int, s: int, c: int, tp: int = 1, 
     dispatch = c * a * h + 8 * a + act * c * a * m.expert_width + c * a + 8 * a + 2 * c * a * h + 8 * a
     if ep > 1:
         dispatch += 16 * a
+    offsets = 4 * (e // ep)  # the grouped matmul's int32 row offsets, one per local expert (models/moe.py)
     shared = act * c * tokens * m.shared_experts * m.expert_width
-    return router + dispatch + shared
+    return router + dispatch + offsets + shared
 
 
 def routing_statistics_bytes(m: ModelConfig, b: int) -> float:
