@@ -46,7 +46,7 @@ from ..config import PrecisionConfig
 from ..models.moe import Experts
 from ..errors import ConfigError
 from .lora import is_adapter_module
-from .mxfp8 import MxKernel, hardware_mx, misfit, quiet_torchao
+from .mxfp8 import MxKernel, hardware_mx, misfit, quiet_torchao, save_matmul_operands
 from .tensor import AXIS, ColumnParallelLinear, RowParallelLinear
 
 Sharded = Literal["in", "out"] | None
@@ -180,13 +180,7 @@ class Fp8Matmul(torch.autograd.Function):
         a = kernel.cast(rows, r.input_dtype, role.INPUT, "MK", -1)
         b = kernel._weight_t(weight, 0)
         y = torch.mm(a, b)
-        if shard is not None:
-            regather = shard[1]
-            regather.uses += regather.open
-            ctx.save_for_backward(shard[0], weight)
-        else:
-            ctx.save_for_backward(x, weight)
-        ctx.kernel, ctx.regather, ctx.x_shape = kernel, None if shard is None else shard[1], x.shape
+        save_matmul_operands(ctx, x, weight, kernel, shard)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod

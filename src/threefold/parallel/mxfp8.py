@@ -144,6 +144,19 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
 
+def save_matmul_operands(ctx, x: torch.Tensor, weight: torch.Tensor, kernel, shard) -> None:
+    """What a low-precision linear's backward reads (this file's and fp8.py's): the weight and the input -
+    or, under sequence parallelism, the input's shard (`shard`: (shard, its regather), all-gathered again
+    under the input-gradient matmul) - with the kernel and the input's shape."""
+    if shard is not None:
+        regather = shard[1]
+        regather.uses += regather.open
+        ctx.save_for_backward(shard[0], weight)
+    else:
+        ctx.save_for_backward(x, weight)
+    ctx.kernel, ctx.regather, ctx.x_shape = kernel, None if shard is None else shard[1], x.shape
+
+
 class MxMatmul(torch.autograd.Function):
     """x W^T with its three GEMMs in MXFP8, each operand blocked along the GEMM's contracted dimension."""
 
@@ -151,13 +164,7 @@ class MxMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, kernel: MxKernel, shard):
         rows = x.reshape(-1, x.shape[-1])
         y = torch.mm(kernel.cast(rows), kernel.cast(weight).t())
-        if shard is not None:
-            regather = shard[1]
-            regather.uses += regather.open
-            ctx.save_for_backward(shard[0], weight)
-        else:
-            ctx.save_for_backward(x, weight)
-        ctx.kernel, ctx.regather, ctx.x_shape = kernel, None if shard is None else shard[1], x.shape
+        save_matmul_operands(ctx, x, weight, kernel, shard)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
