@@ -9,6 +9,7 @@ slice also embeds the depths' tokens), ZeRO-1 and ZeRO-3 at dp2. The (1,1,1) run
 the depths (one line says so; transformers' logits match threefold's), to DCP with them. Packed rows:
 one packed step against the plain depths on each document alone."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -83,6 +84,12 @@ def test_mtp_trains_as_the_plain_loop_under_every_layout(worlds, tmp_path, capsy
         assert loss <= TOL and param <= TOL, lines[-1]
     with capsys.disabled():
         print("\nmulti-token prediction against the plain PyTorch loop, 3 steps:\n  " + "\n  ".join(lines))
+    for name in ["single", *LAYOUTS]:  # metrics.jsonl's mtp_loss: the weighted depth losses per main token
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        want = refs["tied" in name]["extras"]
+        got = [r["mtp_loss"] for r in records]
+        assert len(got) == len(want) and all(abs(a - b) <= TOL * abs(b) for a, b in zip(got, want)), (name, got, want)
+        assert all(len(r["mtp_ce"]) == 2 and min(r["mtp_ce"]) > 0 for r in records)
     exports_drop_the_depths_for_hugging_face_only(tmp_path)
 
 

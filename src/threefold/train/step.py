@@ -21,7 +21,7 @@ the host waits for that event alone, after it has issued the next step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from ..parallel.context import split_micro_batch
 from ..parallel.master import ShardedOptimizer
 from ..sharding import Placement
 from .optim import lr_at, set_lr
+
+if TYPE_CHECKING:
+    from .clock import Mark
+    from .metrics import PostedRead
 
 
 class Event(Protocol):
@@ -303,3 +307,22 @@ class TrainStep:
         set_lr(self.optimizer, lr)
         self.optimizer.step(found_inf)  # the update is skipped on the device where found_inf is set
         return StepResult(loss_sum, norm, lr, found_inf, scale, targets if documents is not None else None)
+
+
+@dataclass
+class LaunchedStep:
+    """A step issued to the device whose figures are not read yet (`Trainer.finish_step`)."""
+
+    step: int
+    result: StepResult
+    figures: PendingRead | PostedRead  # the step's figures on their way to the host (`Trainer.figures`; with "stop":
+    # how many ranks had a stop signal when the step was launched, train/preempt.py)
+    start: Mark  # when its launch began, and when its work ended (train/clock.py)
+    end: Mark
+    local_tokens: int
+    data_wait_s: float
+    save_wait_s: float  # its update waiting for the snapshot of an async save (inside its time)
+    mem: dict  # the memory figures at its launch
+    moe: dict | None
+    comm: dict  # the step's bytes by axis and op
+    mtp: torch.Tensor | None = None  # multi-token prediction's figures summed over dp and cp (models/mtp.py)

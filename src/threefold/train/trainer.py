@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from ..data.loader import Loader, bound_ids
 from ..errors import UserError
 from ..launch.signals import PREEMPTED_EXIT
 from ..mesh import BATCH, PIPELINE, SEQUENCE, TENSOR, Layout, Mesh, init_distributed, local_world_size, pick_device
+from ..models.mtp import mtp_figures, mtp_tally
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
 from ..observe.faults import FaultInjector, first_attempt
@@ -40,28 +40,10 @@ from .evaluate import Evaluator
 from .metrics import MetricsLog, PostedRead, plot_run
 from .preempt import Preempted, StopSignals
 from .rundir import check_resume, read_run, run_directory, update_run
-from .step import Device, PendingRead, StepResult, TorchDevice, TrainStep, start_read
+from .step import Device, LaunchedStep, StepResult, TorchDevice, TrainStep, start_read
 from .two_bw_step import TwoBWStep
 from .summary import print_summary
 from .threads import share_cpu_threads
-
-
-@dataclass
-class LaunchedStep:
-    """A step issued to the device whose figures are not read yet (`Trainer.finish_step`)."""
-
-    step: int
-    result: StepResult
-    figures: PendingRead | PostedRead  # the step's figures on their way to the host (`Trainer.figures`; with "stop":
-    # how many ranks had a stop signal when the step was launched, train/preempt.py)
-    start: Mark  # when its launch began, and when its work ended (train/clock.py)
-    end: Mark
-    local_tokens: int
-    data_wait_s: float
-    save_wait_s: float  # its update waiting for the snapshot of an async save (inside its time)
-    mem: dict  # the memory figures at its launch
-    moe: dict | None
-    comm: dict  # the step's bytes by axis and op
 
 
 class Trainer:
@@ -308,10 +290,13 @@ class Trainer:
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
+        mtp = mtp_tally(self.parallel.module, self.mesh.device)  # multi-token prediction's depths (no pp: refused)
+        if mtp is not None:
+            self.comm.all_reduce_over(mtp, self.mesh.axes_where(BATCH, SEQUENCE), tag="metrics")
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, figures, start, self.clock.mark(),
                             sum(mb.targets.numel() for mb in micro_batches), data_wait,
-                            self.checkpointer.last_stall_s - stalled, mem, moe, comm)
+                            self.checkpointer.last_stall_s - stalled, mem, moe, comm, mtp)
 
     def _post_figures(self, two_bw: TwoBWStep, reduced: torch.Tensor, token_ids: torch.Tensor) -> PostedRead:
         """pipedream-2bw's metrics reduction, which makes no pipeline rank wait for another: summed over
@@ -358,6 +343,8 @@ class Trainer:
         record.update(self.observer.step_end(step, result.loss_sum, grad_norm, launched.local_tokens))
         if launched.moe is not None:
             record["moe"] = launched.moe
+        if launched.mtp is not None:  # read with the step's figures (the wait above): `mtp_loss`, `mtp_ce`
+            record.update(mtp_figures(launched.mtp, targets))
         record["comm"] = launched.comm
         if self.step == step:  # no step launched since: the bytes sent since its launch (observer's) are its own
             for axis, ops in self.comm.traffic.take_window().items():
