@@ -210,14 +210,15 @@ def test_a_mixture_of_experts_searches_cp_and_ep_together_routing_only_its_token
 
 def test_a_sparse_blocks_saves_are_one_cp_th_but_the_summed_balance():
     """The router, dispatched rows and experts' activations of a sparse block are per local token, so
-    1/cp of the whole sequence's; the per-sequence balance, summed over cp, saves 4 b E more (8 b E)."""
+    1/cp of the whole sequence's; the per-sequence balance, summed over cp, saves 4 b E more (8 b E); the
+    grouped matmul's row offsets (4 E bytes) are per rank, whatever its tokens."""
     from threefold.planner.activations import sparse_block_items
 
     b, S, e = 2, 4096, MOE.experts
     whole = sparse_block_items(MOE, Shape(b, S, 2))
     for cp in (2, 4):
         part = sparse_block_items(MOE, Shape(b, S // cp, 2, 1, False, cp, "ring"))
-        assert (part["mlp"] - 8 * b * e) * cp == whole["mlp"] - 4 * b * e
+        assert (part["mlp"] - 8 * b * e - 4 * e) * cp == whole["mlp"] - 4 * b * e - 4 * e
 
 
 def test_expert_all_to_all_moves_the_local_tokens_and_the_routing_statistics_are_all_reduced():
