@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from ..errors import UserError
 from ..observe.plots import plot_run, read_metrics
 from ..observe.trackers import Trackers, chosen
-from .summary import read_records, results_line
+from ..observe.goodput import read_lines
+from .summary import results_line
 
 if TYPE_CHECKING:  # read_metrics' users (bench/) load this module without torch
     from ..comm.collectives import Handle
@@ -83,7 +84,7 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
         if self._trackers:
-            records = read_records(self.path)  # the whole run, a resumed one's earlier attempts included
+            records = read_lines(self.path)  # the whole run, a resumed one's earlier attempts included
             plots = plot_run(self.path, self.out) if self._plot and records else []
             self._trackers.close(run_summary(records), plots)
 

@@ -8,27 +8,13 @@ attempt), DIR/config.toml (the resolved config: the attention path, models/atten
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from ..observe.goodput import run_breakdown, summary_line
+from ..observe.goodput import read_lines, run_breakdown, summary_line
 
 PLOTS = ("loss.png", "throughput.png", "memory.png", "ranks.png", "pipeline.png")
 VALIDATION_KEYS = ("val_loss", "validation_loss", "eval_loss")
-
-
-def read_records(path: Path) -> list[dict]:
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "step" in record:
-                records.append(record)
-    return records
 
 
 def human_bytes(n: float) -> str:
@@ -103,7 +89,7 @@ def attention_line(out: Path) -> str | None:
 
 def print_summary(out: Path, file=None) -> None:
     file = file or sys.stderr
-    records = read_records(out / "metrics.jsonl")
+    records = read_lines(out / "metrics.jsonl")
     attention = attention_line(out)
     if attention is not None:
         print(f"threefold: {attention}", file=file, flush=True)
