@@ -90,6 +90,11 @@ class WeightSource(Protocol):
 STATE_BUFFERS = ("expert_bias",)
 
 
+def is_state_buffer(name: str) -> bool:
+    """Whether the buffer of dotted `name` is training state (`STATE_BUFFERS`)."""
+    return name.rpartition(".")[2] in STATE_BUFFERS
+
+
 # In a Hugging Face key (`HFFormat.key_of`), ROW stands for the row index along dimension 0: our
 # parameter is the stack of one checkpoint tensor per row (experts stored one by one, e.g.
 # Mixtral's `experts.{row}.w1.weight`); loading reads those tensors, exporting writes them.

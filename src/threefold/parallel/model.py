@@ -20,7 +20,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..observe.memory import SavedTensorMeter
 from .remat import ActivationOffload
-from ..models.spec import STATE_BUFFERS
+from ..models.spec import is_state_buffer
 from ..sharding import Placement
 from .master import Piece, ShardedOptimizer
 from .nvme import NvmeOptimizer, ScratchSettings, ShardStore
@@ -247,12 +247,11 @@ class ParallelModel:
         is the one `lora_base` names)."""
         if self.lora_base is not None:
             return self.named_trainable(), self.placements
-        state = [(n, b) for n, b in self.module.named_buffers() if n.rpartition(".")[2] in STATE_BUFFERS]
+        state = [(n, b) for n, b in self.module.named_buffers() if is_state_buffer(n)]
         if not state:
             return list(self.module.named_parameters()), self.placements
         # equal on every rank that holds the block (models/spec.py STATE_BUFFERS): whole, written by coordinate 0
-        axes = [a for a in ("dp", "cp", "tp") if a in self.comm.mesh.axis_names]
-        places = {n: Placement.whole(n, tuple(b.shape)).replicated(*axes) for n, b in state}
+        places = {n: Placement.whole(n, tuple(b.shape)).replicated("dp", "cp", "tp") for n, b in state}
         return list(self.module.named_parameters()) + state, {**self.placements, **places}
 
     @property

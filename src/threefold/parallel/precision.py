@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..config import PrecisionConfig
-from ..models.spec import STATE_BUFFERS
+from ..models.spec import is_state_buffer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,7 +130,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device_type: str = "
                     fp32_init[name] = p.data.float()
                 p.data = p.data.to(dtype)
         for buf_name, buf in list(model.named_buffers()):
-            if buf.is_floating_point() and buf_name.rpartition(".")[2] not in STATE_BUFFERS:  # state stays fp32
+            if buf.is_floating_point() and not is_state_buffer(buf_name):  # training state stays fp32
                 owner, _, attr = buf_name.rpartition(".")
                 model.get_submodule(owner)._buffers[attr] = buf.to(dtype)
     scaler = None
