@@ -41,6 +41,7 @@ parallelism; periodic sync, NVMe offload, hpZ, activation offload, remat policie
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -52,18 +53,16 @@ from ..config import Config
 from ..errors import ConfigError
 from ..mesh import TENSOR, Mesh
 from ..sharding import Placement
+from . import steps
 from .comm_hook import make_comm_hook
-from .data import parallelize_data
-from .master import Piece
+from .compose import Build, compose, finish
 from .model import ParallelModel
-from .precision import apply_precision
 from .remat import checkpointed
+from .sync_kinds import SyncOptions
 from .tensor import AXIS as TP_AXIS
 from .tensor_plan import (ColumnParallel, RowParallel, TensorPlan, TensorPlanError, matching_modules,
                           parallelize_tensor)
 from .units import unit_modules
-from .zero import ZeroReducer
-from .zero3 import Zero3
 
 LossOf = Callable[[nn.Module, object], torch.Tensor]  # (module, micro-batch) -> loss, divided by global_tokens
 Units = Sequence[type] | Sequence[str] | None  # module classes, submodule names, or None: the default cut
@@ -200,70 +199,80 @@ def refuse_unplanned(cfg: Config, planned: bool = False) -> None:
 def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, loss_of: LossOf,
                        units: Units = None, remat: Units = None, buffers: str = "synced",
                        plan: Plan = None) -> ModuleParallel:
-    """The module on this rank's device under cfg's tp (by `plan`) / dp / ZeRO stage, precision, remat, compile."""
+    """The module on this rank's device under cfg's tp (by `plan`) / dp / ZeRO stage, precision, remat, compile:
+    the steps below and parallel/steps.py's precision and replicas, composed over one `Build`."""
     plan = tensor_plan(plan)
     refuse_unplanned(cfg, plan is not None)
     if buffers not in ("synced", "local"):
         raise ConfigError("buffers", f"'{buffers}': choose synced (averaged over dp) or local")
+    p, partial = cfg.parallel, functools.partial
+    options = SyncOptions(p.bucket_mb, p.zero_weight_comm, p.zero_grad_comm, make_hook=partial(make_comm_hook, cfg))
+    build = compose([start,
+                     partial(plan_tensor, plan=plan),
+                     partial(pick_units, units=units),
+                     partial(remat_units, policy=cfg.remat.policy, remat=remat),
+                     partial(steps.precision, cfg=cfg.precision),
+                     partial(steps.replicas, zero=p.zero, compress=cfg.compress.method, options=options,
+                             replica_axes=(mesh.replica_axis,)),
+                     partial(compile_units, enabled=cfg.train.compile, backend=cfg.debug.compile_backend)],
+                    Build(mesh, comm, model=model, zero=p.zero, offload=p.offload))
+    persistent = [n for n, _ in model.named_buffers() if _persistent(model, n)]
+    return finish(build, ModuleParallel, loss_of=loss_of, synced_buffers=buffers == "synced",
+                  buffer_names=persistent)
+
+
+def start(b: Build) -> None:
+    """The module on this rank's device, every rank from rank 0's values (parameters and buffers), before tp
+    cuts them; each parameter whole until a step places it."""
+    mesh, model = b.mesh, b.model
     model.to(mesh.device)
-    with torch.no_grad():  # every rank starts from rank 0's values (parameters and buffers), before tp cuts them
+    with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             for axis in (mesh.replica_axis, *mesh.axes_where(TENSOR)):
                 if mesh.size(axis) > 1:
-                    comm.broadcast(t.data, axis, src=0)
-    placements = {n: Placement.whole(n, tuple(q.shape)) for n, q in model.named_parameters()}
-    if plan is not None:
-        try:
-            if mesh.size(TP_AXIS) > 1:
-                placements = parallelize_tensor(model, mesh, comm, plan)  # refuses a pattern that names no module
-            else:  # tp = 1 cuts nothing, but a pattern that names no module is a mistake at any size
-                for pattern in (*plan.layers, *plan.regions):
-                    matching_modules(model, pattern)
-        except TensorPlanError as e:
-            raise ConfigError("plan", str(e).removeprefix("tensor plan: ")) from None
-    chosen = choose_units(model, units)
-    # activation checkpointing: each region's forward recomputed in backward (hooks stay outside it)
-    regions = []
-    if cfg.remat.policy == "full":
-        regions = chosen if remat is None else choose_units(model, remat, "remat")
-        for _, module in regions:
-            module.forward = checkpointed(module.forward)
-    precision = apply_precision(model, cfg.precision, mesh.device.type)
-    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    stage, p = cfg.parallel.zero, cfg.parallel
-    wire = precision.reduce_dtype
-    if stage >= 1 and cfg.compress.method in ("fp16", "bf16"):  # ZeRO's only compression: a 16-bit wire
-        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.compress.method]
-    after_step = settle = None
-    if stage == 0:
-        hook = make_comm_hook(cfg, mesh.size(mesh.replica_axis), wire if wire != precision.compute_dtype else None)
-        grad_sync = parallelize_data(model, comm, p.bucket_mb, hook)
-        placements = {n: place.replicated(mesh.replica_axis) for n, place in placements.items()}
-        pieces = [Piece(n, placements[n], q.detach().view(-1), (lambda q=q: q.grad.view(-1)), q.dim() >= 2)
-                  for n, q in named]
-    elif stage in (1, 2):
-        grad_sync = ZeroReducer(named, comm, stage, p.bucket_mb, wire)
-        pieces = grad_sync.pieces(placements)
-        placements = {n: place.replicated(mesh.replica_axis) for n, place in placements.items()}
-        grad_sync.overlap_gather(model, [m for _, m in chosen])  # each unit waits for its parameters' gathers
-        after_step, settle = grad_sync.defer_param_gather, grad_sync.settle
-    else:
-        grad_sync = Zero3(model, comm, wire, weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm,
-                          units=chosen)
-        pieces = grad_sync.pieces(placements)
-        placements = grad_sync.placements(placements)
-    if cfg.train.compile is True:  # each unit compiled (settled for the device: an unsettled auto stays eager)
-        from .compile import keep_eager
+                    b.comm.broadcast(t.data, axis, src=0)
+    b.placements = {n: Placement.whole(n, tuple(q.shape)) for n, q in model.named_parameters()}
 
-        keep_eager()
-        for _, module in chosen:
-            module.forward = torch.compile(module.forward, backend=cfg.debug.compile_backend, dynamic=False)
-    persistent = [n for n, _ in model.named_buffers() if _persistent(model, n)]
-    parallel = ModuleParallel(model, grad_sync, placements, pieces, precision, stage, p.offload != "none",
-                              after_step, [n for n, _ in regions], loss_of=loss_of, comm=comm,
-                              synced_buffers=buffers == "synced", buffer_names=persistent)
-    parallel.settle_weights = settle
-    return parallel
+
+def plan_tensor(b: Build, plan: TensorPlan | None) -> None:
+    """Tensor parallelism by the caller's plan (refusing a pattern that names no module, at any tp)."""
+    if plan is None:
+        return
+    try:
+        if b.mesh.size(TP_AXIS) > 1:
+            b.placements = parallelize_tensor(b.model, b.mesh, b.comm, plan)
+        else:  # tp = 1 cuts nothing, but a pattern that names no module is a mistake at any size
+            for pattern in (*plan.layers, *plan.regions):
+                matching_modules(b.model, pattern)
+    except TensorPlanError as e:
+        raise ConfigError("plan", str(e).removeprefix("tensor plan: ")) from None
+
+
+def pick_units(b: Build, units: Units) -> None:
+    """ZeRO's gather/release units (and the default remat regions): by class, by name, or the default cut."""
+    b.units = choose_units(b.model, units)
+
+
+def remat_units(b: Build, policy: str, remat: Units) -> None:
+    """Activation checkpointing (`remat.policy=full`): each region's forward recomputed in backward (hooks
+    stay outside it); the regions are the units unless `remat` names others."""
+    if policy != "full":
+        return
+    regions = b.units if remat is None else choose_units(b.model, remat, "remat")
+    for _, module in regions:
+        module.forward = checkpointed(module.forward)
+    b.regions = [n for n, _ in regions]
+
+
+def compile_units(b: Build, enabled: bool | str, backend: str) -> None:
+    """`train.compile=true`: each unit compiled (settled for the device: an unsettled auto stays eager)."""
+    if enabled is not True:
+        return
+    from .compile import keep_eager
+
+    keep_eager()
+    for _, module in b.units:
+        module.forward = torch.compile(module.forward, backend=backend, dynamic=False)
 
 
 def _persistent(model: nn.Module, name: str) -> bool:
