@@ -1,7 +1,7 @@
-"""Aligned posting: point-to-point actions placed so that NCCL's rules cannot deadlock them.
+"""Where the point-to-point actions go: aligned posting, placed so that NCCL's rules cannot deadlock it.
 
-`registry.add_communication` sends right after the producer and posts each receive as late
-as FIFO matching allows. Under NCCL's rules (one in-order stream per communicator, sends that
+`add_communication` (the latest-receive posting) sends right after the producer and posts each
+receive as late as FIFO matching allows. Under NCCL's rules (one in-order stream per communicator, sends that
 block until the receive is posted; stream_replay.py) an early receive can hold up the sends
 queued behind it, and the interleaved schedule's crossing traffic between neighbours then
 deadlocks. `add_aligned_communication` derives the postings from a lock-step execution of the
@@ -31,6 +31,7 @@ def _sent(a: Action, num_stages: int) -> tuple | None:
 
 
 def _needed(a: Action, num_stages: int) -> tuple | None:
+    """The message compute action `a` needs (the key `_sent` gives its producer's)."""
     if a.kind == "F" and a.stage > 0:
         return ("act", a.stage - 1, a.mb, a.stage)
     if a.kind in ("B", "I") and a.stage < num_stages - 1:
@@ -89,4 +90,47 @@ def add_aligned_communication(orders: list[list[Action]], p: int, v: int,
     for msg in sorted(in_transit):  # the last round's messages (none: the last actions send nothing)
         out[rank_of(msg[1])].append(_send(msg))
         out[rank_of(msg[3])].append(_recv(msg))
+    return out
+
+
+def add_communication(orders: list[list[Action]], p: int, v: int,
+                      placement: str = "interleaved") -> list[list[Action]]:
+    """Insert the sends (right after their producer) and receive postings (FIFO per peer)."""
+    num_stages = p * v
+    rank_of = lambda s: stage_rank(placement, p, s)  # noqa: E731
+    sent: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> messages in send order
+    for r, order in enumerate(orders):
+        for a in order:
+            msg = _sent(a, num_stages)
+            if msg is not None and rank_of(msg[3]) != r:
+                sent[(r, rank_of(msg[3]))].append(msg)
+    out = []
+    for dst, order in enumerate(orders):
+        consumer_at = {}
+        for index, a in enumerate(order):
+            msg = _needed(a, num_stages)
+            if msg is not None:
+                consumer_at[msg] = index
+        recvs_before: dict[int, list] = defaultdict(list)
+        for (src, d), messages in sorted(sent.items()):
+            if d != dst:
+                continue
+            # post receive k no later than the first consumer of messages k, k+1, ... (FIFO)
+            latest = len(order)
+            positions = []
+            for msg in reversed(messages):
+                latest = min(latest, consumer_at.get(msg, len(order)))
+                positions.append(latest)
+            for msg, pos in zip(messages, reversed(positions)):
+                recvs_before[pos].append(msg)
+        actions = []
+        for index, a in enumerate(order + [None]):
+            actions += [_recv(msg) for msg in recvs_before.get(index, ())]
+            if a is None:
+                break
+            actions.append(a)
+            msg = _sent(a, num_stages)
+            if msg is not None and rank_of(msg[3]) != dst:
+                actions.append(_send(msg))
+        out.append(actions)
     return out
