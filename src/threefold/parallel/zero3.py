@@ -61,14 +61,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..comm import Comm
-from ..comm.quantize import Pending, quantized_all_gather, quantized_reduce_scatter
+from ..comm.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..mesh import GATHER
 from ..sharding import Placement
 from .hpz import NO_HPZ, NoPartition
@@ -76,84 +74,8 @@ from .master import Piece
 from .materialise import Deferred
 from .model import HooklessSync
 from .units import tensors, unit_modules
-
-
-@dataclass(eq=False)
-class ShardedParam:
-    name: str  # local parameter name
-    full: nn.Parameter  # the original object: whole while its unit is gathered, empty storage otherwise
-    shard: nn.Parameter  # this rank's chunk, a view into the unit's shard buffer
-    chunk: int  # elements per rank (numel padded to a multiple of N, divided by N)
-    offset: int  # in the unit's shard buffer
-    grad_offset: int | None  # in the unit's gradient shard buffer; None when frozen
-    slots: list[tuple[nn.Module, str]]  # every (module, attribute) holding this parameter
-    padded: torch.Tensor  # (N * chunk,) over the whole form's storage: the all-gather's output
-
-    @property
-    def numel(self) -> int:
-        return self.full.numel()
-
-
-@dataclass(eq=False)
-class Unit:
-    index: int
-    name: str
-    params: list[ShardedParam]
-    shard_flat: torch.Tensor  # (C,) this rank's chunks of every parameter
-    grad_flat: torch.Tensor  # (Cg,) this rank's summed gradient chunks of the trainable ones
-    state: str = "sharded"  # sharded | gathering | whole
-    gather: tuple | None = None  # (buffer, handle) while gathering
-    cast: list = field(default_factory=list)  # (param, its MatmulCast, bits, scale) from an fp8 matmul gather
-    pending: int = 0  # trainable gradients still to arrive in this backward pass
-    reduced: bool = False  # gradients reduce-scattered in this pass
-
-    @property
-    def trainable(self) -> list[ShardedParam]:
-        return [sp for sp in self.params if sp.grad_offset is not None]
-
-    @property
-    def frozen(self) -> bool:
-        """Whether some parameter without a gradient is one a backward reads (LoRA's base weights and
-        norms, not a frozen bias): the unit's backward may still read it after the last trainable
-        gradient arrived."""
-        return any(sp.grad_offset is None and not sp.name.endswith("bias") for sp in self.params)
-
-
-@dataclass(eq=False)
-class Hooked:
-    """A module with gather/release hooks and the units whose parameters it uses."""
-
-    name: str
-    module: nn.Module
-    needs: list[Unit] = field(default_factory=list)
-
-
-class MatmulCast(Protocol):
-    """A linear's fp8 matmul that takes its weight already cast (parallel/fp8.py `Fp8Kernel`, tensorwise): with
-    `parallel.zero_weight_comm=fp8` the gather sends that weight as the fp8 the matmul uses, once."""
-
-    def weight_scale(self, amax: torch.Tensor) -> torch.Tensor: ...
-    def weight_bits(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
-    def take_weight(self, weight: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> None: ...
-    def drop_weight(self) -> None: ...
-
-
-class ShardHome(Protocol):
-    """Where the units' flat shards live between gathers when not in memory (parallel/shard_store.py ShardStore):
-    `load` before a gather reads a shard, `drop` once the gather has completed, `begin_pass` at each pass."""
-
-    def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
-    def load(self, index: int) -> None: ...
-    def drop(self, index: int) -> None: ...
-    def begin_pass(self) -> None: ...
-
-
-class GradHome(Protocol):
-    """Where the units' reduced gradient shards live between micro-batches and until the step reads them
-    (parallel/shard_store.py ShardStore, a file of its own): each reduce-scatter's result is added in place."""
-
-    def add(self, index: int, shard: torch.Tensor, names: list[str]) -> None: ...
-    def accumulate(self, index: int, values: torch.Tensor, fresh: bool) -> None: ...
+from .zero3_units import (GradHome, Hooked, MatmulCast, ShardedParam, ShardHome, Unit,  # noqa: F401  (re-exported)
+                          make_unit, matmul_gather)
 
 
 class Zero3(HooklessSync):
@@ -182,36 +104,9 @@ class Zero3(HooklessSync):
         self.initial: dict[str, torch.Tensor] = {}  # their chunks' fp32 values where the model is cast (masters)
         self.n, self.rank = comm.mesh.size(axis), comm.mesh.rank(axis)
         comm.mesh.add_lane(axis, GATHER)  # collective: every rank builds ZeRO-3 at the same point
-        names = {id(p): name for name, p in model.named_parameters()}
-        slots: dict[int, list] = {}
-        seen = set()
-        for module in model.modules():
-            for attr, p in module._parameters.items():
-                if p is not None and (id(module), attr) not in seen:
-                    seen.add((id(module), attr))
-                    slots.setdefault(id(p), []).append((module, attr))
-        # assign each parameter to the first unit (in module order) that holds it; the rest to the root
-        assigned: dict[int, Unit] = {}
         self.units: list[Unit] = []
         self.hooked: list[Hooked] = []
-        # the units: the model's natural pieces, or those a user's module names (parallel/module.py)
-        modules = unit_modules(model) if units is None else list(units)
-        if only is not None:  # ids of the parameters to shard (ep: dense over dp, experts over edp, docs/moe.md)
-            modules = [(name, m) for name, m in modules if any(id(p) in only for p in m.parameters())]
-        for name, module in modules + [("<root>", model)]:
-            params = [p for p in module.parameters() if id(p) not in assigned and (only is None or id(p) in only)]
-            unit = self._make_unit(len(self.units), name, [(names[id(p)], p) for p in params], slots)
-            self.units.append(unit)
-            if home is not None:  # its values to the file now, its storage released: one unit at a time
-                home.add(unit.index, unit.shard_flat, [sp.name for sp in unit.params])
-            if grad_home is not None:  # nothing resident, from the build on: gradients go to the file as reduced
-                grad_home.add(unit.index, unit.grad_flat, [sp.name for sp in unit.params])
-                for sp in unit.trainable:
-                    sp.shard.grad = None
-            for sp in unit.params:
-                assigned[id(sp.full)] = unit
-            needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters() if id(p) in assigned))
-            self.hooked.append(Hooked(name, module, needs if module is not model else [unit]))
+        self._build_units(units, only)
         self.root = self.hooked[-1]
         if grad_home is not None:
             self._fresh = {unit.index for unit in self.units}
@@ -236,49 +131,38 @@ class Zero3(HooklessSync):
 
     # ------------------------------------------------------------ construction
 
-    def _make_unit(self, index: int, name: str, named: list[tuple[str, nn.Parameter]], slots: dict) -> Unit:
-        n, r = self.n, self.rank
-        dtypes = {p.dtype for _, p in named}
-        if len(dtypes) > 1:
-            raise ValueError(f"ZeRO-3 unit {name} mixes parameter dtypes {dtypes}; cast the model to one dtype")
-        dtype = dtypes.pop() if dtypes else torch.float32
-        device = named[0][1].device if named and named[0][1].device.type != "meta" else self.comm.mesh.device
-        chunks = [-(-p.numel() // n) for _, p in named]
-        # a deferred build (materialise.Deferred): this unit's whole values now, each dropped once its chunk is kept
-        meta = [p for _, p in named if self.deferred is not None and self.deferred.holds(p)]
-        values = dict(zip(map(id, meta), self.deferred.values(meta))) if meta else {}
-        shard_flat = torch.zeros(sum(chunks), dtype=dtype, device=device)
-        grad_flat = torch.zeros(sum(c for c, (_, p) in zip(chunks, named) if p.requires_grad), dtype=dtype,
-                                device=device)
-        params, offset, grad_offset = [], 0, 0
-        with torch.no_grad():
-            for (name_p, p), c in zip(named, chunks):
-                whole = values.pop(id(p), p).reshape(-1)  # this rank's chunk; the padding past numel stays zero
-                lo, hi = min(r * c, whole.numel()), min((r + 1) * c, whole.numel())
-                shard_flat[offset: offset + hi - lo].copy_(whole[lo: hi])
-                if whole.dtype != dtype and p.requires_grad:  # the chunk's values before the cast, for its master
-                    self.initial[name_p] = torch.zeros(c, dtype=torch.float32, device=device)
-                    self.initial[name_p][: hi - lo].copy_(whole[lo: hi])
-                del whole
-                shard = nn.Parameter(shard_flat[offset: offset + c], requires_grad=p.requires_grad)
-                goff = None
-                if p.requires_grad:
-                    goff = grad_offset
-                    shard.grad = grad_flat[goff: goff + c]
-                    grad_offset += c
-                # the whole form is the first numel elements of an N * chunk storage of its own, which
-                # the all-gather fills directly (no staging buffer, no copy)
-                padded = torch.empty(n * c, dtype=dtype, device=device)
-                numel, shape = p.numel(), p.shape
-                if p.device.type == "meta":  # a meta tensor's data cannot be replaced: give the object storage first
-                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                                                             p.requires_grad))
-                p.data = padded[: numel].view(shape)
-                p.grad = None
-                p.untyped_storage().resize_(0)
-                params.append(ShardedParam(name_p, p, shard, c, offset, goff, slots[id(p)], padded))
-                offset += c
-        return Unit(index, name, params, shard_flat, grad_flat)
+    def _build_units(self, units: list[tuple[str, nn.Module]] | None, only: set[int] | None) -> None:
+        """The units, each parameter in the first (in module order) that holds it, the rest in the root's; each
+        unit's modules with the units they need (`hooked`). A scratch home takes each unit's values as built."""
+        model, home, grad_home = self.model, self.home, self.grad_home
+        names = {id(p): name for name, p in model.named_parameters()}
+        slots: dict[int, list] = {}
+        seen = set()
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None and (id(module), attr) not in seen:
+                    seen.add((id(module), attr))
+                    slots.setdefault(id(p), []).append((module, attr))
+        assigned: dict[int, Unit] = {}
+        # the units: the model's natural pieces, or those a user's module names (parallel/module.py)
+        modules = unit_modules(model) if units is None else list(units)
+        if only is not None:  # ids of the parameters to shard (ep: dense over dp, experts over edp, docs/moe.md)
+            modules = [(name, m) for name, m in modules if any(id(p) in only for p in m.parameters())]
+        for name, module in modules + [("<root>", model)]:
+            params = [p for p in module.parameters() if id(p) not in assigned and (only is None or id(p) in only)]
+            unit = make_unit(len(self.units), name, [(names[id(p)], p) for p in params], slots, self.n, self.rank,
+                             self.comm.mesh.device, self.deferred, self.initial)
+            self.units.append(unit)
+            if home is not None:  # its values to the file now, its storage released: one unit at a time
+                home.add(unit.index, unit.shard_flat, [sp.name for sp in unit.params])
+            if grad_home is not None:  # nothing resident, from the build on: gradients go to the file as reduced
+                grad_home.add(unit.index, unit.grad_flat, [sp.name for sp in unit.params])
+                for sp in unit.trainable:
+                    sp.shard.grad = None
+            for sp in unit.params:
+                assigned[id(sp.full)] = unit
+            needs = list(dict.fromkeys(assigned[id(p)] for p in module.parameters() if id(p) in assigned))
+            self.hooked.append(Hooked(name, module, needs if module is not model else [unit]))
 
     def unit_numel(self, unit: Unit) -> int:
         """Elements of a unit when whole, padding included (what a gather materialises)."""
@@ -303,7 +187,7 @@ class Zero3(HooklessSync):
         if self.weight_comm != "none" and not from_copy:  # 8 bits on the wire, dequantized into a staging buffer
             buffer = torch.empty(self.unit_numel(unit), dtype=unit.shard_flat.dtype, device=unit.shard_flat.device)
             if any(id(sp.full) in self.matmul_casts for sp in unit.params):
-                handle = self._matmul_gather(unit, buffer)
+                handle = matmul_gather(self.comm, self.axis, self.n, self.matmul_casts, unit, buffer)
             else:
                 handle = quantized_all_gather(self.comm, buffer, unit.shard_flat, self.axis, self.weight_comm, GATHER)
         else:  # every parameter's chunks straight into its whole form's storage (over dp, or hpZ's over dp_intra)
@@ -337,50 +221,6 @@ class Zero3(HooklessSync):
             cast.take_weight(full, bits, scale)
         unit.gather, unit.state = None, "whole"
         self._use(unit, whole=True)
-
-    def _matmul_gather(self, unit: Unit, buffer: torch.Tensor) -> Pending:
-        """An fp8 gather of a unit holding weights of fp8 matmuls: each such weight is sent once, as the
-        e4m3 bits of its tensorwise cast (the whole weight's amax: this rank's chunk's, all-gathered
-        on the gather lane and maxed, then the kernel's own rule over tp), so every rank receives exactly
-        the operand the matmul would cast from the whole weight; the unit's other parameters (norms,
-        biases) go block-wise as in `quantized_all_gather`. `buffer` gets every value dequantized, as there."""
-        n, dev = self.n, unit.shard_flat.device
-        mm = [sp for sp in unit.params if id(sp.full) in self.matmul_casts]
-        rest = [sp for sp in unit.params if id(sp.full) not in self.matmul_casts]
-        chunks = [unit.shard_flat[sp.offset: sp.offset + sp.chunk] for sp in mm]
-        amax = torch.stack([c.abs().amax().float() for c in chunks])
-        amaxes = torch.empty(n * len(mm), dtype=torch.float32, device=dev)
-        self.comm.all_gather(amaxes, amax, self.axis, tag="fp8_amax", lane=GATHER)
-        top = amaxes.view(n, len(mm)).amax(dim=0)
-        scales = [self.matmul_casts[id(sp.full)].weight_scale(top[i]) for i, sp in enumerate(mm)]
-        payload = torch.cat([self.matmul_casts[id(sp.full)].weight_bits(c, s).view(torch.uint8)
-                             for sp, c, s in zip(mm, chunks, scales)])
-        received = torch.empty(n * payload.numel(), dtype=torch.uint8, device=dev)
-        handles = [self.comm.all_gather(received, payload, self.axis, async_op=True, lane=GATHER)]
-        if rest:
-            flat = torch.cat([unit.shard_flat[sp.offset: sp.offset + sp.chunk] for sp in rest])
-            rest_out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=dev)
-            handles.append(quantized_all_gather(self.comm, rest_out, flat, self.axis, "fp8", GATHER))
-
-        def finish():
-            for handle in handles[1:]:
-                handle.wait()
-            rows, got = buffer.view(n, -1), received.view(n, -1)
-            unit.cast = []
-            start = 0
-            for sp, s in zip(mm, scales):
-                bits = got[:, start: start + sp.chunk]
-                start += sp.chunk
-                rows[:, sp.offset: sp.offset + sp.chunk] = (bits.view(torch.float8_e4m3fn).float() / s).to(rows.dtype)
-                whole = bits.reshape(-1)[: sp.numel].view(torch.float8_e4m3fn).view(sp.full.shape)
-                unit.cast.append((sp.full, self.matmul_casts[id(sp.full)], whole, s))
-            if rest:
-                values, start = rest_out.view(n, -1), 0
-                for sp in rest:
-                    rows[:, sp.offset: sp.offset + sp.chunk] = values[:, start: start + sp.chunk]
-                    start += sp.chunk
-
-        return Pending(handles[:1], finish)
 
     def _reshard(self, unit: Unit) -> None:
         if unit.state == "sharded":
