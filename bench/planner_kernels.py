@@ -2,8 +2,8 @@
 
 The planner prices a block by the shapes of its matmuls (planner/compute.py): `gemm_seconds` (the
 preset's large-GEMM share of the peak, `Gpu.gemm_efficiency`, times tile and wave quantization, or the
-HBM roofline) and `fused_attention_seconds` (the preset's `Gpu.attention_efficiency`; the backward
-charged as twice the forward). Those shares are published measurements (planner/hardware.py), not
+HBM roofline, plus a fixed cost per GEMM) and `attention_seconds` (forward and backward at a published
+kernel table's TFLOP/s, `Gpu.attention_table`, or at `Gpu.attention_efficiency`). Those shares are published measurements (planner/hardware.py), not
 measurements of this machine. This bench measures them here, for the layers of the validation set's
 models (tests/unit/test_planner_validation.py, docs/planner.md): each model's four linears on one tp
 rank - the forward, input-gradient and weight-gradient GEMMs in the layouts autograd gives cuBLAS - and
@@ -16,7 +16,9 @@ hidden-2048 model against a hidden-16384 one) is what the model's shape terms le
 `--smoke`: tiny shapes on the CPU, only to keep the script working (the ratios mean nothing there).
 
 `--toml PATH` writes the compared preset as a GPU kind of its own with the measured shares: its
-`gemm_efficiency` and `attention_efficiency` times the medians of measured / model, its `sms` this GPU's.
+`gemm_efficiency` times the median of measured / model, its `attention_efficiency` the flat share of the peak that
+gives the measured attention forward + backward (no `attention_table`: the measurement replaces the published
+one), its `sms` this GPU's.
 `threefold plan --gpu PATH` then plans with them, and
 `python -m tests.unit.test_planner_validation --gpu PATH` prints the validation table with them on the
 rows of the preset's kind.
@@ -104,7 +106,7 @@ def gemm_rows(m, rows: int, tp: int, gpu, device, repeats: int) -> list[dict]:
 
 def attention_rows(m, micro_batch: int, seq: int, tp: int, gpu, device, repeats: int) -> list[dict]:
     """Causal SDPA forward and forward + backward of a tp rank's heads, measured and modelled."""
-    from threefold.planner.compute import executed_attention_flops, fused_attention_seconds
+    from threefold.planner.compute import attention_seconds, executed_attention_flops
 
     heads, kv = max(1, m.heads // tp), max(1, m.kv_heads // tp)
     shape = (micro_batch, heads, seq, m.head_dim)
@@ -122,17 +124,19 @@ def attention_rows(m, micro_batch: int, seq: int, tp: int, gpu, device, repeats:
         torch.autograd.grad(out, (q, k, v), grad)
 
     rows = micro_batch * seq
-    fwd_model = fused_attention_seconds(m, rows, seq, tp, "flash", gpu, "bf16")
+    fwd_model, bwd_model = attention_seconds(m, rows, seq, tp, "flash", gpu, "bf16")
     flops = executed_attention_flops(m, rows, seq, tp, "flash")  # the forward's, as the planner counts them
     fwd = timed(forward, device, repeats)
     total = timed(both, device, repeats)
     out = []
-    # the model charges the backward twice the forward's time (FlashAttention's backward runs 2.5x its FLOPs)
+    # FlashAttention's backward runs 2.5x its forward's FLOPs; `share`: the flat share of the peak that gives
+    # the measured forward + backward (a measured kind's attention_efficiency, which replaces the published table)
+    share = 3 * flops / max(total, 1e-12) / gpu.peak_flops
     for kind, seconds, model, f in (("attention forward", fwd, fwd_model, flops),
-                                    ("attention backward", total - fwd, 2 * fwd_model, 2.5 * flops)):
+                                    ("attention backward", total - fwd, bwd_model, 2.5 * flops)):
         out.append({"linear": "attention", "gemm": kind, "m": rows, "n": seq, "k": m.head_dim, "seconds": seconds,
                     "model_s": model, "tflops": f / seconds / 1e12, "model_tflops": f / model / 1e12,
-                    "measured_over_model": model / seconds})
+                    "measured_over_model": model / seconds, "share": share})
     return out
 
 
@@ -145,14 +149,16 @@ def gpu_preset(name: str, device_name: str):
 
 
 def write_measured(path: Path, gpu, device_name: str, sms: int | None, summary: dict) -> None:
-    """The preset as a GPU kind with this GPU's measured kernel shares (the medians of measured / model)."""
+    """The preset as a GPU kind with this GPU's measured kernel shares: the GEMM plateau times the median of
+    measured / model, the attention's flat share of the peak that gives its measured forward + backward (no
+    published attention table: the measurement replaces it)."""
     from threefold.planner.hardware import gpu_toml
 
     measured = replace(gpu, name=f"{gpu.name} measured ({device_name})", sms=sms or gpu.sms,
                        gemm_efficiency=gpu.gemm_efficiency * summary["gemm_median"],
-                       attention_efficiency=gpu.attention_efficiency * summary["attention_median"])
+                       attention_efficiency=summary["attention_share"], attention_table="")
     path.write_text(gpu_toml(measured, f"bench/planner_kernels.py on {device_name}, torch {torch.__version__}: "
-                                       f"{gpu.name}'s kernel shares times the medians of measured / model"))
+                                       f"{gpu.name} with the kernel shares measured here (write_measured)"))
     print(f"measured kind: {path} (threefold plan --gpu {path})")
 
 
@@ -192,6 +198,7 @@ def main() -> None:
             by_k.setdefault(r["k"], []).append(r["measured_over_model"])
     summary = {"gemm_median": statistics.median(gemms), "gemm_min": min(gemms), "gemm_max": max(gemms),
                "attention_median": statistics.median(attention),
+               "attention_share": statistics.median(r["share"] for r in table if r["gemm"] == "attention forward"),
                "gemm_median_by_k": {k: statistics.median(v) for k, v in sorted(by_k.items())}}
     print(f"measured / model: GEMMs median {summary['gemm_median']:.2f} (min {summary['gemm_min']:.2f}, "
           f"max {summary['gemm_max']:.2f}); attention median {summary['attention_median']:.2f}")

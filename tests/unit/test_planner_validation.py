@@ -219,6 +219,20 @@ def fixed_knobs(run) -> dict:
     return knobs
 
 
+# the fused attention kernel each software ran on a GPU with published attention tables (planner/kernel_data.py):
+# Megatron-Core (and Nemotron's Megatron) through Transformer Engine's cuDNN fused attention; torchtitan through
+# PyTorch's SDPA and llm-foundry through the flash-attn 2 package: FlashAttention-2, the presets' own; Llama 3's
+# kernel is not published (the preset's)
+CUDNN_ATTENTION = ("MCore", "Nemotron")
+
+
+def software_gpu(name: str, gpu):
+    """`gpu` with the attention table of the run's software, where the GPU has published tables."""
+    if gpu.attention_table and name.startswith(CUDNN_ATTENTION):
+        return replace(gpu, attention_table=gpu.attention_table.split("/")[0] + "/cudnn")
+    return gpu
+
+
 def best_of(w, gpus, gpu, options: list[dict]):
     best = None
     for fixed in options:
@@ -235,7 +249,7 @@ def predict(run, gpu_override=None):
     unpublished knobs searched among what the software offered; the candidate is None when nothing of
     the published layout fits."""
     name, m, gpu, gpus, batch, seq, knobs, metric, _, _ = run
-    gpu = gpu_override or gpu
+    gpu = software_gpu(name, gpu_override or gpu)
     w = workload(name, m, batch, seq)
     best = best_of(w, gpus, gpu, software_options(name, fixed_knobs(run)))
     if best is None:
@@ -255,7 +269,8 @@ def software_best(run):
         software["bucket_mb"] = bucket_mb(name, None)
     # the family the source names (interleaved 1F1B) and its plain form
     schedules = list(dict.fromkeys([knobs["schedule"], "1f1b"])) if "schedule" in knobs else None
-    return best_of(workload(name, m, batch, seq), gpus, gpu, software_options(name, software, schedules))
+    return best_of(workload(name, m, batch, seq), gpus, software_gpu(name, gpu),
+                   software_options(name, software, schedules))
 
 
 def error(run, value):

@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from ..models.loss_pieces import loss_bytes_per_logit as whole_loss_bytes_per_logit
 from .activations import software_policy
 from .hardware import Gpu
+from .kernel_data import BACKWARD_FLOPS, attention_tflops
 from .moe import dense_mlp_flops_per_token, sparse_blocks, sparse_mlp_flops_per_token
 from .workload import Strategy, Workload
 
@@ -121,11 +122,13 @@ def mfu(w: Workload, step_time_s: float, gpus: int, peak_flops: float) -> float:
 #     multiprocessors; the model takes the best of four with relative throughputs 1, 0.9, 0.8, 0.6
 #     (assumed, in the guide's order of efficiency);
 #   * a large, well-shaped GEMM reaches `Gpu.gemm_efficiency` of the dense peak (measured cuBLAS
-#     plateaus, hardware.py).
+#     plateaus, hardware.py), and every GEMM costs `Gpu.gemm_fixed_s` more (launch, prologue and epilogue:
+#     what a published per-shape table shows beyond the tiles and waves, planner/kernel_data.py).
 # The elementwise work between the GEMMs (norms, residual adds, the MLP activation, rotary positions,
 # a dense softmax) is memory-bound: its bytes over the HBM bandwidth. A fused causal (flash) attention
-# kernel runs at `Gpu.attention_efficiency` of the peak on the FLOPs it executes. Everything is divided
-# by `Gpu.compute_efficiency`, the one fitted share (hardware.py).
+# kernel runs, forward and backward, at the TFLOP/s a published benchmark of that kernel measured at the
+# sequence (`Gpu.attention_table`, kernel_data.py), else at `Gpu.attention_efficiency` of the peak on the
+# FLOPs it executes. Everything is divided by `Gpu.compute_efficiency`, the one fitted share (hardware.py).
 
 TILES = ((256, 128, 1.0), (128, 128, 0.9), (128, 64, 0.8), (64, 64, 0.6))  # (rows, columns, relative rate)
 
@@ -155,7 +158,7 @@ def gemm_seconds(m: int, n: int, k: int, gpu: Gpu, precision: str = "bf16", batc
     flops = 2.0 * m * n * k * batch
     compute = flops / (gpu.flops(precision) * gpu.gemm_efficiency * quantization_efficiency(m, n, gpu.sms, batch))
     memory = compute_element_bytes(precision) * (m * k + k * n + m * n) * batch / gpu.hbm_bytes_per_s
-    return max(compute, memory)
+    return max(compute, memory) + gpu.gemm_fixed_s
 
 
 def compute_element_bytes(precision: str) -> int:
@@ -184,7 +187,7 @@ def _fp8_gemm_seconds(m: int, n: int, k: int, gpu: Gpu, recipe: str) -> float:
     flops = 2.0 * m * n * k
     peak = gpu.fp8_flops * gpu.gemm_efficiency * FP8_GEMM_SHARE[recipe] * quantization_efficiency(m, n, gpu.sms)
     memory = (m * k + k * n + 2 * m * n) / gpu.hbm_bytes_per_s  # 1-byte operands, bf16 output
-    return max(flops / peak, memory)
+    return max(flops / peak, memory) + gpu.gemm_fixed_s
 
 
 def fp8_linear_seconds(m: int, k: int, n: int, gpu: Gpu, recipe: str = "tensorwise") -> float:
@@ -234,12 +237,27 @@ def executed_attention_flops(m: ModelConfig, rows: int, seq_len: int, tp: int, a
     return executed_attention_share(attention) * 4.0 * seq_len * m.attn_width * rows / tp
 
 
+def attention_seconds(m: ModelConfig, rows: int, seq_len: int, tp: int, attention: str, gpu: Gpu,
+                      precision: str) -> tuple[float, float]:
+    """(forward, backward) kernel seconds of a fused (flash) attention for `rows` query tokens of a tp rank
+    against `seq_len` keys; `compute_efficiency` not applied. With a published table (`Gpu.attention_table`,
+    planner/kernel_data.py) each pass runs at its measured TFLOP/s at this sequence, the backward's FLOPs 2.5x
+    the forward's; without one (or in fp32) at `Gpu.attention_efficiency` of the peak, the backward twice the
+    forward's time."""
+    flops = executed_attention_flops(m, rows, seq_len, tp, attention)
+    if gpu.attention_table and precision != "fp32":
+        forward, backward = attention_tflops(gpu.attention_table, seq_len)
+        return flops / (forward * 1e12), BACKWARD_FLOPS * flops / (backward * 1e12)
+    forward = flops / (gpu.flops(precision) * gpu.attention_efficiency)
+    return forward, 2 * forward
+
+
 def fused_attention_seconds(m: ModelConfig, rows: int, seq_len: int, tp: int, attention: str, gpu: Gpu,
                             precision: str) -> float:
-    """Kernel seconds of a fused (flash) attention forward for `rows` query tokens of a tp rank against
-    `seq_len` keys: the FLOPs it executes at `Gpu.attention_efficiency` of the peak; `compute_efficiency`
-    not applied."""
-    return executed_attention_flops(m, rows, seq_len, tp, attention) / (gpu.flops(precision) * gpu.attention_efficiency)
+    """The attention's seconds as the step model charges a block's forward (its backward then costs twice
+    this): a third of `attention_seconds`' forward + backward, so the pair costs what the kernels take."""
+    forward, backward = attention_seconds(m, rows, seq_len, tp, attention, gpu, precision)
+    return (forward + backward) / 3
 
 
 @lru_cache(maxsize=8192)
@@ -308,7 +326,7 @@ def regather_cover_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: i
 
     up_width = _ceil(m.ffn_hidden, tp)
     consumer = (input_grad("qkv", _ceil(m.kv_heads * m.head_dim, tp)), input_grad("mlp_up", up_width))
-    attention_backward = 2 * fused_attention_seconds(m, rows, seq_len, tp, attention, gpu, precision) / e
+    attention_backward = attention_seconds(m, rows, seq_len, tp, attention, gpu, precision)[1] / e
     activation_backward = compute_element_bytes(precision) * rows * (3 if m.mlp == "swiglu" else 2) * up_width \
         / gpu.hbm_bytes_per_s / e
     region = (both_grads("attn_out") + attention_backward + consumer[0],

@@ -41,9 +41,12 @@ a fused causal attention kernel at `peak x attention_efficiency`. Sources:
         of 989 (0.72-0.76, power-limited clocks under dense tensor-core load; 0.74), B200 assumed the
         same share as H100 (0.74; no independent measurement at hand).
   attention_efficiency: FlashAttention-2 (Dao 2023) reports 50-73% of the A100's peak forward and
-        ~60% in backward (0.6); on H100 FlashAttention-2 reaches ~35-40% and FlashAttention-3 / cuDNN
-        ~60-75% (Shah et al. 2024); threefold's SDPA and 2024 Megatron-Core use the Hopper kernels
-        (0.55). B200: as H100.
+        ~60% in backward (0.6); B200 0.55 (no published table at hand). Kinds with a published table
+        (`attention_table`, planner/kernel_data.py) take its measured TFLOP/s instead: the Hopper presets
+        FlashAttention-2's on H100 SXM5 (Shah et al. 2024, FlashAttention-3, figures 5 and 6), the kernel
+        PyTorch's SDPA runs first.
+  gemm_fixed_s: seconds each GEMM costs beyond its FLOPs, fitted to XLA's measured H100 table
+        (planner/kernel_data.py) with the plateau above held; the Hopper presets only (0 elsewhere).
   Tiles and waves follow the same guide (its sections "Tile Quantization" and "Wave Quantization":
         an output tile of 256 x 128 per SM is the most efficient, a GEMM whose tiles fill the SMs
         unevenly runs its last wave partly idle).
@@ -64,6 +67,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import UserError
+from .kernel_data import ATTENTION, H100_GEMM_FIXED_S
 
 GiB = 2**30
 GB = 10**9
@@ -96,6 +100,8 @@ class Gpu:
     fp32_flops: float = 0.0  # non-tensor-core FP32 peak, for --precision fp32 (0: peak / 16)
     op_overhead_s: float = 4e-6  # host seconds to dispatch and launch one operator (planner/dispatch.py)
     fp8_flops: float = 0.0  # dense FP8 tensor-core peak (0: no fp8 tensor cores; --precision fp8 gains nothing)
+    gemm_fixed_s: float = 0.0  # seconds every GEMM costs beyond its FLOPs (planner/kernel_data.py; 0: no table)
+    attention_table: str = ""  # published fused-attention table (kernel_data.ATTENTION); "": attention_efficiency
 
     def flops(self, precision: str) -> float:
         if precision == "fp32":
@@ -121,6 +127,10 @@ def _ib(gen: str) -> float:
     return INFINIBAND_GBPS[gen] / 8 * GB
 
 
+# the Hopper presets' published kernel tables (planner/kernel_data.py): the H100 SXM's GEMM fixed cost and the
+# attention kernel PyTorch's SDPA runs there (FlashAttention-2); the H200 and H800 share the H100's compute
+_HOPPER_KERNELS = dict(gemm_fixed_s=H100_GEMM_FIXED_S, attention_table="h100/fa2")
+
 PRESETS: dict[str, Gpu] = {
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GiB, 1555 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
                      infiniband="hdr", fp32_flops=19.5e12),
@@ -128,14 +138,14 @@ PRESETS: dict[str, Gpu] = {
                      infiniband="hdr", fp32_flops=19.5e12),
     "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
                      infiniband="ndr", fp32_flops=67e12, sms=132,
-                     gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12),
+                     gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12, **_HOPPER_KERNELS),
     "h200-141gb": Gpu("h200-141gb", 989e12, 141 * GiB, 4800 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
                       infiniband="ndr", fp32_flops=67e12, sms=132,
-                      gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12),
+                      gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12, **_HOPPER_KERNELS),
     # the H100 SXM's compute and HBM, NVLink 400 GB/s, one 400 Gb/s InfiniBand NIC per GPU (module docstring)
     "h800-80gb": Gpu("h800-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4 (h800)", 400 / 2 * GB, _ib("ndr"),
                      infiniband="ndr", fp32_flops=67e12, sms=132,
-                     gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12),
+                     gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12, **_HOPPER_KERNELS),
     "b200-192gb": Gpu("b200-192gb", 2250e12, 180 * GiB, 8000 * GB, "nvlink5", _nvlink("nvlink5"), _ib("ndr"),
                       infiniband="ndr", fp32_flops=80e12, sms=148,
                       gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=4500e12),
@@ -231,6 +241,9 @@ TOML_KEYS = {
     "op_overhead_us": "host time to dispatch and launch one operator, microseconds (default 4)",
     "fp32_tflops": "non-tensor-core FP32 TFLOP/s, for --precision fp32 (default: peak_tflops / 16)",
     "fp8_tflops": "dense FP8 tensor-core TFLOP/s (default 0: no fp8 tensor cores)",
+    "gemm_fixed_us": "microseconds every GEMM costs beyond its FLOPs (default 0)",
+    "attention_table": f"a published fused-attention table ({', '.join(ATTENTION)}); default none: "
+                       "attention_efficiency",
 }
 
 
@@ -246,7 +259,9 @@ def gpu_table(gpu: Gpu) -> dict:
             "intra_latency_us": gpu.intra_latency_s * 1e6, "inter_latency_us": gpu.inter_latency_s * 1e6,
             "op_overhead_us": gpu.op_overhead_s * 1e6,
             **({"fp32_tflops": gpu.fp32_flops / 1e12} if gpu.fp32_flops else {}),
-            **({"fp8_tflops": gpu.fp8_flops / 1e12} if gpu.fp8_flops else {})}
+            **({"fp8_tflops": gpu.fp8_flops / 1e12} if gpu.fp8_flops else {}),
+            **({"gemm_fixed_us": gpu.gemm_fixed_s * 1e6} if gpu.gemm_fixed_s else {}),
+            **({"attention_table": gpu.attention_table} if gpu.attention_table else {})}
 
 
 def gpu_toml(gpu: Gpu, comment: str = "") -> str:
@@ -282,8 +297,13 @@ def load_gpu(kind: str) -> Gpu:
     if missing:
         raise UserError(f"--gpu: '{kind}' lacks {', '.join(missing)} in its [gpu] table")
     for key, value in table.items():
-        if key not in ("name", "nvlink", "infiniband", "network") and (not isinstance(value, (int, float)) or value <= 0):
+        if key not in ("name", "nvlink", "infiniband", "network", "attention_table") \
+                and (not isinstance(value, (int, float)) or value <= 0):
             raise UserError(f"--gpu: {key} in '{kind}' must be a positive number, got {value!r}")
+    attention_table = str(table.get("attention_table", ""))
+    if attention_table and attention_table not in ATTENTION:
+        raise UserError(f"--gpu: attention_table '{attention_table}' in '{kind}' is not a published table; "
+                        f"choose one of {', '.join(ATTENTION)} or leave it out")
     defaults = {f.name: f.default for f in fields(Gpu)}
     gpu = Gpu(
         name=str(table.get("name", path.stem)),
@@ -305,6 +325,8 @@ def load_gpu(kind: str) -> Gpu:
         op_overhead_s=table.get("op_overhead_us", defaults["op_overhead_s"] * 1e6) * 1e-6,
         fp32_flops=table.get("fp32_tflops", defaults["fp32_flops"] / 1e12) * 1e12,
         fp8_flops=table.get("fp8_tflops", defaults["fp8_flops"] / 1e12) * 1e12,
+        gemm_fixed_s=table.get("gemm_fixed_us", 0.0) * 1e-6,
+        attention_table=attention_table,
     )
     if net is not None and "ib_gbps" not in table and "inter_latency_us" not in table:
         gpu = with_network(gpu, net)
