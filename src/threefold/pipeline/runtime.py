@@ -37,11 +37,14 @@ sides share: tp = 1, no ZeRO-3, no activation checkpointing, no compiled stages
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
 import torch
 import torch.distributed
 
 from ..comm import Comm
-from ..schedules.actions import COMM, Schedule
+from ..schedules.actions import COMM, Action, Schedule
 from . import overlap
 from .compute import (Clock, CudaClock, HostClock, MicroState, ModuleCompute, StageCompute,  # noqa: F401 (their home)
                       carry_loss, clock_for, graph_leaves)
@@ -50,6 +53,26 @@ from .stage import Stage
 from .timeline import COMPUTE_KINDS, Event
 
 RECEIVES = ("RECV_F", "RECV_B")
+
+
+@dataclass
+class InFlight:
+    """What a run of the schedule leaves between its actions: posted receives, outputs waiting for their
+    send, hand-offs between stages on this rank, forward states waiting for their backward, and sends
+    not yet complete. A synchronous step starts one and finishes it; pipedream-2bw keeps one across steps."""
+
+    inbox: dict = field(default_factory=dict)  # ("F"|"B", stage, mb) -> (handle, buffer) posted receives
+    outbox: dict = field(default_factory=dict)  # ("F"|"B", stage, mb) -> tensor waiting for its SEND
+    local: dict = field(default_factory=dict)  # hand-offs between stages on this rank
+    states: dict = field(default_factory=dict)  # (stage, mb) -> what the forward left for the backward
+    sending: list = field(default_factory=list)  # (handle, tensor): a tensor must live until its send completed
+
+    def finish(self) -> None:
+        """Wait for the sends; nothing may be left (the schedule ran every action it holds)."""
+        for handle, _ in self.sending:
+            handle.wait()
+        self.sending = []
+        assert not (self.inbox or self.outbox or self.local or self.states), "schedule left work undone"
 
 
 def _wait(claim: tuple) -> torch.Tensor | None:
@@ -84,8 +107,9 @@ class PipelineRuntime:
         assert {a.stage for a in self.actions} <= set(self.stages), "schedule and stages disagree"
         # gloo: every receive posted at the start of the step (module docstring)
         self.receives_first = comm.semantics == "native" and comm.mesh.device.type == "cpu"
-        self._receives = tuple(a for a in self.actions if a.kind in RECEIVES)
-        self._rest = tuple(a for a in self.actions if a.kind not in RECEIVES)
+        self._receives, self._rest = self.split_receives(self.actions)
+        # compute kinds outside the shared vocabulary, run by a callable of the action (pipedream-2bw's U)
+        self.own_actions: dict[str, Callable[[Action], None]] = {}
         self.pairs = pairs
         self.turns = Turns()
         self._side = SideThread() if pairs else None
@@ -136,21 +160,34 @@ class PipelineRuntime:
         """
         if len(micro_batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule expects {self.schedule.microbatches} micro-batches, got {len(micro_batches)}")
-        device = self.comm.mesh.device
         self.compute.begin(global_tokens)
+        flight = InFlight()
+        loss = self.run_actions(self._receives, self._rest, micro_batches, flight)
+        flight.finish()
+        self._tally_exchanges()
+        if self.tied_grads is not None:
+            self.tied_grads()
+        return loss + self.compute.side_loss
+
+    def split_receives(self, actions) -> tuple[tuple, tuple]:
+        """`actions` as (the receives posted at the start, the rest in order): on gloo every receive
+        first (module docstring), else none apart."""
+        if not self.receives_first:
+            return (), tuple(actions)
+        return (tuple(a for a in actions if a.kind in RECEIVES), tuple(a for a in actions if a.kind not in RECEIVES))
+
+    def run_actions(self, receives, actions, micro_batches, flight: InFlight) -> torch.Tensor:
+        """The one posting loop: post `receives`, then run `actions` in order - each run of transfers as
+        one batch, each compute action once its input is here (`own_actions`: the kinds a schedule's
+        runtime runs itself) - with what is in flight in `flight`; this rank's summed token loss.
+        `micro_batches[i]`: micro-batch i (inputs, targets, a receive's shape)."""
+        device = self.comm.mesh.device
         loss = torch.zeros((), dtype=torch.float32, device=device)
-        inbox: dict[tuple, tuple] = {}  # ("F"|"B", stage, mb) -> (handle, buffer) posted receives
-        outbox: dict[tuple, torch.Tensor] = {}  # ("F"|"B", stage, mb) -> tensor waiting for its SEND
-        local: dict[tuple, torch.Tensor] = {}  # hand-offs between stages on this rank
-        states: dict[tuple, object] = {}
-        sending: list = []  # (handle, tensor): a tensor must live until its send completed
         timeline = self._marked = []
         self._timeline = None
         self.clock.begin()
-        actions = self.actions
-        if self.receives_first and self._receives:
-            self._post(self._receives, micro_batches, inbox, outbox, device, timeline)
-            actions = self._rest
+        if receives:
+            self._post(receives, micro_batches, flight.inbox, flight.outbox, device, timeline)
         n, i = len(actions), 0
         while i < n:
             a = actions[i]
@@ -158,27 +195,25 @@ class PipelineRuntime:
                 j = i
                 while j < n and actions[j].kind in COMM:
                     j += 1
-                sending += self._post(actions[i:j], micro_batches, inbox, outbox, device, timeline)
-                sending = [(h, t) for h, t in sending if not h.is_completed()]
+                flight.sending += self._post(actions[i:j], micro_batches, flight.inbox, flight.outbox, device, timeline)
+                flight.sending = [(h, t) for h, t in flight.sending if not h.is_completed()]
                 i = j
                 continue
+            if a.kind in self.own_actions:
+                self.own_actions[a.kind](a)
+                i += 1
+                continue
             if a.kind == "F" and i + 1 < n and (a, actions[i + 1]) in self.pairs:
-                self._pair(a, actions[i + 1], micro_batches, inbox, outbox, local, states, loss, timeline)
+                self._pair(a, actions[i + 1], micro_batches, flight, loss, timeline)
                 i += 2
                 continue
-            x = _wait(self._claim(a, micro_batches, inbox, local))
-            state = states.pop((a.stage, a.mb)) if a.kind in ("B", "W") else None
-            out, start, end = self._compute(a, x, state, micro_batches, states)
-            self._deliver(a, out, loss, outbox, local)
+            x = _wait(self._claim(a, micro_batches, flight.inbox, flight.local))
+            state = flight.states.pop((a.stage, a.mb)) if a.kind in ("B", "W") else None
+            out, start, end = self._compute(a, x, state, micro_batches, flight.states)
+            self._deliver(a, out, loss, flight.outbox, flight.local)
             timeline.append(Event(self.rank, a.kind, a.stage, a.mb, start, end))
             i += 1
-        for handle, _ in sending:
-            handle.wait()
-        assert not (inbox or outbox or local or states), "schedule left work undone"
-        self._tally_exchanges()
-        if self.tied_grads is not None:
-            self.tied_grads()
-        return loss + self.compute.side_loss
+        return loss
 
     def _claim(self, a, micro_batches, inbox: dict, local: dict) -> tuple:
         """What compute action `a` starts from, as (handle to wait for or None, tensor): a forward's
@@ -225,11 +260,12 @@ class PipelineRuntime:
             else:
                 outbox[("B", a.stage, a.mb)] = out
 
-    def _pair(self, f, b, micro_batches, inbox, outbox, local, states, loss, timeline) -> None:
+    def _pair(self, f, b, micro_batches, flight: InFlight, loss, timeline) -> None:
         """Forward `f` and backward `b` as one unit: both inputs first, both outputs after (as
         `paired_schedule` validated it); overlapped, `f` on this thread and `b` on the side thread
         taking turns at each expert exchange (pipeline/expert_overlap.py), else one after the other.
         Outputs and events as if run in turn."""
+        inbox, outbox, local, states = flight.inbox, flight.outbox, flight.local, flight.states
         x = _wait(self._claim(f, micro_batches, inbox, local))
         grad = _wait(self._claim(b, micro_batches, inbox, local))
         b_state = states.pop((b.stage, b.mb)) if b.kind == "B" else None
@@ -252,14 +288,6 @@ class PipelineRuntime:
         timeline.append(Event(self.rank, f.kind, f.stage, f.mb, f_start, f_end))
         timeline.append(Event(self.rank, b.kind, b.stage, b.mb, b_start, b_end))
         self._pair_count += 1
-
-    def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
-        """The input (F) or output gradient (B) of a stage: a local hand-off or a received buffer."""
-        if key in local:
-            return local.pop(key)
-        handle, buffer = inbox.pop(key)
-        handle.wait()
-        return buffer
 
     def _post(self, batch, micro_batches, inbox, outbox, device, timeline) -> list:
         sends, recvs, recv_keys, send_tensors = [], [], [], []
@@ -304,3 +332,12 @@ class PipelineRuntime:
             if kind >= 0:
                 events.append(Event(index // local.shape[0], COMPUTE_KINDS[int(kind)], int(stage), int(mb), start, end))
         return events
+
+
+class RuntimeFactory(Protocol):
+    """A schedule's own runtime (schedules/table.py `ScheduleKind.runtime`): the interpreter for this
+    rank of `split` (pipeline/split.py `PipelineSplit`) in place of the shared one, reusing this
+    module's posting loop (`PipelineRuntime.run_actions`); pipeline/two_bw.py `make_runtime` is one."""
+
+    def __call__(self, split, comm: Comm, grad_sync, dtype: torch.dtype, weights: list[torch.Tensor] | None,
+                 compile_stage) -> PipelineRuntime: ...

@@ -32,9 +32,11 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..observe.memory import SavedTensorMeter
 from ..schedules.actions import COMM, Action, Schedule, ScheduleError
 from ..schedules.posting import add_aligned_communication
 from ..schedules.two_bw_timeline import NAME, SHOWN, UPDATE, check_request, shown_order, unrolled_orders  # noqa: F401
+from .runtime import InFlight, ModuleCompute, PipelineRuntime
 
 
 @lru_cache(maxsize=64)
@@ -127,7 +129,7 @@ def check_plan(pl: Plan, lengths: tuple[int, ...] = (1, 2, 3, 4)) -> None:
     every step) and no step needs anything of a later step: every message is sent no later than the
     step that consumes it, and its receive is posted in the step that sends it. The last makes a
     collective between two steps safe where it runs in order with the transfers (NCCL's one stream
-    per communicator: the metrics reduction over pp, posted at each step's end, Trainer._post_figures):
+    per communicator: the metrics reduction over pp, posted at each step's end, TwoBWStep.reduce_figures):
     every transfer before it on one rank is matched by a transfer before it on the other."""
     for n in lengths:
         want = unrolled(pl.p, pl.m, n)
@@ -238,161 +240,116 @@ class WeightVersions:
 # ---------------------------------------------------------------- compute and runtime
 
 
-def _versioned_compute(base):
-    """`ModuleCompute` whose forward and backward run with a weight version (imported lazily: the
-    timeline half of this module loads without the runtime)."""
-    from .runtime import ModuleCompute
+class VersionedCompute(ModuleCompute):
+    """`ModuleCompute` whose forward and backward run with a weight version."""
 
-    class VersionedCompute(ModuleCompute):
-        def __init__(self, module, adapter, grad_sync, meter, versions: WeightVersions):
-            super().__init__(module, adapter, grad_sync, meter)
-            self.versions = versions
-            self.version = 0  # the version the next forward uses (set by the runtime)
-            self.used = 0  # the id of the version the last forward or backward read
+    def __init__(self, module, adapter, grad_sync, meter, versions: WeightVersions):
+        super().__init__(module, adapter, grad_sync, meter)
+        self.versions = versions
+        self.version = 0  # the version the next forward uses (set by the runtime)
+        self.used = 0  # the id of the version the last forward or backward read
 
-        def begin(self, global_tokens: int) -> None:
-            self.scale = global_tokens  # activations of the previous batch stay held
-            self.side_loss = 0.0
+    def begin(self, global_tokens: int) -> None:
+        self.scale = global_tokens  # activations of the previous batch stay held
+        self.side_loss = 0.0
 
-        def forward(self, stage, x, targets):
-            version = self.version
-            with self.versions.use(version) as self.used:
-                out, state = super().forward(stage, x, targets)
-            return out, (version, state)
+    def forward(self, stage, x, targets):
+        version = self.version
+        with self.versions.use(version) as self.used:
+            out, state = super().forward(stage, x, targets)
+        return out, (version, state)
 
-        def backward(self, stage, state, grad):
-            version, inner = state
-            with self.versions.use(version) as self.used:
-                return super().backward(stage, inner, grad)
-
-    return VersionedCompute
+    def backward(self, stage, state, grad):
+        version, inner = state
+        with self.versions.use(version) as self.used:
+            return super().backward(stage, inner, grad)
 
 
-class _Shapes:
-    """Stands for the micro-batches where the runtime only reads a receive's shape (all alike)."""
+class _Window:
+    """This step's micro-batches under their absolute ids (micro-batch i of the step is `offset` + i);
+    a receive of another step's micro-batch reads its shape off the step's first (all alike)."""
 
-    def __init__(self, micro_batches):
-        self.first = micro_batches[0]
+    def __init__(self, micro_batches, offset: int, first):
+        self.micro_batches, self.offset, self.first = micro_batches, offset, first
 
-    def __getitem__(self, index):
-        return self.first
+    def __getitem__(self, mb: int):
+        i = mb - self.offset
+        return self.micro_batches[i] if self.micro_batches is not None and 0 <= i < len(self.micro_batches) \
+            else self.first
 
 
-def make_runtime(split, comm, grad_sync, dtype, weights, compile_stage=None):
-    """The 2BW interpreter for this rank of `split` (a pipeline.split.PipelineSplit)."""
-    from ..observe.memory import SavedTensorMeter
-    from .runtime import PipelineRuntime
+class TwoBWRuntime(PipelineRuntime):
+    """Runs one segment of the 2BW timeline per step through the shared posting loop
+    (`PipelineRuntime.run_actions`); what is in flight stays between steps (`InFlight`)."""
 
+    def __init__(self, split, compute: VersionedCompute, comm, dtype, pl: Plan):
+        super().__init__(split.schedule, split.stages, compute, comm, split.activation_shape, dtype, None)
+        self.plan = pl
+        self.m = pl.m
+        self.versions = compute.versions
+        self.on_update = None  # callable(): the stage's optimizer step (set by the training step)
+        self.own_actions = {UPDATE: self._update}
+        self.batch = 0  # batches started since the last flush
+        self.base = 0  # the version at the last flush
+        self.in_flight = False
+        self.log: list | None = None  # (kind, stage, absolute micro-batch, version id): when a list
+        self.started = 0  # batches started in total (absolute micro-batch ids: started * m + i)
+        self.flight = InFlight()
+        self._first = None  # the last step's first micro-batch (the drain's receives read its shape)
+
+    def forward_backward(self, micro_batches, global_tokens: int) -> torch.Tensor:
+        if len(micro_batches) != self.m:
+            raise ValueError(f"the schedule expects {self.m} micro-batches, got {len(micro_batches)}")
+        if not self.in_flight:
+            self.versions.restart()
+            self.base, self.batch = self.versions.latest, 0
+        segment = self.plan.steady if self.in_flight else self.plan.first
+        self.compute.begin(global_tokens)
+        self._first = micro_batches[0]
+        self.compute.version = version_of_batch(self.batch, self.base)
+        loss = self._segment(segment[self.rank], micro_batches)
+        self.in_flight = True
+        self.batch += 1
+        self.started += 1
+        return loss + self.compute.side_loss
+
+    def drain(self) -> None:
+        """The flush: the last batch's remaining backwards and its update; nothing stays in flight."""
+        if not self.in_flight:
+            return
+        self.started -= 1  # the drain's ids are the last batch's
+        self._segment(self.plan.drain[self.rank], None)
+        self.started += 1
+        self.flight.finish()
+        self.in_flight = False
+
+    def _segment(self, actions, micro_batches) -> torch.Tensor:
+        """Run a segment (micro-batch ids relative to the step's batch) in absolute ids."""
+        offset = self.started * self.m
+        actions = [Action(a.kind, a.stage, a.mb + offset) for a in actions]
+        receives, rest = self.split_receives(actions)
+        return self.run_actions(receives, rest, _Window(micro_batches, offset, self._first), self.flight)
+
+    def _update(self, a: Action) -> None:
+        """U: the stage's optimizer step, then the new version into its slot."""
+        self.on_update()
+        self.versions.commit()
+
+    def _compute(self, a, x, state, micro_batches, states: dict) -> tuple:
+        out = super()._compute(a, x, state, micro_batches, states)
+        if self.log is not None:
+            self.log.append((a.kind, a.stage, a.mb, self.compute.used))
+        return out
+
+
+def make_runtime(split, comm, grad_sync, dtype, weights, compile_stage=None) -> TwoBWRuntime:
+    """The 2BW interpreter for this rank of `split` (a pipeline.split.PipelineSplit): a `RuntimeFactory`
+    (schedules/table.py names it in pipedream-2bw's registration)."""
     if compile_stage is not None:
         raise ValueError(f"{NAME} does not compile stages")
     versions = WeightVersions(split.module)
     if weights is None:
         weights = list(split.module.parameters()) + list(split.module.buffers())
     meter = SavedTensorMeter(exclude=list(weights) + versions.tensors())
-    compute = _versioned_compute(None)(split.module, split.adapter, grad_sync, meter, versions)
-    pl = plan(split.schedule.pp, split.schedule.microbatches // SHOWN)
-
-    class TwoBWRuntime(PipelineRuntime):
-        """Runs one segment of the 2BW timeline per step; what is in flight stays between steps."""
-
-        def __init__(self):
-            super().__init__(split.schedule, split.stages, compute, comm, split.activation_shape, dtype, None)
-            self.plan = pl
-            self.m = pl.m
-            self.versions = versions
-            self.on_update = None  # callable(): the stage's optimizer step (set by the training step)
-            self.batch = 0  # batches started since the last flush
-            self.base = 0  # the version at the last flush
-            self.in_flight = False
-            self.log: list | None = None  # (kind, stage, absolute micro-batch, version id): when a list
-            self.started = 0  # batches started in total (absolute micro-batch ids: started * m + i)
-            self._inbox, self._outbox, self._local, self._states, self._sending = {}, {}, {}, {}, []
-            self._shapes = None
-
-        def forward_backward(self, micro_batches, global_tokens: int) -> torch.Tensor:
-            if len(micro_batches) != self.m:
-                raise ValueError(f"the schedule expects {self.m} micro-batches, got {len(micro_batches)}")
-            if not self.in_flight:
-                self.versions.restart()
-                self.base, self.batch = self.versions.latest, 0
-            segment = self.plan.steady if self.in_flight else self.plan.first
-            self.compute.begin(global_tokens)
-            self._shapes = _Shapes(micro_batches)
-            self.compute.version = version_of_batch(self.batch, self.base)
-            loss = self._run(segment[self.rank], micro_batches)
-            self.in_flight = True
-            self.batch += 1
-            self.started += 1
-            return loss + self.compute.side_loss
-
-        def drain(self) -> None:
-            """The flush: the last batch's remaining backwards and its update; nothing stays in flight."""
-            if not self.in_flight:
-                return
-            self.started -= 1  # the drain's ids are the last batch's
-            self._run(self.plan.drain[self.rank], None)
-            self.started += 1
-            for handle, _ in self._sending:
-                handle.wait()
-            self._sending = []
-            assert not (self._inbox or self._outbox or self._local or self._states), "the drain left work undone"
-            self.in_flight = False
-
-        def _run(self, actions, micro_batches) -> torch.Tensor:
-            device = self.comm.mesh.device
-            loss = torch.zeros((), dtype=torch.float32, device=device)
-            inbox, outbox, local, states = self._inbox, self._outbox, self._local, self._states
-            timeline = self._marked = []
-            self._timeline = None
-            self.clock.begin()
-            offset = self.started * self.m
-            actions = [Action(a.kind, a.stage, a.mb + offset) for a in actions]
-            if self.receives_first:
-                receives = [a for a in actions if a.kind in ("RECV_F", "RECV_B")]
-                if receives:
-                    self._post(receives, self._shapes, inbox, outbox, device, timeline)
-                actions = [a for a in actions if a.kind not in ("RECV_F", "RECV_B")]
-            n, i = len(actions), 0
-            while i < n:
-                a = actions[i]
-                if a.kind in COMM:
-                    j = i
-                    while j < n and actions[j].kind in COMM:
-                        j += 1
-                    self._sending += self._post(actions[i:j], self._shapes, inbox, outbox, device, timeline)
-                    self._sending = [(h, t) for h, t in self._sending if not h.is_completed()]
-                    i = j
-                    continue
-                if a.kind == UPDATE:
-                    self.on_update()
-                    self.versions.commit()
-                    i += 1
-                    continue
-                stage = self.stages[a.stage]
-                key = (a.stage, a.mb)
-                if a.kind == "F":
-                    x = micro_batches[a.mb - offset].inputs if stage.first else self._take(("F", a.stage, a.mb),
-                                                                                           inbox, local)
-                    start = self.clock.mark()
-                    targets = micro_batches[a.mb - offset].targets if stage.last else None
-                    out, states[key] = self.compute.forward(stage, x, targets)
-                    end = self.clock.mark()
-                    if stage.last:
-                        loss += out
-                    else:
-                        outbox[("F", a.stage, a.mb)] = out
-                else:  # B
-                    grad = None if stage.last else self._take(("B", a.stage, a.mb), inbox, local)
-                    start = self.clock.mark()
-                    grad_in = self.compute.backward(stage, states.pop(key), grad)
-                    end = self.clock.mark()
-                    if not stage.first:
-                        outbox[("B", a.stage, a.mb)] = grad_in
-                if self.log is not None:
-                    self.log.append((a.kind, a.stage, a.mb, self.compute.used))
-                from .timeline import Event
-                timeline.append(Event(self.rank, a.kind, a.stage, a.mb, start, end))
-                i += 1
-            return loss
-
-    return TwoBWRuntime()
+    compute = VersionedCompute(split.module, split.adapter, grad_sync, meter, versions)
+    return TwoBWRuntime(split, compute, comm, dtype, plan(split.schedule.pp, split.schedule.microbatches // SHOWN))
