@@ -20,6 +20,7 @@ the host waits for that event alone, after it has issued the next step.
 
 from __future__ import annotations
 
+import pkgutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,6 +36,7 @@ from ..parallel import GradSync, ParallelModel, accumulate  # noqa: F401  (accum
 from ..parallel.model import Documents
 from ..parallel.context import split_micro_batch
 from ..parallel.master import ShardedOptimizer
+from ..schedules.table import kind
 from ..sharding import Placement
 from .optim import lr_at, set_lr
 
@@ -279,6 +281,24 @@ class TrainStep:
     def drain(self) -> None:
         """Nothing is in flight between synchronous steps (pipedream-2bw's step drains its pipeline here)."""
 
+    def reduce_figures(self, result: StepResult, reduced: torch.Tensor, extra: dict[str, Figure],
+                       device: Device) -> PendingRead | PostedRead:
+        """The step's metrics over the world, on their way to the host: `reduced` ([this rank's summed
+        loss, stop flag]) summed over pp (only the last stage has a loss), the token shards (dp, cp) and
+        tp (the flag reaches every rank; the loss, equal on every tp rank, counts once), then one copy
+        of it with the step's figures and `extra`, issued before anything of the next step."""
+        mesh = self.comm.mesh
+        axes = [mesh.axes_where(PIPELINE), mesh.axes_where(BATCH, SEQUENCE)]
+        if mesh.size("tp") > 1:
+            axes.append(mesh.axes_where(TENSOR))
+            if mesh.rank("tp") > 0:
+                reduced[0] = 0
+        for over in axes:
+            self.comm.all_reduce_over(reduced, over, tag="metrics")
+        targets = {} if result.targets is None else {"targets": result.targets}
+        return start_read({**result.figures(), "loss_total": reduced[0], "stop": reduced[1], **extra, **targets},
+                          device)
+
     def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult:
         """Run optimizer step `step` (1-based)."""
         # fp16: the scaler's device tensor, copied (the update below changes it in place)
@@ -326,3 +346,31 @@ class LaunchedStep:
     moe: dict | None
     comm: dict  # the step's bytes by axis and op
     mtp: torch.Tensor | None = None  # multi-token prediction's figures summed over dp and cp (models/mtp.py)
+
+
+class Step(Protocol):
+    """A training step as the trainer drives it: `TrainStep`, or a schedule's own (pipedream-2bw's)."""
+
+    def __call__(self, step: int, micro_batches: list[Batch], global_tokens: int) -> StepResult: ...
+
+    def drain(self) -> None: ...  # nothing left in flight: before a save and at the end
+
+    def reduce_figures(self, result: StepResult, reduced: torch.Tensor, extra: dict[str, Figure],
+                       device: Device) -> PendingRead | PostedRead: ...  # the step's metrics (`TrainStep`'s)
+
+
+class StepFactory(Protocol):
+    """What a schedule's registration names as its step (schedules/table.py `ScheduleKind.step`)."""
+
+    def __call__(self, parallel: ParallelModel, optimizer: ShardedOptimizer, comm: Comm, cfg: TrainConfig) -> Step: ...
+
+
+def make_step(parallel: ParallelModel, optimizer: ShardedOptimizer, comm: Comm, cfg: TrainConfig) -> Step:
+    """The run's training step: the one its pipeline schedule's registration names (`ScheduleKind.step`,
+    imported only then), else `TrainStep`."""
+    factory: StepFactory = TrainStep
+    if parallel.pipeline is not None:
+        hook = kind(parallel.pipeline.schedule.name).step
+        if hook is not None:
+            factory = pkgutil.resolve_name(hook)
+    return factory(parallel, optimizer, comm, cfg)

@@ -22,7 +22,7 @@ from ..data.build import build_samplers
 from ..data.loader import Loader, bound_ids
 from ..errors import UserError
 from ..launch.signals import PREEMPTED_EXIT
-from ..mesh import BATCH, PIPELINE, SEQUENCE, TENSOR, Layout, Mesh, init_distributed, local_world_size, pick_device
+from ..mesh import BATCH, SEQUENCE, Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.mtp import mtp_figures, mtp_tally
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
@@ -37,11 +37,10 @@ from ..parallel.precision import set_tf32
 from .autosave import AutoSave
 from .clock import Mark, StepClock
 from .evaluate import Evaluator
-from .metrics import MetricsLog, PostedRead, plot_run
+from .metrics import MetricsLog, plot_run
 from .preempt import Preempted, StopSignals
 from .rundir import check_resume, read_run, run_directory, update_run
-from .step import Device, LaunchedStep, StepResult, TorchDevice, TrainStep, start_read
-from .two_bw_step import TwoBWStep
+from .step import Device, LaunchedStep, StepResult, TorchDevice, make_step
 from .summary import print_summary
 from .threads import share_cpu_threads
 
@@ -86,11 +85,10 @@ class Trainer:
         # AdamW or momentum SGD with fp32 masters over the pieces this rank owns (whole parameters, or ZeRO shards);
         # 1-bit Adam takes its place when compress.method=onebit asks for it
         self.optimizer = self.parallel.make_optimizer(cfg.train)
-        # pipedream-2bw steps each stage inside the schedule (train/two_bw_step.py); drained before a save
-        self.two_bw = TwoBWStep(self.parallel, self.optimizer, self.comm, cfg.train) \
-            if cfg.pipeline.schedule == "pipedream-2bw" and p.pp > 1 else None  # its metrics: `_post_figures`
-        self.step_fn = self.two_bw if self.two_bw is not None else TrainStep(self.parallel, self.optimizer, self.comm,
-                                                                             cfg.train)
+        # the step the pipeline schedule's registration names (schedules/table.py), else TrainStep; the
+        # metrics reduction is the step's (an unflushed schedule's posts it and reads it one step later)
+        self.step_fn = make_step(self.parallel, self.optimizer, self.comm, cfg.train)
+        self.reduce_figures = self.step_fn.reduce_figures
         self.global_tokens = cfg.train.global_batch * cfg.train.seq_len
         self.evaluator = None if val_sampler is None else Evaluator(  # validation loss, train.eval_every
             val_sampler, cfg.train, self.parallel.module, self.comm,
@@ -182,7 +180,7 @@ class Trainer:
         dies_here = (fault.kind == "kill_in_save" and fault.rank == self.mesh.global_rank
                      and fault.step == self.step and first_attempt())
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if dies_here else None  # halfway through its file
-        self.step_fn.drain()  # pipedream-2bw: the flush; the saved state has every update applied
+        self.step_fn.drain()  # the flush of an unflushed schedule: the saved state has every update applied
         self.checkpointer.save(self.step, self.training_state(), self._checkpoint_meta(), kill)
         self._saved_step = self.step
         self.poisoned.owed = False
@@ -268,24 +266,12 @@ class Trainer:
         # the loss and the stop flag in one all-reduce: agreeing on a stop costs no extra sync
         stop = result.loss_sum.new_full((1,), float(self.stop.first is not None))
         reduced = torch.cat([result.loss_sum.reshape(1), stop])
-        # only the last pipeline stage has a loss (other ranks add 0); the token shards (dp, cp) in one collective
-        axes = [self.mesh.axes_where(PIPELINE), self.mesh.axes_where(BATCH, SEQUENCE)]
-        if self.mesh.size("tp") > 1:  # the flag reaches every rank; the loss (equal on every tp rank) counts once
-            axes.append(self.mesh.axes_where(TENSOR))
-            if self.mesh.rank("tp") > 0:
-                reduced[0] = 0
         if self.faults.skips_collective(step):
             self.faults.stall()
-        if self.two_bw is not None:  # pipedream-2bw: posted, read one step later (no wait at the boundary)
-            figures = self._post_figures(self.two_bw, reduced, token_ids)
-            self.faults.step_end(step)
-        else:
-            for over in axes:
-                self.comm.all_reduce_over(reduced, over, tag="metrics")
-            self.faults.step_end(step)
-            # before anything of the next step; with the step's largest token id (lowest if negative)
-            figures = start_read({**self.figures(result, reduced[0]), "stop": reduced[1], "token_id": token_ids,
-                                  **({} if result.targets is None else {"targets": result.targets})}, self.device)
+        # over the world and on its way to the host before anything of the next step (or posted and read one
+        # step later: the step's `reduce_figures`), with the step's largest token id (lowest if negative)
+        figures = self.reduce_figures(result, reduced, {"token_id": token_ids}, self.device)
+        self.faults.step_end(step)
         self.step = step
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
@@ -297,18 +283,6 @@ class Trainer:
         return LaunchedStep(step, result, figures, start, self.clock.mark(),
                             sum(mb.targets.numel() for mb in micro_batches), data_wait,
                             self.checkpointer.last_stall_s - stalled, mem, moe, comm, mtp)
-
-    def _post_figures(self, two_bw: TwoBWStep, reduced: torch.Tensor, token_ids: torch.Tensor) -> PostedRead:
-        """pipedream-2bw's metrics reduction, which makes no pipeline rank wait for another: summed over
-        dp at once (the stage's replicas, in step with each other: they met at its update), then, with
-        the stage's figures of the update it applied (`TwoBWStep.stage_figures`), over pp asynchronously:
-        waited for when the step's figures are read, after the next step is launched (`run`; at once
-        when a save, the last step or a stop comes first). The sums are the synchronous ones."""
-        self.comm.all_reduce_over(reduced, self.mesh.axes_where(BATCH, SEQUENCE), tag="metrics")
-        summed = torch.cat([reduced, two_bw.stage_figures])
-        posted = self.comm.all_reduce_over(summed, self.mesh.axes_where(PIPELINE), async_op=True, tag="metrics")
-        return PostedRead(posted, lambda: {**two_bw.global_figures(summed[2:]), "loss_total": summed[0],
-                                           "stop": summed[1], "token_id": token_ids}, self.device)
 
     @staticmethod
     def figures(result: StepResult, loss_sum: torch.Tensor) -> dict:
@@ -410,7 +384,7 @@ class Trainer:
                     continue
                 records.append(self.finish_step(launched))
                 self._complete(records[-1], log)
-            self.step_fn.drain()  # pipedream-2bw: the last batch's update (a no-op for synchronous steps)
+            self.step_fn.drain()  # an unflushed schedule's last update (a no-op for synchronous steps)
             stopped = self.stopping and self.step < cfg.train.steps  # a signal: save this step, then stop
             if stopped and self._saved_step != self.step and not (
                     records and self.poisoned.refuses(records[-1], self._newest_checkpoint())):

@@ -17,8 +17,8 @@ update's global norm may reach sqrt(pp) * c. It changes the optimisation, as the
 (docs/pipeline.md).
 
 Nothing is summed over pp here. The stages' [squared norm, not finite] of the update they
-applied (`stage_figures`) go with the metrics reduction, which the trainer posts without a wait
-and reads one step later (`Trainer._post_figures`): `grad_norm` of step t is the global norm of
+applied (`stage_figures`) go with the metrics reduction, which `reduce_figures` posts without a
+wait and the trainer reads one step later: `grad_norm` of step t is the global norm of
 the gradient applied in step t, before clipping (batch t - 1's; 0 at the first step after a
 flush, which applies none), `lr` the rate it was applied with (0 when none), `skipped` whether a
 stage skipped it. `drain()` is the flush: the last batch's remaining backwards and its update
@@ -36,10 +36,12 @@ import torch
 
 from ..comm import Comm
 from ..config import TrainConfig
+from ..mesh import BATCH, PIPELINE, SEQUENCE
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
+from .metrics import PostedRead
 from .optim import lr_at, set_lr
-from .step import StepResult, grad_sum_of_squares, split_sequences
+from .step import Device, Figure, StepResult, TrainStep, grad_sum_of_squares
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
@@ -48,18 +50,14 @@ def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated:
     return grad_sum_of_squares(params, placements, comm, dp_axis, replicated, ("tp",))
 
 
-class TwoBWStep:
-    """`TrainStep`'s face (`step(t, micro_batches, tokens) -> StepResult`, `drain()`) for pipedream-2bw."""
+class TwoBWStep(TrainStep):
+    """`TrainStep`'s face (`step(t, micro_batches, tokens) -> StepResult`, `drain()`, `reduce_figures`) for
+    pipedream-2bw: named by its registration (schedules/table.py `ScheduleKind.step`)."""
 
     def __init__(self, parallel: ParallelModel, optimizer: ShardedOptimizer, comm: Comm, cfg: TrainConfig):
-        self.parallel = parallel
-        self.grad_sync = parallel.grad_sync
-        self.optimizer = optimizer
-        self.comm = comm
-        self.cfg = cfg
+        super().__init__(parallel, optimizer, comm, cfg)
         self.runtime = parallel.pipeline
         self.runtime.on_update = self._update
-        self.meter = parallel.meter
         self._step = 0  # the step whose segment ran last
         self._lr = 0.0  # the rate of the update applied in this call (0: none)
         self._applied = torch.zeros(2, dtype=torch.float32, device=comm.mesh.device)  # sumsq, not finite
@@ -72,13 +70,27 @@ class TwoBWStep:
         self._applied = torch.zeros(2, dtype=torch.float32, device=self.comm.mesh.device)
         # cp > 1: this rank's zigzag part of every micro-batch, as the synchronous step splits it (the
         # loss is summed over dp and cp by the trainer; the update's gradients are synced over dp+cp)
-        micro_batches = split_sequences(micro_batches, self.comm, self.parallel.documents is not None)
+        micro_batches = self.split_sequences(micro_batches)
         loss_sum = self.runtime.forward_backward(micro_batches, global_tokens)
         # this stage's [sum of squares, not finite] of the update it applied; summed over pp with the
-        # metrics, posted without a wait (the trainer's `_post_figures`; `global_figures` reads the sum)
+        # metrics, posted without a wait (`reduce_figures`; `global_figures` reads the sum)
         self.stage_figures = self._applied.clone()
         sumsq, bad = self.stage_figures.unbind()
         return StepResult(loss_sum, sumsq.sqrt(), self._lr, bad > 0, 1.0)  # this stage's own figures
+
+    def reduce_figures(self, result: StepResult, reduced: torch.Tensor, extra: dict[str, Figure],
+                       device: Device) -> PostedRead:
+        """The metrics reduction, which makes no pipeline rank wait for another: summed over dp at once
+        (the stage's replicas, in step with each other: they met at its update), then, with the stage's
+        figures of the update it applied (`stage_figures`), over pp asynchronously: waited for when the
+        step's figures are read, after the next step is launched (the trainer's `run`; at once when a
+        save, the last step or a stop comes first). The sums are the synchronous ones."""
+        mesh = self.comm.mesh
+        self.comm.all_reduce_over(reduced, mesh.axes_where(BATCH, SEQUENCE), tag="metrics")
+        summed = torch.cat([reduced, self.stage_figures])
+        posted = self.comm.all_reduce_over(summed, mesh.axes_where(PIPELINE), async_op=True, tag="metrics")
+        return PostedRead(posted, lambda: {**self.global_figures(summed[2:]), "loss_total": summed[0],
+                                           "stop": summed[1], **extra}, device)
 
     @staticmethod
     def global_figures(summed: torch.Tensor) -> dict:
