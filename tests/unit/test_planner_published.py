@@ -104,25 +104,30 @@ for table, gpu, precision, label in ((_H100_LARGE, H100, "bf16", "H100"), (_H100
                          "tokens_per_gpu", tps, None))
 
 # The rows that miss 15%, with the error the table prints (`known_miss`: test_planner_validation.verdict holds each
-# within 2 points) and the cause as far as it is known (docs/planner.md, "Validation set": the added rows)
-_H100_COMPUTE = "H100 compute model optimistic for these shapes (issue item 1)"
+# within 2 points, so a miss that grows or shrinks fails) and where the gap lies as far as the data shows it
+# (docs/planner.md, "Validation set": the added rows). The step's exposed communication share is printed by
+# `python -m tests.unit.test_planner_validation` beside each row.
+_EAGER = ("compute outside the kernel tables: the row runs eager (its compiled Float8 twin is within 15%), and the "
+          "eager RMSNorm / rotary / SwiGLU passes over HBM are not priced; 500 W power cap, peak unknown")
+_FP8 = "compute: fp8 casts and the compiled graph not priced (kernel tables are bf16)"
 KNOWN_MISSES = {
-    f"{TITAN} Llama 3.1 8B, 8 H100, FSDP": (0.730, _H100_COMPUTE + "; 500 W, peak unknown"),
-    f"{TITAN} Llama 3.1 8B, 8 H100, FSDP + compile + Float8": (0.342, _H100_COMPUTE + "; fp8 casts not priced"),
-    f"{TITAN} Llama 3.1 8B, 8 H100, seq 32768, FSDP + compile + Float8": (0.844, _H100_COMPUTE + "; fp8 casts"),
-    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP": (0.792, _H100_COMPUTE + "; 500 W, peak unknown"),
-    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP + compile + Float8": (0.313, _H100_COMPUTE + "; fp8 casts not priced"),
-    f"{TITAN} Llama 3.1 70B, 256 H100, FSDP 32 TP 8": (0.201, "500 W, peak unknown; fp8 casts not priced"),
-    f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, 1F1B": (0.211, "500 W, peak unknown; fp8 casts"),
-    f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, Interleaved 1F1B": (0.227, "500 W, peak unknown; fp8 casts"),
-    "MPT 70b, 512 H100": (0.171, _H100_COMPUTE),
-    "MPT 30b, 512 H100": (0.187, _H100_COMPUTE),
-    "MPT 13b, 512 H100": (0.203, _H100_COMPUTE),
-    "MPT 7b, 512 H100": (-0.226, "ZeRO-3 over 512 ranks: every unit's ring pays 511 network latencies (item 3)"),
-    "MPT 1b, 512 H100": (0.259, _H100_COMPUTE),
-    "MPT 3b, 8 H100 FP8": (0.468, _H100_COMPUTE + "; fp8 casts not priced"),
+    f"{TITAN} Llama 3.1 8B, 8 H100, FSDP": (0.522, _EAGER),
+    f"{TITAN} Llama 3.1 8B, 8 H100, seq 32768, FSDP + compile + Float8": (0.265, _FP8 + "; 32k keys beyond the 16k "
+                                                                                     "of the attention table"),
+    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP": (0.575, _EAGER),
+    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP + compile + Float8": (0.163, _FP8),
+    f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, Interleaved 1F1B":
+        (0.162, "pipeline: a 30% bubble and 16% exposed communication in the model; torch.distributed.pipelining's "
+                "interleaved schedule not simulated as it runs"),
+    "MPT 30b, 512 H100": (0.158, "compute: eager LayerNorm / GELU passes not priced (the 70b and 13b rows are within "
+                                 "15%)"),
+    "MPT 7b, 512 H100": (-0.226, "communication: ZeRO-3 over 512 ranks, every unit's ring pays 511 network latencies "
+                                 "(item 3)"),
+    "MPT 1b, 512 H100": (0.200, "compute of a small model (h 2048) outside the kernel tables; 19% exposed "
+                                "communication"),
+    "MPT 3b, 8 H100 FP8": (0.324, _FP8),
     "MPT 13b, 8 A100": (0.210, "unexplained: the A100 rows of 3b-30b agree"),
-    "MPT 1b, 8 A100": (0.163, "small GEMMs (h 2048) faster in the model than measured"),
+    "MPT 1b, 8 A100": (0.163, "small GEMMs (h 2048) faster in the model than measured (no A100 GEMM table)"),
 }
 NEW_RUNS = [(*run[:9], KNOWN_MISSES.get(run[0], (None,))[0]) for run in NEW_RUNS]
 

@@ -74,9 +74,9 @@ RUNS = [
      dict(tp=8, pp=16, schedule="interleaved"), "tflops", 400, None),
     # the same table's long-context row: 131,072-token sequences, tp 8, cp 16, pp 16 (dp 8: 16,384 GPUs / 2048;
     # 16M tokens per batch = 128 sequences), all-gather context parallelism (section 3.3.2), 380 TFLOP/s
-    # (38% MFU). A documented miss: see LLAMA3_CAUSAL below and docs/planner.md
+    # (38% MFU). Which attention count its TFLOP/s use: see LLAMA3_ROWS below and docs/planner.md
     ("Llama 3 405B, 16384 H100, seq 131072", LLAMA3_405B_128K, H100, 16384, 128, 131072,
-     dict(tp=8, pp=16, cp=16, cp_method="allgather", schedule="interleaved"), "tflops", 380, 0.394),
+     dict(tp=8, pp=16, cp=16, cp_method="allgather", schedule="interleaved"), "tflops", 380, None),
     ("torchtitan Llama 3 70B, 64 A100", LLAMA3_70B, A100, 64, 64, 8192, dict(tp=1, pp=1, zero=3, remat="full"),
      "mfu", 0.517, None),
     ("torchtitan Llama 3 8B, 64 A100", LLAMA3_8B, A100, 64, 64, 8192, dict(tp=1, pp=1, zero=3, remat="selective"),
@@ -86,8 +86,8 @@ RUNS = [
     # Scaling Results"): Megatron-Core on H100, vocabulary 131,072, sequence 4,096, the table's layout (tp, pp,
     # dp = 48) and batch; per-GPU model TFLOP/s (MFU = that / 989). Recomputation, micro-batch, schedule and
     # ZeRO stage are not stated: the planner's (schedules of Megatron-Core: 1f1b, interleaved).
-    ("MCore 1.7B, 48 H100", mcore(2048, 16, 24), H100, 48, 192, 4096, dict(tp=1, pp=1), "model_tflops", 408.8, 0.403),
-    ("MCore 7.1B, 96 H100", mcore(4096, 32, 30), H100, 96, 192, 4096, dict(tp=2, pp=1), "model_tflops", 465.9, 0.230),
+    ("MCore 1.7B, 48 H100", mcore(2048, 16, 24), H100, 48, 192, 4096, dict(tp=1, pp=1), "model_tflops", 408.8, 0.342),
+    ("MCore 7.1B, 96 H100", mcore(4096, 32, 30), H100, 96, 192, 4096, dict(tp=2, pp=1), "model_tflops", 465.9, 0.206),
     ("MCore 16B, 192 H100", mcore(6144, 48, 32), H100, 192, 192, 4096, dict(tp=4, pp=1), "model_tflops", 489.1, None),
     ("MCore 32B, 384 H100", mcore(7168, 56, 48), H100, 384, 192, 4096, dict(tp=8, pp=1), "model_tflops", 459.6, None),
     ("MCore 70B, 768 H100", mcore(8192, 64, 84), H100, 768, 384, 4096, dict(tp=8, pp=2), "model_tflops", 419.7, None),
@@ -367,12 +367,13 @@ def test_a_published_layout_its_source_searched_for_is_within_10_percent_of_the_
     assert gain <= 0.10, f"{run[0]}: {best.strategy.label()} is {gain:+.1%} faster than {published.strategy.label()}"
 
 
-# Why the 131k row misses (docs/planner.md): the column counts attention as the whole s x s product (4 s h per
-# token and layer, this file's convention and the planner's MFU), while a causal kernel executes half of it. At
-# 8,192 tokens attention is 8% of the counted FLOPs, at 131,072 it is 57%, so the counted figure rises with the
-# sequence where Meta's falls (400 -> 380). Counted as executed (the causal half), the same predicted step times
-# give all three Llama 3 405B rows within 15%: the published TFLOP/s are consistent with a causal count. The
-# errors themselves are printed from the data (`main`: the "executed" column), not written here.
+# Which attention count Meta's TFLOP/s use is not published (docs/planner.md): the column counts the whole s x s
+# product (4 s h per token and layer, this file's convention and the planner's MFU), while a causal kernel executes
+# half of it. At 8,192 tokens attention is 8% of the counted FLOPs, at 131,072 it is 57%. With the flat attention
+# share of the peak the 131k row came out 39% fast counted whole and within 1% counted as executed; with the
+# published FlashAttention-2 rates (planner/kernel_data.py; 131k keys take its 16k figure) it is within 15% counted
+# whole and 25% slow counted as executed. The 8k rows agree under either count (tested); the errors are printed
+# from the data (`main`: the "executed" column), not written here.
 LLAMA3_ROWS = [run for run in RUNS if run[0].startswith("Llama 3 405B")]
 
 
@@ -388,8 +389,11 @@ def executed_tflops(run) -> float:
     return per_token * batch * seq / (best.time.total_s * st.world_size) / 1e12
 
 
-@pytest.mark.parametrize("run", LLAMA3_ROWS, ids=[r[0] for r in LLAMA3_ROWS])
-def test_llama3_rows_agree_when_attention_is_counted_as_executed(run):
+LLAMA3_8K = [run for run in LLAMA3_ROWS if run[5] == 8192]
+
+
+@pytest.mark.parametrize("run", LLAMA3_8K, ids=[r[0] for r in LLAMA3_8K])
+def test_llama3_8k_rows_agree_when_attention_is_counted_as_executed(run):
     value = executed_tflops(run)
     assert abs(value / run[8] - 1) <= 0.15, f"{run[0]}: {value:.3g} vs {run[8]}"
 
