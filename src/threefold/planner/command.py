@@ -19,10 +19,12 @@ from ..errors import ConfigError, UserError
 from ..schedules import registry as pipeline_schedules
 from .activation_offload import offload_advice
 from .explain import breakdown, checkpoint_advice, layout_problems, parse_layout
+from .mx import advice as mx_advice
 from .hardware import NETWORKS, GiB, PRESETS, load_gpu, network, network_label, network_of, with_network
 from .context_comm import METHODS as CP_METHODS
 from .search import PlanResult, search, shortfall, slower, train_overrides
 from .offload import HOST_GIB_PER_NODE, NVME_GBPS_PER_NODE, advise
+from .optimizer import optimizers, optimizer_summary, plan_refusal
 from .slow_links import advise as slow_link_advice
 from .workload import Workload, active_parameters, total_parameters
 
@@ -58,8 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"{', '.join(PRESETS)} or a .toml file with a [gpu] table (default h100-80gb)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: ~4M tokens)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq)")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
-                   help="fp8: the blocks' linears in float8 where their GEMM shape gains (docs/fp8.md)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "mxfp8"],
+                   help="fp8: the blocks' linears in float8 where their GEMM shape gains; mxfp8: the same in MXFP8 "
+                        "(32-element blocks), which gains only where the GPU has MX tensor cores (Blackwell) "
+                        "(docs/fp8.md, docs/planner.md)")
+    p.add_argument("--optimizer", default="adamw", choices=optimizers(),
+                   help="train.optimizer: its states per parameter from the optimizer registry and its step; muon "
+                        "adds its Newton-Schulz work and whole-matrix exchange (docs/planner.md \"Optimizers\"; "
+                        "default adamw)")
     p.add_argument("--network", metavar="NAME",
                    help=f"inter-node network, replacing the GPU kind's: {', '.join(NETWORKS)} (docs/planner.md, "
                         "\"Networks and presets\")")
@@ -121,7 +129,7 @@ def _workload(args) -> tuple[Workload, str]:
         size = f"~{_tokens(default_batch_tokens(params))} tokens for {parameter_count(params)} parameters"
         assumed = (f"assumed global batch {batch} x {seq} = {_tokens(batch * seq)} tokens per step ({size}); "
                    "give --global-batch for yours")
-    return Workload(m, batch, seq), assumed
+    return Workload(m, batch, seq, optimizer=args.optimizer), assumed
 
 
 def _raise_batch(w: Workload, gpus: int) -> tuple[Workload, dict]:
@@ -179,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
         gpu = replace(gpu, inter_bytes_per_s=args.inter_gbps / 8 * 1e9, infiniband=label)
     w, assumed = _workload(args)
     fixed = _fixed(args)
+    refused = plan_refusal(w, fixed, args.precision)
+    if refused is not None:
+        raise ConfigError(*refused)
     explain = parse_layout(args.explain) if args.explain else None
     for value, flag in ((args.mtbf_hours, "--mtbf-hours"), (args.write_gbps, "--write-gbps"),
                         (args.host_gib, "--host-gib"), (args.nvme_gbps, "--nvme-gbps")):
@@ -193,18 +204,26 @@ def run(args: argparse.Namespace) -> int:
         problems = layout_problems(w, args.gpus, gpu, fixed) or [result.message]
         raise UserError(f"no layout of {args.gpus} GPUs matches the options: {'; '.join(problems)}")
     extra = {"assumed": assumed, "batch_raised": raised}
+    muon = w.optimizer == "muon"  # no periodic sync, no offload with Muon (config/muon_checks.py)
     if result.feasible:
-        extra["slow_links"] = slow_link_advice(result)
+        extra["slow_links"] = None if muon else slow_link_advice(result)
         extra["checkpoint"] = checkpoint_advice(result.best, args.gpus, args.mtbf_hours, args.save_seconds,
                                                 args.restart_seconds, args.write_gbps)
     else:
         extra["activation_offload"] = offload_advice(result)  # the only way to fit, if it is one
-    offloaded, extra["offload"] = advise(result, args.host_gib, args.nvme_gbps)
+    no_offload = [] if result.feasible else ["offload: not with --optimizer muon (its states in host memory or files "
+                                             "are not wired)"]
+    offloaded, extra["offload"] = (None, no_offload) if muon else advise(result, args.host_gib, args.nvme_gbps)
     extra["offload_option"] = offloaded
+    if result.candidates:
+        extra["optimizer"] = optimizer_summary(w, result.candidates[0], args.precision)
     if explain is not None:
         extra["explain"] = _explain(w, args, gpu, {**fixed, **explain}, result)
     if args.precision == "fp8" and result.candidates:
         extra["fp8"] = fp8_advice(w, result.candidates[0].strategy, gpu)
+    if args.precision == "mxfp8" and result.candidates:
+        st = result.candidates[0].strategy
+        extra["mxfp8"] = mx_advice(w.model, st.micro_batch_size(w) * st.local_seq(w), st.tp, gpu, st.label())
     scaling = scaling_points(w, gpu, args.precision, args.scaling_max) if args.scaling else None
     if args.json:
         print(json.dumps(to_json(result, scaling, extra), indent=1))
@@ -280,6 +299,9 @@ def to_json(r: PlanResult, scaling: list[dict] | None = None, extra: dict | None
         out["explain"] = {k: v for k, v in extra["explain"].items() if k != "lines"}
     if "fp8" in extra:
         out["fp8"] = extra["fp8"]
+    for key in ("mxfp8", "optimizer"):  # additive (docs/planner.md "JSON")
+        if key in extra:
+            out[key] = extra[key]
     if scaling is not None:
         out["scaling"] = scaling
     return out
@@ -343,8 +365,9 @@ def render(r: PlanResult, top: int = 10, extra: dict | None = None) -> str:
             lines.append(f"  train with --cp {best.strategy.cp} --set {train_overrides(best.strategy)[1]}")
         if "checkpoint" in extra:
             lines.append(extra["checkpoint"][1])
-        if "fp8" in extra:
-            lines.append(extra["fp8"]["line"])
+        for key in ("fp8", "mxfp8", "optimizer"):
+            if key in extra:
+                lines.append(extra[key]["line"])
         if extra.get("slow_links") is not None:
             lines.append(extra["slow_links"].describe(best))
         lines.append("why the others lose:")

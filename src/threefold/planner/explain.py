@@ -94,6 +94,11 @@ def breakdown(c: Candidate, gpu: Gpu) -> list[str]:
     if t.ep_overlapped_s > 0:
         lines.append(f"  expert-parallel all-to-all: {_s(t.ep_comm_s)} exposed, {_s(t.ep_overlapped_s)} hidden behind "
                      "the paired chunks' compute")
+    if t.optimizer_newton_schulz_s or t.optimizer_exchange_bytes:  # a whole-matrix optimizer (planner/optimizer.py)
+        lines.append(f"  optimizer update {_s(t.optimizer_s)} = Newton-Schulz {_s(t.optimizer_newton_schulz_s)} on the "
+                     f"busiest of the dp x tp = {st.dp * st.tp} owners + matrix exchange {_s(t.optimizer_exchange_s)} "
+                     f"({t.optimizer_exchange_bytes / 2**20:.3g} MiB a step over the stage's ranks) + the elementwise "
+                     f"update {_s(t.optimizer_s - t.optimizer_newton_schulz_s - t.optimizer_exchange_s)}")
     return lines
 
 

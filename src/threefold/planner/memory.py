@@ -41,6 +41,8 @@ from ..models.loss_pieces import chunk_rows
 from .activations import (Shape, block_bytes, blocks_bytes, embedding_bytes, head_bytes, loss_in_pieces,
                           loss_piece_tokens, offload_split, offloaded_block_bytes, software_policy)
 from .hardware import CPU, GiB, Gpu
+from .mx import cast_transient_bytes
+from .optimizer import matrix_parameters, muon_transient_bytes, state_bytes_per_param
 from .workload import Chunk, ParamCount, Strategy, Workload, from_config, rank_chunks, rank_parameters
 
 ALLOCATOR_MARGIN = 0.10  # caching-allocator fragmentation, as a fraction of the bytes in use
@@ -85,15 +87,21 @@ def bytes_per_param(precision: str, optimizer: str = "adamw") -> tuple[int, int,
     return optimizer_entry(optimizer).bytes_per_param(TrainConfig(optimizer=optimizer), precision)
 
 
-def model_state_bytes(count: ParamCount, precision: str, zero: int, dp: int, ep: int = 1) -> tuple[float, float, float]:
+def model_state_bytes(count: ParamCount, precision: str, zero: int, dp: int, ep: int = 1, optimizer: str = "adamw",
+                      matrix: float = 0.0) -> tuple[float, float, float]:
     """Bytes of parameters, gradients and optimizer states on one rank (ZeRO over dp ranks; routed
-    experts' over the dp / ep ranks holding the same experts)."""
-    p_bytes, g_bytes, o_bytes = bytes_per_param(precision)
+    experts' over the dp / ep ranks holding the same experts). `matrix`: how many of the rank's trainable
+    parameters are hidden matrices, whose states a whole-matrix optimizer (Muon) keeps apart from the rest's
+    (planner/optimizer.py)."""
+    p_bytes, g_bytes, _ = bytes_per_param(precision, optimizer)
+    o_matrix, o_rest = (state_bytes_per_param(optimizer, precision, True),
+                        state_bytes_per_param(optimizer, precision, False))
     edp = dp // ep
     dense, dense_trainable, expert = count.total - count.expert, count.trainable - count.expert, count.expert
     params = dense * p_bytes / (dp if zero >= 3 else 1) + expert * p_bytes / (edp if zero >= 3 else 1)
     grads = dense_trainable * g_bytes / (dp if zero >= 2 else 1) + expert * g_bytes / (edp if zero >= 2 else 1)
-    optim = dense_trainable * o_bytes / (dp if zero >= 1 else 1) + expert * o_bytes / (edp if zero >= 1 else 1)
+    dense_states = matrix * o_matrix + (dense_trainable - matrix) * o_rest
+    optim = dense_states / (dp if zero >= 1 else 1) + expert * o_rest / (edp if zero >= 1 else 1)
     return params, grads, optim
 
 
@@ -263,7 +271,10 @@ def in_flight(st: Strategy, stage: int) -> float:
 def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> MemoryBreakdown:
     """Memory of a rank at pipeline coordinate `stage`."""
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
-    params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.replicas, st.ep)  # ZeRO over dp+cp
+    blocks = tuple(i for c in rank_chunks(w.model, st.pp, stage, st.chunks, st.placement) for i in c.layers)
+    matrix = matrix_parameters(w.model, len(blocks), st.tp) if optimizer_entry(w.optimizer).whole_matrices else 0.0
+    params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.replicas, st.ep, w.optimizer,
+                                             matrix)  # ZeRO over dp+cp
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))
     if w.sharding == "fsdp2" and st.pp > 1 and st.zero >= 2:
         grads = 4.0 * count.trainable  # the stage's unsharded fp32 accumulators (workload.SHARDING)
@@ -272,6 +283,11 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
                                                                 stage, gpu is CPU)
     if gpu is CPU:
         return MemoryBreakdown(params, grads, optim, acts, stage=stage, activations_host=host)
+    if st.precision == "mxfp8":  # the largest converted GEMM's cast operands (planner/mx.py)
+        transient += cast_transient_bytes(w.model, st.micro_batch_size(w) * st.local_seq(w), st.tp, gpu)
+    if matrix:  # Muon's step runs after the backward freed the activations (planner/optimizer.py)
+        local = matrix / (st.replicas if st.zero >= 1 else 1)
+        transient = max(transient, muon_transient_bytes(w.model, blocks, st.dp, st.tp, local) - acts)
     if st.replicas > 1:
         # buckets in flight while the next ones fill (no more than the rank's whole gradients: a bucket
         # larger than them is one collective over all of them)

@@ -33,6 +33,7 @@ from ..schedules.registry import DEFAULT_SCHEDULE, SCHEDULES as KINDS
 from .compute import mfu
 from .context_comm import METHODS as CP_METHODS, ulysses_splits
 from .hardware import GiB, Gpu
+from .mx import whole_blocks
 from .memory import MemoryBreakdown, dp_per_node, rank_memory, slow_link_state_bytes
 from .step_time import StepTime, step_time
 from .workload import Strategy, Workload, rank_parameters, total_parameters
@@ -132,7 +133,7 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
     m = w.model
     out = []
     tps = [t for t in _divisors(gpus) if t <= gpu.gpus_per_node and m.heads % t == 0 and m.kv_heads % t == 0
-           and m.ffn_hidden % t == 0]
+           and m.ffn_hidden % t == 0 and (precision != "mxfp8" or whole_blocks(m, t))]  # mxfp8: planner/mx.py
     for tp in tps if "tp" not in fixed else [t for t in tps if t == fixed["tp"]]:
         if gpus % tp:
             continue
@@ -210,6 +211,8 @@ def context_allowed(w: Workload, fixed: dict) -> bool:
     builds all have the attention seam; their mixtures of experts route each rank's part of the sequence)."""
     m = w.model
     if m.experts and m.expert_capacity > 0:  # capacity is a matter of positions: refused under cp
+        return False
+    if w.optimizer == "muon":  # its matrix exchange runs over dp and tp, not cp (config/muon_checks.py)
         return False
     return not fixed.get("hpz", False)
 

@@ -35,7 +35,9 @@ the whole sequence's) and each sparse block all-reduces its routing statistics o
 
 Data-parallel and ZeRO traffic, and how much of it is exposed: planner/dp_comm.py (also local
 SGD / DiLoCo meetings, quantized ZeRO-3 communication and hpZ).
-The optimizer update is memory-bound: ~32 bytes per local parameter over HBM bandwidth.
+The optimizer update is memory-bound: its bytes per local parameter (AdamW 32) over HBM bandwidth; Muon adds
+the busiest owner's Newton-Schulz work and its whole-matrix exchange (planner/optimizer.py).
+MXFP8 (planner/mx.py) prices the linears its auto rule converts (on Blackwell only) at their MXFP8 cost.
 Under every compute term lies the host's dispatch floor (planner/dispatch.py): a micro-batch's
 forward takes at least (operators it issues) x `Gpu.op_overhead_s`, and so do its backward and
 the optimizer update; it decides the step of small models only.
@@ -58,10 +60,11 @@ from .hardware import Gpu
 from .memory import compute_bytes
 from .moe import (all_to_all_seconds, overlapped_all_to_all, pairs_overlap, routed_rows, routing_statistics_bytes,
                   sparse_mlp_flops_per_token)
+from .mx import block_saving_seconds
+from .optimizer import OptimizerStep, matrix_parameters, optimizer_step
 from .pipeline_p2p import p2p_seconds
 from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
 
-OPTIMIZER_BYTES_PER_PARAM = 32  # Adam: read master, m, v, grad; write master, m, v, compute copy
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,18 @@ class StepTime:
     ep_overlapped_s: float = 0.0  # per step: all-to-all hidden behind the paired chunk's compute (planner/moe.py)
     cp_comm_s: float = 0.0  # per step on the critical stage: context-parallel attention communication, exposed
     cp_overlapped_s: float = 0.0  # per step: the ring's transfers hidden behind its block attention
+    # a whole-matrix optimizer (Muon, planner/optimizer.py), inside optimizer_s: the busiest owner's Newton-Schulz
+    # seconds, the exchange's seconds and its bytes per step summed over the critical stage's ranks
+    optimizer_newton_schulz_s: float = 0.0
+    optimizer_exchange_s: float = 0.0
+    optimizer_exchange_bytes: float = 0.0
 
     def as_dict(self) -> dict:
         out = asdict(self)
         if not (self.cp_comm_s or self.cp_overlapped_s):  # layouts without cp: the fields they always had
             del out["cp_comm_s"], out["cp_overlapped_s"]
+        if not (self.optimizer_newton_schulz_s or self.optimizer_exchange_bytes):  # additive: whole-matrix only
+            del out["optimizer_newton_schulz_s"], out["optimizer_exchange_s"], out["optimizer_exchange_bytes"]
         return out
 
 
@@ -166,9 +176,11 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     cp = (st.cp,) if st.cp > 1 else ()
     block_s, block_flops = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu,
                                                  st.precision, *cp)
-    if st.precision == "fp8" and layers:  # the first and last block stay bf16 (precision.fp8_skip_first_last)
+    if st.precision in ("fp8", "mxfp8") and layers:  # the first and last block stay bf16 (fp8_skip_first_last)
         kept = min(layers, int(first) + int(last))
         bf16_s, _ = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu, "bf16", *cp)
+        if st.precision == "mxfp8":  # the linears the auto rule converts, at their MXFP8 cost (planner/mx.py)
+            block_s = bf16_s - block_saving_seconds(m, tokens, st.tp, gpu) / gpu.compute_efficiency
         block_s = (kept * bf16_s + (layers - kept) * block_s) / layers
     rate = block_flops / block_s
     head = head_forward_flops_per_token(m) if last else 0.0
@@ -292,14 +304,23 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
-    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
-    local = ((count.trainable - count.expert) / (st.replicas if st.zero >= 1 else 1)
-             + count.expert / (st.expert_replicas if st.zero >= 1 else 1))
-    optimizer = max(local * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_bytes_per_s, OPTIMIZER_OPS * gpu.op_overhead_s)
-    total = makespan + dp_exposed + optimizer
+    opt = _optimizer_step(w, st, gpu, stage)
+    total = makespan + dp_exposed + opt.total_s
     m = st.microbatches
-    return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, optimizer, total,
-                    simulated, m * ep, m * hidden, m * cp_comm, m * cp_hidden)
+    return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, opt.total_s, total,
+                    simulated, m * ep, m * hidden, m * cp_comm, m * cp_hidden, opt.newton_schulz_s, opt.exchange_s,
+                    opt.exchange_bytes)
+
+
+def _optimizer_step(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> OptimizerStep:
+    """The optimizer's step on pipeline rank `stage`: its update over the rank's local parameters and, for a
+    whole-matrix optimizer (Muon), the stage's Newton-Schulz work and exchange (planner/optimizer.py)."""
+    count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
+    shard = st.replicas if st.zero >= 1 else 1
+    local = (count.trainable - count.expert) / shard + count.expert / (st.expert_replicas if st.zero >= 1 else 1)
+    blocks = tuple(i for c in rank_chunks(w.model, st.pp, stage, st.chunks, st.placement) for i in c.layers)
+    matrix = matrix_parameters(w.model, len(blocks), st.tp) / shard
+    return optimizer_step(w.optimizer, w.model, blocks, local, matrix, st.dp, st.tp, st.zero, gpu, OPTIMIZER_OPS)
 
 
 def hardware_tflops_per_gpu(w: Workload, st: Strategy, seconds: float) -> float:

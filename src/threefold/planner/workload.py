@@ -62,6 +62,7 @@ class Workload:
     loss: str = "threefold"  # LOSSES
     selective: str = "threefold"  # SELECTIVE
     sharding: str = "threefold"  # SHARDING
+    optimizer: str = "adamw"  # train.optimizer, a name of optim/registry.py: its states and step (planner/optimizer.py)
 
     def __post_init__(self):
         for name, value, choices in (("implementation", self.implementation, IMPLEMENTATIONS),
@@ -204,7 +205,7 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
                         sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
                         weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz,
                         act_offload=cfg.remat.offloaded(cfg.model.layers), cp=p.cp, cp_method=p.cp_method)
-    return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len), strategy
+    return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len, optimizer=cfg.train.optimizer), strategy
 
 
 # ------------------------------------------------------------------ parameter counts
