@@ -21,7 +21,7 @@ from ..comm import Comm
 from ..mesh import Mesh
 from ..sharding import Placement
 from .materialise import Deferred
-from .model import Documents, ParallelModel
+from .model import Documents, ParallelModel, Scratch
 from .nvme import ScratchSettings
 from .precision import MixedPrecision
 from .remat import ActivationOffload
@@ -79,6 +79,6 @@ def finish(b: Build, cls: type[ParallelModel] = ParallelModel, **extra) -> Paral
     return cls(b.model, s.grad_sync, s.placements, s.pieces, b.precision, b.zero, b.offload != "none", s.after_step,
                b.regions, pipeline=b.pipeline, spec=b.spec, materialised_bytes=b.allocated, periodic=s.periodic,
                routers=b.routers, settle_weights=s.settle, after_sync=b.after_sync,
-               activation_offload=b.activation_offload, scratch=b.scratch, replica_axis=b.mesh.replica_axis,
-               shard_home=s.shard_home, grad_home=s.grad_home, lora_base=b.lora_base, documents=b.documents,
-               comm=b.comm, **extra)
+               activation_offload=b.activation_offload, replica_axis=b.mesh.replica_axis, lora_base=b.lora_base,
+               scratch=None if b.scratch is None else Scratch(b.scratch, s.shard_home, s.grad_home),
+               documents=b.documents, comm=b.comm, **extra)

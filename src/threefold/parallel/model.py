@@ -137,6 +137,16 @@ def accumulate(model: nn.Module, micro_batches: list, grad_sync: GradSync, globa
     return total
 
 
+@dataclass(frozen=True)
+class Scratch:
+    """parallel.offload=nvme (parallel/nvme.py): where the masters and moments stream from, and under ZeRO-3
+    the parameter shards' scratch file and (without a pipeline) the reduced gradients' (shard_store.py)."""
+
+    settings: ScratchSettings
+    shard_home: ShardStore | None = None
+    grad_home: ShardStore | None = None
+
+
 @dataclass
 class ParallelModel:
     module: nn.Module  # this rank's part of the model
@@ -157,10 +167,8 @@ class ParallelModel:
     # run once the gradient sync has finished (a lossy dp wire under pp: the tied weights' gradient sum)
     after_sync: Callable[[], None] | None = None
     activation_offload: ActivationOffload | None = None  # remat.offload=cpu: the host copies of saved activations
-    scratch: ScratchSettings | None = None  # parallel.offload=nvme: where the states stream from (parallel/nvme.py)
+    scratch: Scratch | None = None  # parallel.offload=nvme: where the states (and ZeRO-3's shards) stream from
     replica_axis: str = "dp"  # the axis gradients are summed over (Mesh.replica_axis: dp, or dp+cp)
-    shard_home: ShardStore | None = None  # nvme under ZeRO-3: the parameter shards' scratch file
-    grad_home: ShardStore | None = None  # and the reduced gradients' (without a pipeline)
     lora_base: object | None = None  # LoRA (parallel/lora.py LoraBase): the frozen base a checkpoint refers to
     documents: Documents | None = None  # packed rows (data.pack): takes each micro-batch's document ids and positions
     comm: object | None = None  # the run's Comm: an optimizer that sees whole matrices exchanges its pieces over it
@@ -172,8 +180,8 @@ class ParallelModel:
         and with parallel.offload=nvme ZeRO-3's shards are in their scratch file (read in here, all
         of them, until the next pass)."""
         self.complete()
-        if self.shard_home is not None:
-            self.shard_home.settle()
+        if self.scratch is not None and self.scratch.shard_home is not None:
+            self.scratch.shard_home.settle()
 
     def complete(self) -> None:
         """The last step's communication complete, the parameters left where they live (the end of a run:
@@ -224,8 +232,9 @@ class ParallelModel:
             cfg = replace(cfg, momentum=0.0, nesterov=False)
         fp32_init = self.precision.fp32_init if self.precision is not None else {}
         if self.scratch is not None:  # masters and moments in a scratch file (config/checks.py refuses the rest)
-            optimizer = NvmeOptimizer(self.pieces, cfg, self.scratch, fp32_init, self.after_step, self.shard_home,
-                                      self.grad_home)
+            s = self.scratch
+            optimizer = NvmeOptimizer(self.pieces, cfg, s.settings, fp32_init, self.after_step, s.shard_home,
+                                      s.grad_home)
         elif self.periodic is not None:  # the replica's own optimizer, then the sync when a period ends
             optimizer = self.periodic.make_optimizer(self.pieces, cfg, fp32_init, self.offload, self.after_step)
         else:
