@@ -5,7 +5,8 @@ strategy, which asks it for `group("tp")`, `rank("pp")`, `size("dp")`. The axis 
 innermost, so tensor-parallel ranks are consecutive global ranks (the same node under the
 usual launchers, where its frequent collectives belong), then cp (context parallelism: its
 ranks hold parts of every sequence and exchange keys and values, so they stay close), then dp,
-then pp outermost.
+then pp outermost. Its sizes are a `Layout` (layout.py, re-exported here: the one record of the
+sizes, which the config's checks, fault injection, checkpoints and the planner read too).
 
 Axes are data. `MESH_AXES` is the ordered tuple of axis descriptions, each a name and its roles:
 which axes replicate parameters (`REPLICA`: gradients are summed over them), shard the batch
@@ -48,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .layout import AXES, Layout
+
 
 REPLICA = "replica"  # parameters replicated: gradients are summed over it
 BATCH = "batch"  # shards the batch: losses and token counts are summed over it
@@ -63,12 +66,10 @@ class Axis:
     roles: frozenset[str]
 
 
-# the axes, outermost first (the global rank is their mixed-radix coordinate, tp fastest)
-MESH_AXES = (Axis("pp", frozenset({PIPELINE})),
-             Axis("dp", frozenset({REPLICA, BATCH})),
-             Axis("cp", frozenset({REPLICA, SEQUENCE})),  # parameters replicated, the batch not split
-             Axis("tp", frozenset({TENSOR})))
-AXES = tuple(axis.name for axis in MESH_AXES)
+# each axis's roles; cp: parameters replicated, the batch not split
+ROLES = {"pp": {PIPELINE}, "dp": {REPLICA, BATCH}, "cp": {REPLICA, SEQUENCE}, "tp": {TENSOR}}
+# the axes, outermost first, in layout.py's order (the global rank is their mixed-radix coordinate, tp fastest)
+MESH_AXES = tuple(Axis(name, frozenset(ROLES[name])) for name in AXES)
 # the axis sets that get one flattened group when more than one of them has size > 1:
 # the replica axes (gradient sums) and the batch and sequence axes (loss and token sums)
 JOINED_ROLES = ((REPLICA,), (BATCH, SEQUENCE))
@@ -136,28 +137,6 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         dist.init_process_group("nccl", timeout=timeout, device_id=device, **alone)
     else:
         dist.init_process_group("gloo", timeout=timeout, **alone)
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1  # expert parallelism: a factor of dp
-    cp: int = 1  # context parallelism: each sequence split over cp ranks
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The sizes of MESH_AXES, in their order."""
-        return tuple(getattr(self, axis) for axis in AXES)
-
-    def __str__(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "")
-                + (f" ep={self.ep}" if self.ep > 1 else ""))
 
 
 _GROUPS: dict[tuple, tuple] = {}  # (device type, shape, node_size) -> (DeviceMesh, groups, node ranks)

@@ -239,11 +239,12 @@ def test_a_fault_layout_tells_context_parallel_runs_apart():
     """fault.layout names cp too (dp,tp,pp[,cp]; cp 1 when not written): a fault for dp 2 does not fire in a
     run of dp 2 x cp 2, and one for 2,1,1,2 does."""
     from threefold.config.debug_checks import fault_applies
+    from threefold.layout import Layout
 
     fault = load_config(None, ["fault.rank=0", "fault.layout=2,1,1"]).fault
-    assert fault_applies(fault, (2, 1, 1, 1)) and not fault_applies(fault, (2, 1, 1, 2))
+    assert fault_applies(fault, Layout(dp=2)) and not fault_applies(fault, Layout(dp=2, cp=2))
     fault = load_config(None, ["fault.rank=0", "fault.layout=2,1,1,2"]).fault
-    assert fault_applies(fault, (2, 1, 1, 2)) and not fault_applies(fault, (2, 1, 1, 1))
+    assert fault_applies(fault, Layout(dp=2, cp=2)) and not fault_applies(fault, Layout(dp=2))
 
 
 def test_an_earlier_hang_report_survives_a_restart(tmp_path):

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..layout import Layout
 
 FORMAT = "threefold-checkpoint"
 VERSION = 1
@@ -102,10 +103,18 @@ class FileInfo:
     sha256: str
 
 
+def layout_record(layout: Layout, zero: int) -> dict:
+    """The manifest's `layout`: dp, tp, pp, the ZeRO stage, the world size, and ep and cp when > 1
+    (`Layout.fields`; cp is recorded only: parameters are replicated over cp, the checkpoint does not
+    depend on it). The keys every version wrote; `Manifest.written_layout` reads them back."""
+    sizes = layout.fields()
+    return {**{k: sizes.pop(k) for k in ("dp", "tp", "pp")}, "zero": zero, "world_size": layout.world_size, **sizes}
+
+
 @dataclass(frozen=True)
 class Manifest:
     step: int
-    layout: dict  # {"dp", "tp", "pp", "zero", "world_size"}
+    layout: dict  # `layout_record`: {"dp", "tp", "pp", "zero", "world_size"} (+ "ep", "cp" when > 1)
     tensors: dict[str, TensorInfo]
     files: dict[str, FileInfo]
     data: dict = field(default_factory=dict)  # {"step", "samples", "global_batch", "seq_len", "seed"}
@@ -126,6 +135,12 @@ class Manifest:
 
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
+
+    @property
+    def written_layout(self) -> Layout | None:
+        """The Layout the checkpoint was written with (a size the manifest does not name is 1); None
+        where it names none (a torch.distributed.checkpoint directory)."""
+        return Layout.from_fields(self.layout) if "dp" in self.layout else None
 
 
 def read_manifest(ckpt: Path) -> Manifest:

@@ -173,7 +173,7 @@ class TrainingState:
     # (their split over buckets and dp ranks would not fit).
     rank_state: RankState | None = None
     rank: int = 0
-    layout: dict = field(default_factory=dict)
+    layout: dict = field(default_factory=dict)  # the manifest's layout this run writes (format.py layout_record)
     _pending: dict = field(default_factory=dict, repr=False)
 
     def _rank_prefix(self) -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 from .sections import (CheckpointConfig, CompressConfig, ModelConfig, ParallelConfig, Sections, TrainConfig,
                               offload_block_set)
 from ..errors import ConfigError, UserError
+from ..layout import Layout
 from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
 from ..observe.trackers import check_installed
 from .debug_checks import fault_applies, validate_debug
@@ -57,8 +58,9 @@ def _validate(c: S, world_size: int) -> S:
         if m.preset.startswith("py:") and value > 1:  # a user's nn.Module (models/py_module.py) has no plan
             raise ConfigError(key, f"{value} needs a plan, which {m.preset} does not have; use {key}=1 "
                               "(or describe the model as a ModelSpec)")
-    dp = p.dp or world_size // (p.cp * p.tp * p.pp)
-    if dp < 1 or dp * p.cp * p.tp * p.pp != world_size:
+    layout = Layout.of(p, world_size)
+    dp = layout.dp
+    if dp < 1 or layout.world_size != world_size:
         cp = f" x cp={p.cp}" if p.cp > 1 else ""
         raise ConfigError(
             "parallel", f"layout dp={p.dp or 'auto'}{cp} x tp={p.tp} x pp={p.pp} does not match the world size "
@@ -124,7 +126,7 @@ def _validate(c: S, world_size: int) -> S:
     for rule, key in nil_effects(c, dp):
         if rule.refuse:
             raise ConfigError(key, rule.message(key, c))
-    if fault_applies(c.fault, (dp, p.tp, p.pp, p.cp)) and c.fault.rank >= world_size:
+    if fault_applies(c.fault, layout) and c.fault.rank >= world_size:
         raise ConfigError("fault.rank", f"rank {c.fault.rank} does not exist in a world of {world_size}")
     return replace(c, parallel=replace(p, dp=dp), model=m, compress=_compress_warmup(c.compress, t.steps))
 

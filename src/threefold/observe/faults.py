@@ -1,7 +1,8 @@
 """Fault injection (config `fault`), so that tests can show what the debugging tools report.
 
 The trainer asks the injector at fixed points of each step; a fault acts only on `fault.rank`,
-only in runs of `fault.layout` when one is given, and from the start of `fault.step`:
+only in runs of `fault.layout` when one is given (the run's `Layout`, layout.py, with those mesh
+sizes), and from the start of `fault.step`:
 
     raise            RuntimeError at the start of the step
     kill             SIGKILL at the start of the step
@@ -38,6 +39,7 @@ from ..config.debug_checks import fault_applies
 from ..data import Batch
 from ..errors import ConfigError
 from ..launch.nodes import AGENT_PID, NODE_RANK
+from ..layout import Layout
 
 
 class SignalCount(Protocol):
@@ -52,8 +54,10 @@ def first_attempt() -> bool:
 
 
 class FaultInjector:
-    def __init__(self, fault: FaultConfig, layout: tuple[int, int, int, int], rank: int, model: nn.Module, vocab: int,
+    def __init__(self, fault: FaultConfig, layout: Layout, rank: int, model: nn.Module, vocab: int,
                  stop: SignalCount | None = None):
+        if isinstance(layout, tuple):  # a caller still handing (dp, tp, pp, cp): the same layout
+            layout = Layout(*layout[:3], cp=layout[3])
         self.fault = fault
         self.stop = stop
         applies = fault_applies(fault, layout)

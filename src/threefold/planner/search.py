@@ -19,7 +19,7 @@ hpZ for ZeRO-3 (`hpz_group`: the secondary weight partition over the dp ranks of
 group the runtime builds, parallel/hpz.py; tried with each checkpointing policy, kept when faster
 and fitting).
 
-The answer names the best strategy and, for every other (dp, tp, pp, ep, zero, cp) family, its best
+The answer names the best strategy and, for every other (layout, zero) family, its best
 member with the reason it loses: memory short by how much, or slower by how much and where
 the time goes (bubble, tensor-parallel or data-parallel communication, recomputation).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from ..layout import Layout
 from ..schedules.registry import DEFAULT_SCHEDULE, SCHEDULES as KINDS
 from .compute import mfu
 from .context_comm import METHODS as CP_METHODS, ulysses_splits
@@ -151,8 +152,9 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
             eps = [e for e in eps if e == fixed["ep"]] if "ep" in fixed else eps
             methods = context_methods(m, tp, cp, fixed)
             for zero, ep, cp_method in product([zeros] if isinstance(zeros, int) else zeros, eps, methods):
+                layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp)
                 hpz = fixed.get("hpz", False)
-                if hpz and not hpz_group(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp), gpu):
+                if hpz and not hpz_group(Strategy.of(layout, zero=zero), gpu):
                     continue
                 if "microbatches" in fixed:
                     mbs = [fixed["microbatches"]] if per_rank % fixed["microbatches"] == 0 else []
@@ -173,12 +175,12 @@ def enumerate_strategies(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = 
                         if pp > 1 and (KINDS[schedule].check(pp, micro, v)
                                        or pp * KINDS[schedule].chunks_for(v) > m.layers):
                             continue
-                        out.append(Strategy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro, remat=remat,
-                                            schedule=schedule, virtual_stages=v,
-                                            sequence_parallel=fixed.get("sequence_parallel", tp > 1),
-                                            precision=precision, remat_every=fixed.get("remat_every", 2), ep=ep,
-                                            hpz=hpz, bucket_mb=fixed.get("bucket_mb", Strategy.bucket_mb),
-                                            **({"cp": cp, "cp_method": cp_method} if cp > 1 else {})))
+                        out.append(Strategy.of(layout, zero=zero, microbatches=micro, remat=remat,
+                                               schedule=schedule, virtual_stages=v,
+                                               sequence_parallel=fixed.get("sequence_parallel", tp > 1),
+                                               precision=precision, remat_every=fixed.get("remat_every", 2),
+                                               hpz=hpz, bucket_mb=fixed.get("bucket_mb", Strategy.bucket_mb),
+                                               **({"cp_method": cp_method} if cp > 1 else {})))
     return out
 
 
@@ -302,7 +304,7 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
     for st in strategies:
         mem = rank_memory(w, st, gpu)
         fits = mem.total <= gpu.memory_bytes
-        key = (st.dp, st.tp, st.pp, st.ep, st.zero, st.cp)
+        key = (Layout.of(st), st.zero)
         held = families.get(key)
         if not fits:  # keep the smallest non-fitting member until a fitting one shows up
             if held is None or (not held.fits and mem.total < held.memory.total):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import Config, ModelConfig
+from ..layout import Layout
 from ..schedules.registry import DEFAULT_SCHEDULE
 from .moe import expert_parameters, sparse_block_extra, sparse_block_rank_extra, sparse_blocks
 
@@ -80,10 +81,10 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Strategy:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+class Strategy(Layout):
+    """A layout (dp, tp, pp, ep, cp: layout.py, the record the runtime reads) with the knobs the planner
+    searches beside it."""
+
     zero: int = 0
     microbatches: int = 1  # per data-parallel rank per step
     remat: str = "none"  # none | selective | full | every-k
@@ -93,7 +94,6 @@ class Strategy:
     precision: str = "bf16"  # fp32 | bf16 | fp16
     remat_every: int = 2
     bucket_mb: float = 25.0
-    ep: int = 1  # expert parallelism, carved out of dp (mixtures of experts only)
     # slow links (planner/slow_links.py): periodic synchronisation and ZeRO++-style ZeRO-3 communication
     sync_every: int = 1  # H: replicas meet every H steps (local SGD / DiLoCo); needs zero = 0
     outer: str = "none"  # none (local SGD) | nesterov (DiLoCo: outer parameters and momentum kept)
@@ -101,20 +101,12 @@ class Strategy:
     grad_comm: str = "none"  # ZeRO-3 gradient reduce-scatter: none | int8
     hpz: bool = False  # ZeRO-3: a secondary weight partition inside the node for the backward all-gather
     act_offload: tuple[int, ...] = ()  # remat.offload=cpu: global indices of the blocks whose saves go to the host
-    # context parallelism (docs/context.md): each sequence split over cp ranks (zigzag), parameters replicated
-    # over cp; the attention of `cp_method` (planner/context_comm.py METHODS) brings the other ranks' keys
-    cp: int = 1
+    # context parallelism (docs/context.md, Layout.cp): each sequence split over cp ranks (zigzag), parameters
+    # replicated over cp; the attention of `cp_method` (planner/context_comm.py METHODS) brings the other ranks' keys
     cp_method: str = "ring"
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def replicas(self) -> int:
-        """The ranks one gradient is reduced over and ZeRO shards over: dp and cp together (mesh.py
-        `replica_axis`, one collective over dp+cp); dp alone at cp = 1."""
-        return self.dp * self.cp
+    def __str__(self) -> str:
+        return self.label()
 
     def local_seq(self, w: "Workload") -> int:
         """Tokens of one sequence on a rank: the whole sequence, or its 1/cp zigzag part."""
@@ -150,31 +142,16 @@ class Strategy:
         from ..schedules.registry import SCHEDULES
         return SCHEDULES[self.schedule].placement
 
-    @property
-    def edp(self) -> int:
-        """The dp ranks holding the same experts (dp / ep)."""
-        return self.dp // self.ep
-
-    @property
-    def expert_replicas(self) -> int:
-        """The ranks one routed expert's gradient is reduced and ZeRO-sharded over: edp, and under context
-        parallelism edp x cp in one collective (mesh.py `expert_replica_axis`, docs/context.md)."""
-        return self.edp * self.cp
-
     def micro_batch_size(self, w: Workload) -> int:
         return w.global_batch // (self.dp * self.microbatches)
 
     def label(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}", f"m={self.microbatches}",
-                 f"ckpt={self.remat}"]
-        if self.cp > 1:
-            parts[3:3] = [f"cp={self.cp}", f"cp_method={self.cp_method}"]
+        parts = [Layout.__str__(self), *([f"cp_method={self.cp_method}"] if self.cp > 1 else []),
+                 f"zero={self.zero}", f"m={self.microbatches}", f"ckpt={self.remat}"]
         if self.pp > 1:
             parts.append(self.schedule_label)
         if self.sequence_parallel:
             parts.append("sp")
-        if self.ep > 1:
-            parts.insert(3, f"ep={self.ep}")
         if self.sync_every > 1:
             parts.append(f"H={self.sync_every}" + (" diloco" if self.outer == "nesterov" else ""))
         if self.weight_comm != "none" or self.grad_comm != "none":
@@ -198,13 +175,13 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
     `device_type` (which settles `precision.compute=auto`: bf16 on CUDA, fp32 on the CPU)."""
     cfg = cfg.for_device(device_type).validate(world_size)
     p = cfg.parallel
-    strategy = Strategy(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, microbatches=cfg.train.microbatches,
-                        remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,
-                        virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=p.sequence_parallel,
-                        precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb, ep=p.ep,
-                        sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
-                        weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz,
-                        act_offload=cfg.remat.offloaded(cfg.model.layers), cp=p.cp, cp_method=p.cp_method)
+    strategy = Strategy.of(p, zero=p.zero, microbatches=cfg.train.microbatches,
+                           remat=cfg.remat.policy, schedule=cfg.pipeline.schedule,
+                           virtual_stages=cfg.pipeline.virtual_stages, sequence_parallel=p.sequence_parallel,
+                           precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb,
+                           sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
+                           weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz,
+                           act_offload=cfg.remat.offloaded(cfg.model.layers), cp_method=p.cp_method)
     return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len, optimizer=cfg.train.optimizer), strategy
 
 
