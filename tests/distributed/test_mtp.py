@@ -5,9 +5,13 @@ written out, on the parameters by name, each depth on its row cut to s - k posit
 threefold's initial weights, with `torch.optim.AdamW`, `clip_grad_norm_` and the warm-up + cosine
 rate written out (tests/distributed/test_reference.py). Loss and every parameter after 3 steps,
 relative 1e-5 per tensor, under (1,1,1), dp2, tp2 with a tied embedding (the head's vocabulary
-slice also embeds the depths' tokens), ZeRO-1 and ZeRO-3 at dp2. The (1,1,1) run's checkpoint then exports: to Hugging Face without
-the depths (one line says so; transformers' logits match threefold's), to DCP with them. Packed rows:
-one packed step against the plain depths on each document alone."""
+slice also embeds the depths' tokens), ZeRO-1 and ZeRO-3 at dp2, and under pipeline parallelism with
+the depths on the last stage and its own copy of the embedding (pipeline/adapter.py): pp2 1F1B,
+pp2 interleaved over 4 layers with a tied embedding, pp2 dp2 ZeRO-1; the copies of a weight held by
+several ranks (the two ends' embeddings, dp replicas) agree exactly. The (1,1,1) run's checkpoint
+then exports: to Hugging Face without the depths (one line says so; transformers' logits match
+threefold's), to DCP with them. Packed rows: one packed step against the plain depths on each
+document alone."""
 
 import json
 from pathlib import Path
@@ -31,7 +35,11 @@ BASE = ["model.preset=tiny-llama", "model.mtp_depth=2", "model.mtp_weight=0.5", 
         "train.min_lr_ratio=0.1", "train.weight_decay=0.1", "train.eps=1e-6", "train.grad_clip=0.5",
         "train.eval_every=0"]
 LAYOUTS = {"dp2": ["parallel.dp=2"], "tp2-tied": ["parallel.tp=2", "model.tie_embeddings=true"],
-           "dp2-zero1": ["parallel.dp=2", "parallel.zero=1"], "dp2-zero3": ["parallel.dp=2", "parallel.zero=3"]}
+           "dp2-zero1": ["parallel.dp=2", "parallel.zero=1"], "dp2-zero3": ["parallel.dp=2", "parallel.zero=3"],
+           "pp2": ["parallel.pp=2"], "pp2-interleaved-tied-4layers": ["parallel.pp=2", "pipeline.schedule=interleaved",
+                                                                      "pipeline.virtual_stages=2", "model.layers=4",
+                                                                      "model.tie_embeddings=true"]}
+FOUR = {"pp2-dp2-zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"]}  # 4 ranks
 TOL = 1e-5
 
 
@@ -65,28 +73,44 @@ def reference_run(overrides: list[str]) -> dict:
 def errors(results: list[dict], ref: dict) -> tuple[float, tuple[float, str]]:
     loss = max(abs(a - b) / abs(b) for r in results for a, b in zip(r["losses"], ref["losses"], strict=True))
     got = assemble([r["params"] for r in results], [r["placements"] for r in results])
+    copies = {}  # (global name, boxes) -> the first rank's local tensor: every other copy equals it exactly
+    for r in results:
+        for name, local in r["params"].items():
+            place = r["placements"][name]
+            first = copies.setdefault((place.name, repr(place.boxes())), local)
+            assert torch.equal(first, local), f"the copies of {place.name} differ between ranks"
     assert got.keys() == ref["params"].keys()
     return loss, max((rel_err(got[k], v), k) for k, v in ref["params"].items())
 
 
+def model_of(name: str) -> tuple[bool, bool]:
+    """(tied embedding, 4 layers) of a layout's model."""
+    return "tied" in name, "4layers" in name
+
+
 def test_mtp_trains_as_the_plain_loop_under_every_layout(worlds, tmp_path, capsys):
-    refs = {tied: reference_run(BASE + (["model.tie_embeddings=true"] if tied else [])) for tied in (False, True)}
-    assert refs[False]["extras"][0] > 0.3 * refs[False]["losses"][0]  # the depths weigh in the loss
-    assert refs[False]["losses"][-1] < refs[False]["losses"][0]  # it trains
+    refs = {(tied, four): reference_run(BASE + (["model.tie_embeddings=true"] if tied else [])
+                                        + (["model.layers=4"] if four else []))
+            for tied, four in {model_of(name) for name in (*LAYOUTS, *FOUR)}}
+    plain = refs[False, False]
+    assert plain["extras"][0] > 0.3 * plain["losses"][0]  # the depths weigh in the loss
+    assert plain["losses"][-1] < plain["losses"][0]  # it trains
     single = worlds(1).run(train_many, [(BASE + ["checkpoint.save_every=3"], str(tmp_path / "single"))])[0][0]
-    runs = [(BASE + overrides, str(tmp_path / name)) for name, overrides in LAYOUTS.items()]
-    per_rank = worlds(2).run(train_many, runs)
+    per_rank = {world: worlds(world).run(train_many, [(BASE + overrides, str(tmp_path / name))
+                                                      for name, overrides in layouts.items()])
+                for world, layouts in ((2, LAYOUTS), (4, FOUR))}
     lines = []
-    for i, (name, results) in enumerate([("(1,1,1)", [single]),
-                                         *((n, [r[j] for r in per_rank]) for j, n in enumerate(LAYOUTS))]):
-        loss, (param, worst) = errors(results, refs["tied" in name])
+    for name, results in [("(1,1,1)", [single]), *((n, [r[j] for r in per_rank[world]])
+                                                   for world, layouts in ((2, LAYOUTS), (4, FOUR))
+                                                   for j, n in enumerate(layouts))]:
+        loss, (param, worst) = errors(results, refs[model_of(name)])
         lines.append(f"{name}: loss {loss:.1e} params {param:.1e} ({worst})")
         assert loss <= TOL and param <= TOL, lines[-1]
     with capsys.disabled():
         print("\nmulti-token prediction against the plain PyTorch loop, 3 steps:\n  " + "\n  ".join(lines))
-    for name in ["single", *LAYOUTS]:  # metrics.jsonl's mtp_loss: the weighted depth losses per main token
+    for name in ["single", *LAYOUTS, *FOUR]:  # metrics.jsonl's mtp_loss: the weighted depth losses per main token
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        want = refs["tied" in name]["extras"]
+        want = refs[model_of(name)]["extras"]
         got = [r["mtp_loss"] for r in records]
         assert len(got) == len(want) and all(abs(a - b) <= TOL * abs(b) for a, b in zip(got, want)), (name, got, want)
         assert all(len(r["mtp_ce"]) == 2 and min(r["mtp_ce"]) > 0 for r in records)

@@ -117,7 +117,7 @@ def test_depth_targets_stop_at_the_row_end_and_at_document_boundaries():
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["parallel.pp=2", "model.layers=4"], "pipeline parallelism"),
+    (["parallel.pp=2", "model.layers=4", "pipeline.schedule=pipedream-2bw", "train.microbatches=2"], "pipedream-2bw"),
     (["parallel.cp=2"], "context parallelism"),
     (["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel"),
     (["train.seq_len=2"], "no target"),
@@ -127,6 +127,13 @@ def test_refusals_name_the_key(extra, needle):
     with pytest.raises(ConfigError, match=needle) as info:
         load_config(None, LLAMA + extra).validate(2)
     assert info.value.field == "model.mtp_depth"
+
+
+def test_pipeline_parallelism_is_taken():
+    """The depths run on the last stage (pipeline/adapter.py `MTPAdapter`): every synchronous schedule."""
+    for schedule in ("1f1b", "interleaved", "dualpipev"):
+        load_config(None, LLAMA + ["parallel.pp=2", "model.layers=4", "train.microbatches=4",
+                                   f"pipeline.schedule={schedule}"]).validate(2)
 
 
 def test_a_weight_without_depths_is_refused():

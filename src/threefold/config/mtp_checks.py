@@ -22,10 +22,10 @@ def validate_mtp(c: Sections) -> None:
         if m.preset.startswith(prefix):
             raise ConfigError("model.mtp_depth", f"multi-token prediction is built into threefold's own decoder, "
                               f"not {what}; set model.mtp_depth=0")
-    if p.pp > 1:
-        raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under pipeline parallelism "
-                          f"(pp={p.pp}): its depths embed tokens with the shared embedding, which lives on the "
-                          "first stage, and the last stage keeps no copy of it; use parallel.pp=1 or mtp_depth=0")
+    if p.pp > 1 and c.pipeline.schedule == "pipedream-2bw":
+        raise ConfigError("model.mtp_depth", "multi-token prediction does not run under pipedream-2bw: the depths on "
+                          "the last stage share the embedding with the first, whose gradients must meet between the "
+                          "two stages (a flush) as a tied weight's do; use another pipeline.schedule or mtp_depth=0")
     if p.cp > 1:
         raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under context parallelism "
                           f"(cp={p.cp}): depth k embeds and predicts tokens k positions along the sequence, which "

@@ -109,13 +109,16 @@ def mtp_loss(depths: nn.ModuleList, embed: nn.Module, head: Head, loss: Loss, x_
     return total
 
 
-def mtp_tally(module: nn.Module, device) -> torch.Tensor | None:
+def mtp_tally(module: nn.Module, device, depth: int = 0) -> torch.Tensor | None:
     """This rank's multi-token prediction figures since the last call, (D, 3) float64 per depth: the
     weighted summed loss (as added to the loss), the plain summed cross-entropy, the counted targets;
-    None for a model without depths. The caller sums the table over the batch and sequence axes (dp,
-    cp; every tp rank holds the whole loss) and reads it with `mtp_figures`."""
+    zeros on a pipeline rank without the depths (they live on the last stage) of a model of `depth`
+    depths; None for a model without depths. The caller sums the table over the pipeline, batch and
+    sequence axes (pp, dp, cp; every tp rank holds the whole loss) and reads it with `mtp_figures`."""
     depths = [m for m in module.modules() if isinstance(m, MTPDepth)]
-    return torch.stack([d.take_tally(device) for d in depths]) if depths else None
+    if depths:
+        return torch.stack([d.take_tally(device) for d in depths])
+    return torch.zeros(depth, 3, dtype=torch.float64, device=device) if depth else None
 
 
 def mtp_figures(table: torch.Tensor, tokens: float | torch.Tensor) -> dict:

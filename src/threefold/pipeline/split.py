@@ -16,7 +16,7 @@ from ..comm import Comm
 from ..config import Config
 from ..mesh import PAIR, Mesh
 from ..observe.memory import SavedTensorMeter
-from .adapter import DecoderAdapter, PipelineAdapter
+from .adapter import DecoderAdapter, MTPAdapter, PipelineAdapter
 from .runtime import ModuleCompute, PipelineRuntime
 from ..schedules.registry import Schedule, build_schedule, kind, pair_overlap_blockers, paired_schedule
 from ..config.checks import parse_split
@@ -113,6 +113,8 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
     device (only this rank's stages are then allocated); `parallelize` materialises instead.
     """
     adapter = adapter or DecoderAdapter()
+    if cfg.model.mtp_depth:  # the depths and a copy of the embedding on the last stage (adapter.py)
+        adapter = MTPAdapter(adapter, cfg.model.mtp_weight, cfg.model.loss_chunk)
     p, v = mesh.size("pp"), cfg.pipeline.virtual_stages
     schedule = build_schedule(cfg.pipeline.schedule, p, cfg.train.microbatches, v)
     all_stages = plan_stages(model, adapter, cfg, schedule.num_stages, mesh, comm)
@@ -125,10 +127,9 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
     names = global_names(module, tied_map)
     holds_first, holds_last = any(s.first for s in mine), any(s.last for s in mine)
     tied, peer = [], 0
-    if tied_map and holds_first != holds_last:  # under the V placement rank 0 holds both ends: one weight
-        local = dict(module.named_parameters())
-        wanted = tied_map.values() if holds_first else tied_map.keys()
-        tied = [local[n] for n in wanted if n in local and local[n].requires_grad]
+    shared = adapter.shared(model) if isinstance(adapter, MTPAdapter) else []
+    if (tied_map or shared) and holds_first != holds_last:  # under the V placement rank 0 holds both ends
+        tied = shared_weights(module, names, [*tied_map.values(), *shared])
         peer = schedule.stage_rank(all_stages[-1].index) if holds_first else schedule.stage_rank(0)
     seq_shards = mesh.size("tp") if cfg.parallel.sequence_parallel else 1
     overlap = overlaps_pairs(cfg, mesh)
@@ -136,6 +137,13 @@ def split_pipeline(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, init=N
         mesh.add_lane("ep", PAIR)
     return PipelineSplit(module, mine, all_stages, schedule, adapter, names, tied, peer, cfg.model, seq_shards,
                          overlap)
+
+
+def shared_weights(module: RankModule, names: dict[str, str], wanted: list[str]) -> list[nn.Parameter]:
+    """This end's trainable copies of the weights of global names `wanted` (a tied head stands for its
+    embedding), once each and in the order of their global names: both ends list them alike."""
+    local = {names[n]: q for n, q in module.named_parameters() if q.requires_grad}
+    return [local[n] for n in sorted(set(wanted)) if n in local]
 
 
 def _grad_or_zeros(param: nn.Parameter, gradient_of) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..data.build import build_samplers
 from ..data.loader import Loader, bound_ids
 from ..errors import UserError
 from ..launch.signals import PREEMPTED_EXIT
-from ..mesh import BATCH, SEQUENCE, Layout, Mesh, init_distributed, local_world_size, pick_device
+from ..mesh import BATCH, PIPELINE, SEQUENCE, Layout, Mesh, init_distributed, local_world_size, pick_device
 from ..models.mtp import mtp_figures, mtp_tally
 from ..models.registry import model_spec
 from ..observe.determinism import configure_determinism, restore, set_deterministic_environment
@@ -276,9 +276,11 @@ class Trainer:
         mem = self.memory()
         moe = router_metrics(self.parallel.module, self.comm, self.parallel.pipeline is not None) \
             if self.parallel.routers else None  # the `moe` metrics of the step
-        mtp = mtp_tally(self.parallel.module, self.mesh.device)  # multi-token prediction's depths (no pp: refused)
+        # multi-token prediction's depths (on the last pipeline stage: zeros elsewhere)
+        mtp = mtp_tally(self.parallel.module, self.mesh.device, self.cfg.model.mtp_depth)
         if mtp is not None:
-            self.comm.all_reduce_over(mtp, self.mesh.axes_where(BATCH, SEQUENCE), tag="metrics")
+            for over in (self.mesh.axes_where(PIPELINE), self.mesh.axes_where(BATCH, SEQUENCE)):
+                self.comm.all_reduce_over(mtp, over, tag="metrics")
         comm = self.comm.traffic.take_window()  # this step's bytes, before the next step adds its own
         return LaunchedStep(step, result, figures, start, self.clock.mark(),
                             sum(mb.targets.numel() for mb in micro_batches), data_wait,
