@@ -22,26 +22,30 @@ def llama(tmp_path_factory):
     return directory
 
 
-def test_train_export_and_plan_a_hugging_face_directory(llama, tmp_path):
+def test_train_export_and_plan_a_hugging_face_directory(llama, tmp_path, capsys):
+    """The run needs its own processes (--nproc 2); export and plan run in this one through the same
+    `main` (a child process each would add only the start-up of torch and transformers)."""
     import torch
     import transformers
+
+    from threefold.cli import main
 
     run = threefold("train", "--model", f"hf:{llama}", "--nproc", "2", "--tp", "2", *QUICK, "--save-every", "2",
                     "--out", str(tmp_path / "run"))
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    export = threefold("ckpt", "export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"))
-    assert export.returncode == 0, export.stderr
+    capsys.readouterr()
+    assert main(["ckpt", "export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")]) == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "tokenizer.json").read_text() == (llama / "tokenizer.json").read_text()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     source = transformers.AutoModelForCausalLM.from_pretrained(str(llama))
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, source.get_parameter(n))]
     assert "model.layers.0.self_attn.q_proj.weight" in changed  # trained weights, under the library's names
-    again = threefold("ckpt", "export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"))
-    assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites
-    plan = threefold("plan", "--model", f"hf:{llama}", "--gpus", "8", "--seq-len", "16")
-    assert plan.returncode == 0, plan.stderr
+    capsys.readouterr()
+    again = main(["ckpt", "export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")])
+    assert again == 2 and "not empty" in capsys.readouterr().err  # never overwrites
+    assert main(["plan", "--model", f"hf:{llama}", "--gpus", "8", "--seq-len", "16"]) == 0, capsys.readouterr().err
     parity = threefold("parity", "--model", f"hf:{llama}", "--layouts", "1,1,1 1,2,1", "--steps", "2",
                        "--global-batch", "4", "--seq-len", "16", "--out", str(tmp_path / "parity"), timeout=300)
     assert parity.returncode == 0 and "parity PASSED" in parity.stdout, parity.stdout[-2000:] + parity.stderr
