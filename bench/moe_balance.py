@@ -13,7 +13,7 @@ the first seed's runs (running mean of 10 steps) is plotted to `--plot` (docs/im
 One torch thread per run (`run.threads=1`: on a loaded machine spinning threads cost more than they
 give); `--jobs N` runs N of them side by side.
 
-    PYTHONPATH=src nice -n 2 python bench/moe_balance.py --steps 400 --seeds 3 --jobs 2
+    PYTHONPATH=src nice -n 2 python bench/moe_balance.py --steps 400 --seeds 3 --jobs 5
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ RULES = {"aux": ["model.router_balance=aux"],
          "bias 0.01": [*BIAS, "model.router_bias_rate=0.01"],
          "bias 0.003 alpha 0.001": [*BIAS, "model.router_bias_rate=0.003", "model.router_seq_aux_weight=0.001"],
          "bias 0.005 alpha 0.001": [*BIAS, "model.router_bias_rate=0.005", "model.router_seq_aux_weight=0.001"]}
-DEFAULT_RULES = "aux,bias 0.001,bias 0.003,bias 0.005,bias 0.01"
+DEFAULT_RULES = "aux,bias 0.001,bias 0.003,bias 0.005,bias 0.003 alpha 0.001"
 
 
 def train_run(rule: list[str], steps: int, seed: int, out: Path, extra: tuple[str, ...] = ()) -> list[dict]:
@@ -87,7 +87,7 @@ def report(runs: list[dict], names: list[str], seeds: int) -> dict[str, dict]:
             "  meets the target" if t["imbalance"] <= aux["imbalance"] and t["ce"] <= aux["ce"] else "  misses")
         print(f"  {name:>22}: max/mean load {t['imbalance']:.3f} (std {t['imbalance_std']:.3f})  "
               f"cross-entropy {t['ce']:.4f} (std {t['ce_std']:.4f})  seeds: "
-              + ", ".join(f"{load:.3f}/{ce:.4f}" for load, ce in t["seeds"]) + verdict)
+              + ", ".join(f"{load:.3f}/{ce:.4f}" for load, ce in t["seeds"]) + verdict, flush=True)
     return table
 
 
@@ -114,13 +114,15 @@ def main() -> None:
             r = runs[-1]
             print(f"seed {r['seed']} {r['rule']:>22}: max/mean load {r['imbalance']:.3f}  cross-entropy {r['ce']:.4f}  "
                   f"({r['cpu_s']:.0f} s CPU)", flush=True)
-    print(f"over {a.seeds} seeds x {a.steps} steps (last {window} steps averaged; "
-          f"{sum(r['cpu_s'] for r in runs):.0f} s of CPU in all):")
-    table = report(runs, names, a.seeds)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "table": table, "runs": runs}))
-    if a.plot:
-        plot({r["rule"]: r["curve"] for r in runs if r["seed"] == 0}, Path(a.plot))
+            if len(runs) % len(names) == 0:  # a seed is complete: the table so far (a long sweep can be cut short)
+                seeds = len(runs) // len(names)
+                print(f"over {seeds} seeds x {a.steps} steps (last {window} steps averaged; "
+                      f"{sum(r['cpu_s'] for r in runs):.0f} s of CPU in all):", flush=True)
+                table = report(runs, names, seeds)
+                if a.json:
+                    Path(a.json).write_text(json.dumps({"args": vars(a), "table": table, "runs": runs}))
+                if a.plot:
+                    plot({r["rule"]: r["curve"] for r in runs if r["seed"] == 0}, Path(a.plot))
 
 
 def smooth(values: list[float], n: int = 10) -> list[float]:
@@ -137,9 +139,10 @@ def plot(curves: dict[str, list[tuple[int, float, float]]], path: Path) -> None:
     for name, rows in curves.items():
         steps = [r[0] for r in rows]
         load.plot(steps, smooth([r[1] for r in rows]), label=name, lw=1)
-        ce.plot(steps, smooth([r[2] for r in rows]), label=name, lw=1)
+        late = len(rows) // 4  # the cross-entropy after its first fall, where the rules differ
+        ce.plot(steps[late:], smooth([r[2] for r in rows])[late:], label=name, lw=1)
     load.set(xlabel="step", ylabel="max / mean tokens per expert", title="expert load (seed 0, mean of 10 steps)")
-    ce.set(xlabel="step", ylabel="cross-entropy (nats)", title="loss less the auxiliary losses (mean of 10 steps)")
+    ce.set(xlabel="step", ylabel="cross-entropy (nats)", title="loss less the auxiliary losses (seed 0, mean of 10 steps)")
     load.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
