@@ -151,3 +151,10 @@ def test_plan_help_names_the_optimizers_and_mxfp8(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--optimizer {" + ",".join(ENTRIES) + "}" in text and "mxfp8" in text
+
+
+def test_planning_muon_in_mxfp8_imports_no_torch():
+    from tests.unit.test_cli_startup import modules_after
+
+    assert "torch" not in modules_after(["plan", "--model", "tiny", "--gpus", "2", "--optimizer", "muon",
+                                         "--precision", "mxfp8"])
