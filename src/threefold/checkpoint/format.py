@@ -251,16 +251,22 @@ def parse_manifest(raw, where: str) -> Manifest:
         _check_cover(name, shape, slices, bad)
         tensors[name] = TensorInfo(shape, dtype, tuple(slices))
 
+    rng = _parse_rng(obj(raw.get("rng", {}), "rng"), obj, bad)
+    return Manifest(step, layout, tensors, files, obj(raw.get("data", {}), "data"), rng,
+                    obj(raw.get("extra", {}), "extra"), obj(raw.get("config", {}), "config"))
+
+
+def _parse_rng(raw: dict, obj, bad) -> dict[int, dict[str, str]]:
+    """The manifest's rng: {rank number: {generator name: base64 state}} (`obj`, `bad`: parse_manifest's checks)."""
     rng = {}
-    for rank, states in obj(raw.get("rng", {}), "rng").items():
+    for rank, states in raw.items():
         if not (isinstance(rank, str) and rank.isdigit()):
             raise bad("rng", f"key {rank!r:.40} is not a rank number")
         states = obj(states, f"rng.{rank}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in states.items()):
             raise bad(f"rng.{rank}", "must map generator names to base64 strings")
         rng[int(rank)] = dict(states)
-    return Manifest(step, layout, tensors, files, obj(raw.get("data", {}), "data"), rng,
-                    obj(raw.get("extra", {}), "extra"), obj(raw.get("config", {}), "config"))
+    return rng
 
 
 def _check_cover(name: str, shape: tuple[int, ...], slices: list[Slice], bad) -> None:
