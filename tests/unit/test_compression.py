@@ -52,9 +52,9 @@ def test_powersgd_compresses_only_matrices_that_shrink():
 def test_one_process_and_plain_methods_pick_the_dense_hook():
     for method in ("none", "fp16", "bf16", "dgc", "onebit", "powersgd"):
         cfg = load_config(None, [f"compress.method={method}", "compress.warmup_steps=2"])
-        hook = make_comm_hook(cfg, dp=1)
+        hook = make_comm_hook(cfg.compress, cfg.train.grad_clip, cfg.train.seed, dp=1)
         assert isinstance(hook, DenseHook) and hook.wire_dtype is None and not hook.hierarchical
-    pick = {m: make_comm_hook(load_config(None, [f"compress.method={m}", "compress.warmup_steps=2"]), dp=4)
+    pick = {m: make_comm_hook(load_config(None, [f"compress.method={m}", "compress.warmup_steps=2"]).compress, 0.0, 0, dp=4)
             for m in ("fp16", "bf16", "dgc", "onebit", "powersgd")}
     assert pick["fp16"].wire_dtype == torch.float16 and pick["bf16"].wire_dtype == torch.bfloat16
     assert isinstance(pick["dgc"], DGCHook) and isinstance(pick["powersgd"], PowerSGDHook)

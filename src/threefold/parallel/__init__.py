@@ -81,7 +81,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
     shape = steps.Fp8Shape(tokens, cfg.model.layers, max(1, cfg.model.experts_top_k))
     context = steps.ContextOptions(cfg.data.pack, p.cp_method, t.seq_len, cfg.model.preset)
     options = SyncOptions(p.bucket_mb, p.zero_weight_comm, p.zero_grad_comm, p.zero_hpz, scratch,
-                          t if t.periodic else None, partial(make_comm_hook, cfg))
+                          t if t.periodic else None, partial(make_comm_hook, cfg.compress, t.grad_clip, t.seed))
     # ZeRO-3 fills its units one at a time (no rank ever holds the whole model) where nothing before it reads
     # the values: no fp8 conversion, no family hooks
     defer = p.zero == 3 and cfg.precision.compute not in ("fp8", "mxfp8") and spec.local_hooks is None
@@ -94,7 +94,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, comm: Comm, cfg: Config) -> Paralle
         steps.build_meta,
         partial(steps.tensor, sequence_parallel=sp),
         partial(steps.experts, sequence_parallel=sp),
-        partial(steps.lora, settings=lora_settings(cfg.model, t.seed), check=lambda s: check_supported(s, cfg)),
+        partial(steps.lora, settings=lora_settings(cfg.model, t.seed), check=partial(check_supported, parallel=p)),
         partial(steps.pipeline, split_pipeline=split),
         partial(steps.materialise, defer=defer),
         partial(steps.fp8, precision=cfg.precision, shape=shape),

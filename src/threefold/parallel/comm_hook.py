@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 
 from ..comm.compression import DenseHook, DGCHook, OneBitAdamHook, OneBitHook, PowerSGDHook
-from ..config import Config
+from ..config import CompressConfig
 
 
-def make_comm_hook(cfg: Config, dp: int, reduce_dtype: torch.dtype | None = None):
-    """The gradient hook for `cfg.compress` over a dp axis of size `dp` (1: nothing to compress).
+def make_comm_hook(c: CompressConfig, grad_clip: float, seed: int, dp: int, reduce_dtype: torch.dtype | None = None):
+    """The gradient hook for the `compress` section over a dp axis of size `dp` (1: nothing to compress).
 
-    `reduce_dtype` is the wire dtype that mixed precision asks for when no compression is chosen.
+    `grad_clip` (train.grad_clip) is DGC's local clip, `seed` (train.seed) PowerSGD's; `reduce_dtype` is the
+    wire dtype that mixed precision asks for when no compression is chosen.
     """
-    c = cfg.compress
     if dp == 1:
         return DenseHook()  # a one-rank axis sends nothing: every method is a no-op
     if c.method in ("none", "fp16", "bf16"):
@@ -25,11 +25,11 @@ def make_comm_hook(cfg: Config, dp: int, reduce_dtype: torch.dtype | None = None
         return DenseHook(wire, c.hierarchical)
     if c.method == "dgc":
         return DGCHook(c.dgc_sparsity, c.dgc_warmup_steps, c.dgc_momentum, c.dgc_momentum_correction,
-                       cfg.train.grad_clip if c.dgc_local_clip else 0.0, c.error_feedback)
+                       grad_clip if c.dgc_local_clip else 0.0, c.error_feedback)
     if c.method == "onebit":
         if c.onebit_adam:
             return OneBitAdamHook(c.warmup_steps, c.error_feedback)
         return OneBitHook(c.warmup_steps, c.error_feedback)
     if c.method == "powersgd":
-        return PowerSGDHook(c.powersgd_rank, c.warmup_steps, c.error_feedback, cfg.train.seed, c.hierarchical)
+        return PowerSGDHook(c.powersgd_rank, c.warmup_steps, c.error_feedback, seed, c.hierarchical)
     raise ValueError(f"unknown compression method {c.method!r}")

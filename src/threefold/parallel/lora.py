@@ -41,7 +41,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..comm.autograd import reduce_from_group
-from ..config.sections import LORA_DEFAULT_TARGETS
+from ..config.sections import LORA_DEFAULT_TARGETS, ParallelConfig
 from ..errors import ConfigError, UserError
 from ..mesh import Mesh
 from ..models.decoder import parameter_seed
@@ -194,13 +194,13 @@ def _targets(model: nn.Module, settings: LoraSettings) -> list[tuple[str, nn.Mod
     return found
 
 
-def check_supported(spec: ModelSpec, cfg) -> None:
+def check_supported(spec: ModelSpec, parallel: ParallelConfig) -> None:
     """LoRA with what it does not handle: one line naming it."""
     if spec.family not in SUPPORTED_FAMILIES:
         raise ConfigError("model.lora_rank", f"LoRA is implemented for the Hugging Face families "
                           f"{', '.join(SUPPORTED_FAMILIES)} (model.preset=hf:DIR), not {spec.family}; "
                           "set model.lora_rank=0")
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+    if parallel.sequence_parallel and parallel.tp > 1:
         raise ConfigError("model.lora_rank", "LoRA adapters are not split for sequence parallelism; "
                           "set parallel.sequence_parallel=false")
 

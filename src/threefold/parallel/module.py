@@ -206,7 +206,7 @@ def parallelize_module(model: nn.Module, mesh: Mesh, comm: Comm, cfg: Config, lo
     if buffers not in ("synced", "local"):
         raise ConfigError("buffers", f"'{buffers}': choose synced (averaged over dp) or local")
     p, partial = cfg.parallel, functools.partial
-    options = SyncOptions(p.bucket_mb, p.zero_weight_comm, p.zero_grad_comm, make_hook=partial(make_comm_hook, cfg))
+    options = SyncOptions(p.bucket_mb, p.zero_weight_comm, p.zero_grad_comm, make_hook=partial(make_comm_hook, cfg.compress, cfg.train.grad_clip, cfg.train.seed))
     build = compose([start,
                      partial(plan_tensor, plan=plan),
                      partial(pick_units, units=units),
