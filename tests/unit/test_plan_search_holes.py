@@ -56,7 +56,8 @@ def test_the_search_of_16384_gpus_stays_under_10_s():
     """The whole search of `threefold plan --model llama-405b --gpus 16384` (its assumed batch): CPU time of
     this process, so that other work on a loaded machine does not count (5.9 s at load 18 on the 2-core
     machine of the docs; the bound is 10 s)."""
-    args = SimpleNamespace(model="llama-405b", overrides=[], seq_len=None, global_batch=None, gpus=16384)
+    args = SimpleNamespace(model="llama-405b", overrides=[], seq_len=None, global_batch=None, gpus=16384,
+                           optimizer="adamw")
     w, _ = _workload(args)
     start = time.process_time()
     r = search(w, 16384, PRESETS["h100-80gb"])
