@@ -38,7 +38,8 @@ def search_seconds(args: argparse.Namespace) -> tuple[float, int, str]:
     from threefold.planner.command import _workload
 
     # the CLI's assumed global batch (kept where a layout splits it; the CLI raises it only when none does)
-    w, _ = _workload(SimpleNamespace(model=args.model, overrides=[], seq_len=None, global_batch=None, gpus=args.gpus))
+    w, _ = _workload(SimpleNamespace(model=args.model, overrides=[], seq_len=None, global_batch=None, gpus=args.gpus,
+                                     optimizer="adamw"))
     start, cpu = time.perf_counter(), time.process_time()
     result = search(w, args.gpus, load_gpu(args.gpu))
     search_seconds.cpu.append(time.process_time() - cpu)  # what the search costs, whatever else the machine runs
