@@ -48,7 +48,7 @@ from torch import nn
 from .checkpoint import Checkpointer, TrainingState
 from .checkpoint.verify import find_checkpoint_dir
 from .comm import Comm
-from .checkpoint.format import step_dir_name
+from .checkpoint.format import layout_record, step_dir_name
 from .config import Config, load_config, with_overrides
 from .errors import ConfigError
 from .mesh import BATCH, Layout, Mesh, init_distributed, pick_device
@@ -163,8 +163,7 @@ class Engine:
                              layout=self._layout())
 
     def _layout(self) -> dict:
-        p = self.cfg.parallel
-        return {"dp": p.dp, "tp": p.tp, "pp": 1, "zero": p.zero, "world_size": self.mesh.world_size}
+        return layout_record(self.mesh.layout, self.cfg.parallel.zero)
 
     def save(self, directory: str | Path) -> Path | None:
         """Save parameters, buffers, optimizer, RNG and the step as `directory/step-N`; returns it.

@@ -199,7 +199,7 @@ def test_parity_compare_names_the_first_failing_step():
     drift = {"losses": [5.0, 4.0, 3.0], "params": {"w": torch.tensor([1.0, 1.0, 1.0, 1.1])}}
     step, why = compare(ref, drift, 1e-5, 1e-4)["failure"]
     assert step == 3 and "parameter w" in why
-    assert parse_layouts("1,1,1 2,1,1") == [(1, 1, 1), (2, 1, 1)]
+    assert [(x.dp, x.tp, x.pp, x.cp) for x in parse_layouts("1,1,1 2,1,1")] == [(1, 1, 1, 1), (2, 1, 1, 1)]
     with pytest.raises(UserError, match="--layouts"):
         parse_layouts("1,1,1 2,x,1")
 

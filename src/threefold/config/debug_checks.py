@@ -1,17 +1,10 @@
-"""The checks of the debug and fault sections, and the layout strings they and `threefold parity` read
-("dp,tp,pp", fault.layout's optional cp: layout.py `Layout.parse`)."""
+"""The checks of the debug and fault sections (fault.layout is read by layout.py `Layout.parse`)."""
 
 from __future__ import annotations
 
 from .sections import FaultConfig, Sections
 from ..errors import ConfigError
 from ..layout import Layout
-
-
-def parse_layout(text: str, key: str) -> tuple[int, int, int]:
-    """ "dp,tp,pp" -> (dp, tp, pp), each at least 1 (`threefold parity --layouts`)."""
-    layout = Layout.parse(text, key, cp=False)
-    return layout.dp, layout.tp, layout.pp
 
 
 def fault_applies(fault: FaultConfig, layout: Layout) -> bool:

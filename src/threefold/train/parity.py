@@ -31,9 +31,9 @@ import math
 from pathlib import Path
 
 from ..config import load_config
-from ..config.debug_checks import parse_layout
 from ..errors import UserError
 from ..launch.local import launch_local
+from ..layout import Layout
 from ..observe.params import load_global
 from ..observe.plots import read_metrics
 
@@ -68,8 +68,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return out + list(args.overrides)
 
 
-def parse_layouts(text: str) -> list[tuple[int, int, int]]:
-    layouts = [parse_layout(item, "--layouts") for item in text.split()]
+def parse_layouts(text: str) -> list[Layout]:
+    layouts = [Layout.parse(item, "--layouts", cp=False) for item in text.split()]
     if len(layouts) < 2:
         raise UserError('--layouts: give at least two layouts to compare, e.g. "1,1,1 2,1,1"')
     if len(set(layouts)) != len(layouts):
@@ -77,16 +77,19 @@ def parse_layouts(text: str) -> list[tuple[int, int, int]]:
     return layouts
 
 
-def name(layout: tuple[int, int, int]) -> str:
-    return ",".join(map(str, layout))
+def name(layout: Layout) -> str:
+    return layout.text
 
 
-def run_layout(layout: tuple[int, int, int], overrides: list[str], config: str | None, out: Path) -> int:
-    dp, tp, pp = layout
-    world = dp * tp * pp
-    cfg = load_config(config, [*overrides, f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                               f"run.out={out}", "debug.dump_params=true", "run.plot=false",
-                               "run.progress=false"]).validate(world)
+def sizes(layout: Layout) -> list[str]:
+    """The layout as the config's keys."""
+    return [f"parallel.{axis}={size}" for axis, size in layout.fields().items()]
+
+
+def run_layout(layout: Layout, overrides: list[str], config: str | None, out: Path) -> int:
+    world = layout.world_size
+    cfg = load_config(config, [*overrides, *sizes(layout), f"run.out={out}", "debug.dump_params=true",
+                               "run.plot=false", "run.progress=false"]).validate(world)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl",):
         (out / stale).unlink(missing_ok=True)
@@ -203,12 +206,11 @@ def run(args: argparse.Namespace) -> int:
     param_rtol = args.param_rtol if args.param_rtol is not None else default_param
     root = Path(args.out)
     for layout in layouts:  # every layout's config is checked before anything runs
-        load_config(args.config, [*overrides, f"parallel.dp={layout[0]}", f"parallel.tp={layout[1]}",
-                                  f"parallel.pp={layout[2]}"]).validate(layout[0] * layout[1] * layout[2])
+        load_config(args.config, [*overrides, *sizes(layout)]).validate(layout.world_size)
     results, failures = {}, []
     for layout in layouts:
-        out = root / f"layout-{layout[0]}-{layout[1]}-{layout[2]}"
-        print(f"threefold parity: running layout {name(layout)} ({layout[0] * layout[1] * layout[2]} processes) "
+        out = root / f"layout-{layout.dp}-{layout.tp}-{layout.pp}"
+        print(f"threefold parity: running layout {name(layout)} ({layout.world_size} processes) "
               f"in {out}", flush=True)
         code = run_layout(layout, overrides, args.config, out)
         if code != 0:
