@@ -42,7 +42,7 @@ from .activations import (Shape, block_bytes, blocks_bytes, embedding_bytes, hea
                           loss_piece_tokens, offload_split, offloaded_block_bytes, software_policy)
 from .hardware import CPU, GiB, Gpu
 from .mx import cast_transient_bytes
-from .optimizer import matrix_parameters, muon_transient_bytes, state_bytes_per_param
+from .optimizer import matrix_parameters, muon_transient_bytes, state_bytes_per_param, whole_matrices
 from .workload import Chunk, ParamCount, Strategy, Workload, from_config, rank_chunks, rank_parameters
 
 ALLOCATOR_MARGIN = 0.10  # caching-allocator fragmentation, as a fraction of the bytes in use
@@ -272,7 +272,7 @@ def stage_memory(w: Workload, st: Strategy, stage: int, gpu: Gpu = CPU) -> Memor
     """Memory of a rank at pipeline coordinate `stage`."""
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     blocks = tuple(i for c in rank_chunks(w.model, st.pp, stage, st.chunks, st.placement) for i in c.layers)
-    matrix = matrix_parameters(w.model, len(blocks), st.tp) if optimizer_entry(w.optimizer).whole_matrices else 0.0
+    matrix = matrix_parameters(w.model, len(blocks), st.tp) if whole_matrices(w.optimizer) else 0.0
     params, grads, optim = model_state_bytes(count, st.precision, st.zero, st.replicas, st.ep, w.optimizer,
                                              matrix)  # ZeRO over dp+cp
     optim += slow_link_state_bytes(count, st, dp_per_node(st, gpu))

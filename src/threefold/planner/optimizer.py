@@ -65,6 +65,7 @@ def train_section(optimizer: str) -> TrainConfig:
     return TrainConfig(optimizer=optimizer)
 
 
+@lru_cache(maxsize=256)
 def state_bytes_per_param(optimizer: str, precision: str, matrix: bool) -> int:
     """Optimizer bytes per trainable parameter (fp32 master included under 16-bit compute), from its entry."""
     return entry(optimizer).bytes_per_param(train_section(optimizer), precision, matrix)[2]
@@ -91,6 +92,12 @@ def hidden_matrices(m: ModelConfig, layers) -> list[tuple[str, tuple[int, int]]]
     return [(f"blocks.{i}.{name}.weight", shape) for i in layers for name, shape in per]
 
 
+def whole_matrices(optimizer: str) -> bool:
+    """Whether the optimizer's update needs each hidden matrix whole (its entry says: Muon)."""
+    return entry(optimizer).whole_matrices
+
+
+@lru_cache(maxsize=4096)
 def matrix_parameters(m: ModelConfig, layers: int, tp: int) -> float:
     """Hidden-matrix parameters one tp rank holds of `layers` blocks (each matrix split over tp)."""
     return layers * sum(math.prod(s) for _, s in hidden_matrices(m, [0])) / tp

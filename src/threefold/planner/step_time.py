@@ -61,7 +61,7 @@ from .memory import compute_bytes
 from .moe import (all_to_all_seconds, overlapped_all_to_all, pairs_overlap, routed_rows, routing_statistics_bytes,
                   sparse_mlp_flops_per_token)
 from .mx import block_saving_seconds
-from .optimizer import OptimizerStep, matrix_parameters, optimizer_step
+from .optimizer import OptimizerStep, matrix_parameters, optimizer_step, whole_matrices
 from .pipeline_p2p import p2p_seconds
 from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
 
@@ -319,7 +319,7 @@ def _optimizer_step(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> Optimize
     shard = st.replicas if st.zero >= 1 else 1
     local = (count.trainable - count.expert) / shard + count.expert / (st.expert_replicas if st.zero >= 1 else 1)
     blocks = tuple(i for c in rank_chunks(w.model, st.pp, stage, st.chunks, st.placement) for i in c.layers)
-    matrix = matrix_parameters(w.model, len(blocks), st.tp) / shard
+    matrix = matrix_parameters(w.model, len(blocks), st.tp) / shard if whole_matrices(w.optimizer) else 0.0
     return optimizer_step(w.optimizer, w.model, blocks, local, matrix, st.dp, st.tp, st.zero, gpu, OPTIMIZER_OPS)
 
 
