@@ -1,5 +1,5 @@
 """pipedream-2bw has no wait at a step boundary (pp = 2, gloo, CPU): its metrics reduction over pp
-is posted asynchronously and read one step later (train/trainer.py `_post_figures`).
+is posted asynchronously and read one step later (train/two_bw_step.py `TwoBWStep.reduce_figures`).
 
 The last stage is slowed (a sleep before each of its forwards and backwards, a test hook on its
 stage computation), so a rank that waited for it at a step boundary would show it. Measured from

@@ -37,7 +37,6 @@ def test_a_fault_layout_names_the_mesh_sizes_and_not_ep():
     assert not fault_applies(fault, Layout(dp=2, cp=2)) and not fault_applies(fault, Layout(dp=1, cp=2))
     assert FaultInjector(fault, Layout(dp=2, ep=2), 0, nn.Linear(2, 2), 8).active
     assert not FaultInjector(fault, Layout(dp=2, cp=2), 0, nn.Linear(2, 2), 8).active
-    assert not FaultInjector(fault, (2, 1, 1, 2), 0, nn.Linear(2, 2), 8).active  # (dp, tp, pp, cp), as handed before
     fault = load_config(None, ["fault.rank=0", "fault.kind=raise", "fault.layout=2,1,1,2"]).fault
     assert fault_applies(fault, Layout(dp=2, cp=2)) and not fault_applies(fault, Layout(dp=2))
 

@@ -56,8 +56,6 @@ def first_attempt() -> bool:
 class FaultInjector:
     def __init__(self, fault: FaultConfig, layout: Layout, rank: int, model: nn.Module, vocab: int,
                  stop: SignalCount | None = None):
-        if isinstance(layout, tuple):  # a caller still handing (dp, tp, pp, cp): the same layout
-            layout = Layout(*layout[:3], cp=layout[3])
         self.fault = fault
         self.stop = stop
         applies = fault_applies(fault, layout)

@@ -7,6 +7,7 @@ sync over dp exists. See docs/pipeline.md.
 
 from __future__ import annotations
 
+import pkgutil
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,9 @@ class PipelineSplit:
         """The interpreter for this rank. `weights`: every tensor holding weights (under ZeRO-3 the
         shards and the whole forms), which the activation meter must not count. `compile_stage`:
         what turns a stage's computation into its compiled form (`train.compile`), or None."""
-        if not kind(self.schedule.name).synchronous:  # pipedream-2bw, asynchronous: its own runtime (two_bw.py)
-            from .two_bw import make_runtime
-
-            return make_runtime(self, comm, grad_sync, dtype, weights, compile_stage)
+        own = kind(self.schedule.name).runtime  # a schedule with its own runtime (pipedream-2bw: two_bw.py)
+        if own is not None:
+            return pkgutil.resolve_name(own)(self, comm, grad_sync, dtype, weights, compile_stage)
         if weights is None:
             weights = list(self.module.parameters()) + list(self.module.buffers())
         meter = SavedTensorMeter(exclude=weights)

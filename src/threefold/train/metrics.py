@@ -26,7 +26,7 @@ class PostedRead:
     """A step's figures behind a posted (asynchronous) reduction: `values()` waits for it, then reads
     them as `step.start_read` does. pipedream-2bw's metrics reduction over pp is posted at the end of
     a step and waited for when the step's record is made, after the next step is launched (the
-    trainer's `_post_figures`), so no pipeline rank waits for another at the step boundary.
+    `TwoBWStep.reduce_figures`), so no pipeline rank waits for another at the step boundary.
 
     `figures()` builds the figures from the reduced tensors: called after the wait (on CUDA the
     wait orders the stream, so what it computes follows the reduction)."""

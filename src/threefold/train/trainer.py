@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..checkpoint import Checkpointer, TrainingState, import_model, read_manifest
 from ..checkpoint.dcp import import_dcp, is_dcp
-from ..checkpoint.format import step_dir_name
+from ..checkpoint.format import layout_record, step_dir_name
 from ..checkpoint.hf import pretrained
 from ..checkpoint.logit_check import pretrained_check_line
 from ..comm import Comm
@@ -64,7 +64,7 @@ class Trainer:
         self._determinism = configure_determinism(cfg.train.seed, cfg.train.deterministic)
         p = cfg.parallel
         node_size = local_world_size() if cfg.compress.hierarchical or p.zero_hpz else 0  # dp_intra / dp_inter
-        self.mesh = Mesh(Layout(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp), device, node_size)
+        self.mesh = Mesh(Layout.of(p), device, node_size)
         self.device: Device = TorchDevice(device)  # the figures' copy to the host, the memory peak
         self.comm = Comm(self.mesh, history=cfg.debug.history, semantics=cfg.debug.comm_semantics)
         self.inter_node_axes = self.mesh.inter_node_axes(local_world_size())  # their bytes cross nodes
@@ -98,7 +98,7 @@ class Trainer:
         self.stopping = False  # the world agreed to stop at the step just finished
         self._saved_step = -1  # the step of the last save
         self.poisoned = PoisonedSaves(self.is_writer)  # no save of a non-finite step (observe/nonfinite.py)
-        self.faults = FaultInjector(cfg.fault, (p.dp, p.tp, p.pp, p.cp), self.mesh.global_rank, self.parallel.module,
+        self.faults = FaultInjector(cfg.fault, self.mesh.layout, self.mesh.global_rank, self.parallel.module,
                                     cfg.model.vocab, self.stop)
         self.observer = Observer(cfg, self.mesh, self.comm, self.parallel, self.out)
         self.step = 0  # optimizer steps launched (a step's update is issued when it is launched)
@@ -163,12 +163,7 @@ class Trainer:
 
     def _checkpoint_meta(self) -> dict:
         cfg, p = self.cfg, self.cfg.parallel
-        layout = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world_size": self.mesh.world_size}
-        if p.ep > 1:
-            layout["ep"] = p.ep
-        if p.cp > 1:  # recorded only: parameters are replicated over cp, the checkpoint does not depend on it
-            layout["cp"] = p.cp
-        return {"layout": layout,
+        return {"layout": layout_record(self.mesh.layout, p.zero),
                 # the sampler is a pure function of the step: the step is the whole data position
                 "data": {"step": self.step, "samples": self.step * cfg.train.global_batch,
                          "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "seed": cfg.train.seed,
