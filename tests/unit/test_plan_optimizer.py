@@ -78,6 +78,7 @@ def test_exchange_bytes_are_the_runtimes_count(layout, expected, tmp_path):
     """The Muon parity test's model and layouts (tests/distributed/test_muon.py), read through `from_config`:
     the bytes its runs count on `Comm` per step, summed over every rank."""
     w, st = from_config(make_config(BASE + layout, str(tmp_path)), 2, "cpu")
+    assert w.optimizer == "muon"  # train.optimizer, read by from_config (what predict_memory plans)
     stages = [tuple(i for c in rank_chunks(w.model, st.pp, s) for i in c.layers) for s in range(st.pp)]
     assert sum(exchange_bytes(hidden_matrices(w.model, b), st.dp, st.tp, st.zero) for b in stages) == expected
     # (2,2,2) ZeRO-1 with even ranges: per stage tp's 2 N (tp-1)/tp + ZeRO's 2 N (dp-1)/dp = 2 N, fp32
