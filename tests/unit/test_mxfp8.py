@@ -9,7 +9,8 @@ from threefold.config import load_config
 from threefold.config.checks import validate
 from threefold.errors import ConfigError
 from threefold.parallel.fp8 import convert_linears
-from threefold.parallel.mxfp8 import MxKernel, mx_support
+from threefold.config.installed import mx_support
+from threefold.parallel.mxfp8 import MxKernel
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn
 
@@ -84,7 +85,7 @@ def test_same_linears_as_fp8_and_blocks_that_do_not_fit_stay_bf16():
 
 def test_refused_in_one_line_without_torchao_mx(monkeypatch):
     assert mx_support() is None  # the pinned torchao 0.18.0 has it
-    monkeypatch.setattr("threefold.parallel.mxfp8.mx_support", lambda: "torchao 0.9.0 is installed")
+    monkeypatch.setattr("threefold.config.installed.mx_support", lambda: "torchao 0.9.0 is installed")
     cfg = load_config(None, ["model.preset=tiny", "precision.compute=mxfp8"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)

@@ -18,7 +18,7 @@ from .sections import (CheckpointConfig, CompressConfig, ModelConfig, ParallelCo
 from ..errors import ConfigError, UserError
 from ..layout import Layout
 from ..schedules.registry import SCHEDULES, VIRTUAL_SCHEDULE, check as check_schedule
-from ..observe.trackers import check_installed
+from .installed import check_installed, mxfp8_refusal
 from .debug_checks import fault_applies, validate_debug
 from .domains import check_domains
 from .moe_checks import validate_experts
@@ -197,16 +197,15 @@ def _compress_warmup(c: CompressConfig, steps: int) -> CompressConfig:
 
 def _validate_fp8(compute: str, m: ModelConfig, p: ParallelConfig) -> None:
     """fp8 / mxfp8 convert the blocks.<i> of a ModelSpec's model; mxfp8 needs torchao's MX training and whole
-    32-element blocks on each tp rank (parallel/mxfp8.py `refusal`)."""
+    32-element blocks on each tp rank (installed.py `mxfp8_refusal`)."""
     if compute in ("fp8", "mxfp8") and m.preset.startswith("py:"):
         raise ConfigError("precision.compute", f"{compute} converts the linears of a model's blocks.<i>, which "
                           f"{m.preset} does not describe; use precision.compute=bf16 (or describe it as a ModelSpec)")
     if compute == "mxfp8":
-        from ..parallel.mxfp8 import refusal
         dims = {"model.hidden (attention width)": m.attn_width, "model.ffn_hidden": m.ffn_hidden}
         if m.kv_heads % p.tp == 0:
             dims["model.kv_heads x head size"] = m.kv_heads * m.head_dim
-        refused = refusal(compute, p.tp, dims)
+        refused = mxfp8_refusal(p.tp, dims)
         if refused is not None:
             raise ConfigError(*refused)
 

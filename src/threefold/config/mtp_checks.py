@@ -7,6 +7,7 @@ Each refusal names the key, why, and the fix.
 from __future__ import annotations
 
 from .sections import Sections
+from ..schedules.registry import SCHEDULES
 from ..errors import ConfigError
 
 
@@ -22,10 +23,11 @@ def validate_mtp(c: Sections) -> None:
         if m.preset.startswith(prefix):
             raise ConfigError("model.mtp_depth", f"multi-token prediction is built into threefold's own decoder, "
                               f"not {what}; set model.mtp_depth=0")
-    if p.pp > 1 and c.pipeline.schedule == "pipedream-2bw":
-        raise ConfigError("model.mtp_depth", "multi-token prediction does not run under pipedream-2bw: the depths on "
-                          "the last stage share the embedding with the first, whose gradients must meet between the "
-                          "two stages (a flush) as a tied weight's do; use another pipeline.schedule or mtp_depth=0")
+    if p.pp > 1 and not SCHEDULES[c.pipeline.schedule].synchronous:
+        raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under {c.pipeline.schedule}: the "
+                          "depths on the last stage share the embedding with the first, whose gradients must meet "
+                          "between the two stages (a flush) as a tied weight's do; use a synchronous pipeline.schedule "
+                          "or mtp_depth=0")
     if p.cp > 1:
         raise ConfigError("model.mtp_depth", f"multi-token prediction does not run under context parallelism "
                           f"(cp={p.cp}): depth k embeds and predicts tokens k positions along the sequence, which "

@@ -14,7 +14,6 @@ MetricsLog as before (`run.tensorboard=true` is `tensorboard` in `run.trackers`)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -25,33 +24,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import ConfigError
+from ..config.installed import chosen
 
-__all__ = ["CLOSE_WAIT_S", "PACKAGES", "Trackers", "check_installed", "chosen", "flat"]
+__all__ = ["CLOSE_WAIT_S", "Trackers", "chosen", "flat"]
 
-# tracker -> (the module it imports, the pip command that installs it)
-PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
-            "wandb": ("wandb", "pip install wandb"),
-            "mlflow": ("mlflow", "pip install mlflow-skinny")}
 CLOSE_WAIT_S = 60.0  # at close: how long all trackers together may take to send what is queued and finish
-
-
-def chosen(run) -> tuple[str, ...]:
-    """The trackers a RunConfig asks for: `run.trackers`, with tensorboard when `run.tensorboard` is on."""
-    names = [n.strip() for n in run.trackers.split(",") if n.strip()]
-    if run.tensorboard:
-        names.append("tensorboard")
-    return tuple(dict.fromkeys(names))
-
-
-def check_installed(run) -> None:
-    """Refuse a tracker whose library is not installed, in one line naming the package and its pip command
-    (config check time: before any process starts)."""
-    for name in chosen(run):
-        module, pip = PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            key = "run.trackers" if name in run.trackers else "run.tensorboard"
-            raise ConfigError(key, f"{name} needs the {module} package, which is not installed; {pip}")
 
 
 def flat(record: dict, prefix: str = "") -> dict[str, float]:

@@ -21,7 +21,6 @@ owner rank, orthogonalises it there and scatters the result back.
 
 from __future__ import annotations
 
-import math
 from ..config import TrainConfig
 from .adamw import KINDS as ADAM_KINDS
 from .entry import Made, Matrices, OptimizerEntry
@@ -35,11 +34,6 @@ def hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and not EMBEDDING_PARTS & set(name.split("."))
 
 
-def update_scale(shape: tuple[int, ...]) -> float:
-    """Moonlight's factor: an orthogonal update of RMS 1/sqrt(max(m, n)) brought to AdamW's ~0.2."""
-    return 0.2 * math.sqrt(max(shape))
-
-
 def states(cfg: TrainConfig, matrix: bool = True) -> tuple[str, ...]:
     return KINDS if matrix else ADAM_KINDS
 
@@ -49,7 +43,7 @@ def make(groups: list[dict], cfg: TrainConfig, fused: bool, matrices: Matrices |
 
     if matrices is None:
         raise ValueError("muon needs whole matrices: build it through parallel/master.py's ShardedOptimizer")
-    inner = Muon(groups, cfg, matrices)
+    inner = Muon(groups, cfg, matrices, KINDS)
     return Made(inner, inner.kinds)
 
 

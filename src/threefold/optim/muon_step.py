@@ -3,17 +3,23 @@ pieces this rank holds, Newton-Schulz on whole matrices through the exchange (op
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import TrainConfig
 from .adamw import KINDS as ADAM_KINDS
 from .entry import Matrices
-from .muon import KINDS, update_scale
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 @torch.no_grad()
+def update_scale(shape: tuple[int, ...]) -> float:
+    """Moonlight's factor: an orthogonal update of RMS 1/sqrt(max(m, n)) brought to AdamW's ~0.2."""
+    return 0.2 * math.sqrt(max(shape))
+
+
 def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
     """The orthogonal factor of `g` (2-D) approximated by `steps` quintic Newton-Schulz iterations, fp32."""
     a, b, c = NS_COEFFICIENTS
@@ -34,7 +40,7 @@ class Muon:
     A torch optimizer's face (param_groups, state, defaults, step) so the learning-rate schedule,
     clipping and checkpoints apply unchanged; the AdamW part shares `state`."""
 
-    def __init__(self, groups: list[dict], cfg: TrainConfig, matrices: Matrices):
+    def __init__(self, groups: list[dict], cfg: TrainConfig, matrices: Matrices, kinds: tuple[str, ...]):
         self.matrix_groups = [g for g in groups if g.get("matrix")]
         rest = [g for g in groups if not g.get("matrix")] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
         # foreach: the same bits whatever the grouping (pieces reproduce whole tensors); see parallel/master.py
@@ -46,10 +52,10 @@ class Muon:
         self.defaults = {"fused": False, "lr": cfg.lr}
         self.found_inf = None
         self.momentum, self.nesterov, self.ns_steps = cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps
-        self.matrices = matrices
+        self.matrices, self.matrix_kinds = matrices, kinds  # the registry's state names (optim/muon.py KINDS)
 
     def kinds(self, master: torch.Tensor) -> tuple[str, ...]:
-        return KINDS if any(master is p for g in self.matrix_groups for p in g["params"]) else ADAM_KINDS
+        return self.matrix_kinds if any(master is p for g in self.matrix_groups for p in g["params"]) else ADAM_KINDS
 
     @torch.no_grad()
     def step(self) -> None:

@@ -20,89 +20,14 @@ block's amax and the product unchanged).
 
 A block never spans two ranks when every dimension tensor parallelism splits is a multiple of 32 on
 each rank: then tp=2 quantises exactly as one process does, with no reduction of any amax (unlike
-tensorwise fp8), and a layout that cannot give that is refused (`refusal`, `misfit`).
+tensorwise fp8), and a layout that cannot give that is refused (config/installed.py `mxfp8_refusal`, `misfit`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import warnings
-
 import torch
 
-BLOCK = 32  # elements per scale (OCP MX: k = 32)
-NEEDS = (0, 18)  # the torchao release whose MX training pieces threefold uses (pinned 0.18.0)
-
-
-@contextlib.contextmanager
-def quiet_torchao():
-    """Silence torchao's import-time complaints about CUDA extensions a CPU build cannot load."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(cpp extension|\\.so|C\\+\\+ extension|_C).*")
-        warnings.filterwarnings("ignore", category=UserWarning, module="torchao.*")
-        quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-        levels = [q.level for q in quiet]
-        for q in quiet:
-            q.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for q, level in zip(quiet, levels):
-                q.setLevel(level)
-
-
-def _torchao_mx():
-    """(MXTensor, KernelPreference, ScaleCalculationMode) from the installed torchao."""
-    with quiet_torchao():
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import MXTensor
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-    return MXTensor, KernelPreference, ScaleCalculationMode
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def mx_support() -> str | None:
-    """None where the installed torchao trains in MXFP8, else what is installed instead (for one line)."""
-    try:
-        with quiet_torchao():
-            import torchao
-    except ImportError:
-        return "torchao is not installed"
-    version = getattr(torchao, "__version__", "unknown")
-    if _version(version) < NEEDS:
-        return f"torchao {version} is installed"
-    try:
-        _torchao_mx()
-    except (ImportError, AttributeError) as e:
-        return f"torchao {version} lacks its MX training pieces ({e})"
-    return None
-
-
-def refusal(compute: str, tp: int, dims: dict[str, int]) -> tuple[str, str] | None:
-    """(key, one-line reason) when `precision.compute=mxfp8` cannot run: torchao without MX training, or
-    a dimension tensor parallelism splits that leaves a rank a part of a 32-element block. `dims`: the
-    model's key -> features that tp splits (attention width, MLP features)."""
-    if compute != "mxfp8":
-        return None
-    missing = mx_support()
-    if missing is not None:
-        need = ".".join(map(str, NEEDS))
-        return ("precision.compute", f"mxfp8 needs torchao>={need} (torchao.prototype.mx_formats); {missing}: "
-                                     f"pip install 'torchao>={need}', or use precision.compute=fp8")
-    for key, features in dims.items():
-        if tp > 1 and (features % tp or (features // tp) % BLOCK):
-            return ("parallel.tp", f"mxfp8 scales blocks of {BLOCK} features, and {key}={features} split over "
-                                   f"tp={tp} leaves {features / tp:g} per rank; choose a tp that leaves a multiple "
-                                   f"of {BLOCK} (or precision.compute=fp8)")
-    return None
+from ..config.installed import BLOCK, quiet_torchao, torchao_mx
 
 
 def hardware_mx(device: torch.device) -> bool:
@@ -122,7 +47,7 @@ class MxKernel:
     takes_cast_weights = False  # ZeRO-3's fp8 gather sends tensorwise weights only
 
     def __init__(self, emulate: bool):
-        self._mx, pref, mode = _torchao_mx()
+        self._mx, pref, mode = torchao_mx()
         self.emulate = emulate
         self.preference = pref.EMULATED if emulate else pref.AUTO
         self.mode = mode.RCEIL

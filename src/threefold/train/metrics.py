@@ -4,7 +4,6 @@ observe/trackers.py); plots are in observe/plots.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,30 +14,9 @@ from ..observe.goodput import read_lines
 from .summary import results_line
 
 if TYPE_CHECKING:  # read_metrics' users (bench/) load this module without torch
-    from ..comm.collectives import Handle
     from ..config import Config
-    from .step import Device, Figure
 
-__all__ = ["MetricsLog", "PostedRead", "plot_run", "read_metrics"]
-
-
-class PostedRead:
-    """A step's figures behind a posted (asynchronous) reduction: `values()` waits for it, then reads
-    them as `step.start_read` does. pipedream-2bw's metrics reduction over pp is posted at the end of
-    a step and waited for when the step's record is made, after the next step is launched (the
-    `TwoBWStep.reduce_figures`), so no pipeline rank waits for another at the step boundary.
-
-    `figures()` builds the figures from the reduced tensors: called after the wait (on CUDA the
-    wait orders the stream, so what it computes follows the reduction)."""
-
-    def __init__(self, posted: Handle, figures: Callable[[], dict[str, Figure]], device: Device):
-        self._posted, self._figures, self._device = posted, figures, device
-
-    def values(self) -> dict[str, float]:
-        from .step import start_read
-
-        self._posted.wait()
-        return start_read(self._figures(), self._device).values()
+__all__ = ["MetricsLog", "plot_run", "read_metrics"]
 
 
 class MetricsLog:

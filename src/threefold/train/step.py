@@ -21,6 +21,7 @@ the host waits for that event alone, after it has issued the next step.
 from __future__ import annotations
 
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,7 +43,7 @@ from .optim import lr_at, set_lr
 
 if TYPE_CHECKING:
     from .clock import Mark
-    from .metrics import PostedRead
+    from ..comm.collectives import Handle
 
 
 class Event(Protocol):
@@ -136,6 +137,23 @@ def start_read(figures: dict[str, Figure], device: Device) -> PendingRead:
         device.copy_to_host(host, stacked)
         done = device.record_event()
     return PendingRead(list(tensors), known, host, done, list(figures))
+
+
+class PostedRead:
+    """A step's figures behind a posted (asynchronous) reduction: `values()` waits for it, then reads
+    them as `step.start_read` does. pipedream-2bw's metrics reduction over pp is posted at the end of
+    a step and waited for when the step's record is made, after the next step is launched (the
+    `TwoBWStep.reduce_figures`), so no pipeline rank waits for another at the step boundary.
+
+    `figures()` builds the figures from the reduced tensors: called after the wait (on CUDA the
+    wait orders the stream, so what it computes follows the reduction)."""
+
+    def __init__(self, posted: Handle, figures: Callable[[], dict[str, Figure]], device: Device):
+        self._posted, self._figures, self._device = posted, figures, device
+
+    def values(self) -> dict[str, float]:
+        self._posted.wait()
+        return start_read(self._figures(), self._device).values()
 
 
 @dataclass

@@ -39,9 +39,8 @@ from ..config import TrainConfig
 from ..mesh import BATCH, PIPELINE, SEQUENCE
 from ..parallel import ParallelModel
 from ..parallel.master import ShardedOptimizer
-from .metrics import PostedRead
 from .optim import lr_at, set_lr
-from .step import Device, Figure, StepResult, TrainStep, grad_sum_of_squares
+from .step import Device, Figure, PostedRead, StepResult, TrainStep, grad_sum_of_squares
 
 
 def stage_sumsq(params, placements, comm: Comm, dp_axis: str | None, replicated: bool) -> torch.Tensor:
