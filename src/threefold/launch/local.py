@@ -106,15 +106,7 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
 
     from .signals import NOTE_ENV, PREEMPTED_EXIT, Forwarder, StopNote
 
-    if nodes is not None:
-        port = nodes.port
-        if nodes.hosts_rendezvous and nodes.on_loopback:
-            check_port(port)
-        wait_for_endpoint(nodes)
-    elif port is None:
-        port = 0  # the launcher's loopback store binds a free port itself (rendezvous.py): no window to lose it in
-    else:
-        check_port(port)
+    port = _rendezvous_port(nodes, port)
     if out is not None and hang_report is None:
         hang_report = out / "flight" / "hang-report.txt"
     log_dir = out / "logs" if out is not None and not verbose else None
@@ -149,23 +141,7 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         print(f"threefold: error: {_rendezvous_line(e, nodes)}", file=sys.stderr)
         return 2
     except ChildFailedError as e:
-        failures = sorted(e.failures.items(), key=lambda item: item[1].timestamp)
-        first_rank, first = failures[0]
-        user = [f for _, f in failures if f.exitcode == 2]
-        if user:  # a user error (every rank meets it; one that then died on its way out does not hide it)
-            print(f"threefold: error: {_user_message(user[0].message)}", file=sys.stderr)
-            return 2
-        print(f"threefold: rank {first_rank} failed ({_exit_text(first.exitcode)}): "
-              f"{_error_line(first.message, log_dir, first_rank)}", file=sys.stderr)
-        if len(failures) > 1:
-            others = ", ".join(str(rank) for rank, _ in failures[1:])
-            print(f"threefold: ranks {others} were stopped after rank {first_rank} failed", file=sys.stderr)
-        if log_dir is not None:
-            print(f"threefold: full log: {log_dir / f'rank-{first_rank}.log'} (--verbose shows every rank here)",
-                  file=sys.stderr)
-        if hang_report is not None and hang_report.exists() and hang_report.stat().st_mtime >= started - 1:
-            print(hang_report.read_text().rstrip(), file=sys.stderr)
-        return 1
+        return _report_failure(e, log_dir, hang_report, started)
     finally:
         if keeper is not None:
             keeper.close()
@@ -173,6 +149,42 @@ def launch_local(nproc: int, argv: list[str], port: int | None = None, max_resta
         note.close()
     return PREEMPTED_EXIT if stopped else 0  # the workers stopped on a signal and saved
 
+
+
+def _rendezvous_port(nodes: Nodes | None, port: int | None) -> int:
+    """The port of the rendezvous: the nodes' endpoint (checked free where this node hosts it on loopback,
+    waited for where another node does), the one asked for (checked free), or 0."""
+    if nodes is not None:
+        if nodes.hosts_rendezvous and nodes.on_loopback:
+            check_port(nodes.port)
+        wait_for_endpoint(nodes)
+        return nodes.port
+    if port is None:
+        return 0  # the launcher's loopback store binds a free port itself (rendezvous.py): no window to lose it in
+    check_port(port)
+    return port
+
+
+def _report_failure(e, log_dir: Path | None, hang_report: Path | None, started: float) -> int:
+    """A failed launch (`ChildFailedError` e) in threefold's lines: a user error's one line and 2, or the
+    first failing rank, its error, the ranks stopped after it, its log and a fresh hang report, and 1."""
+    failures = sorted(e.failures.items(), key=lambda item: item[1].timestamp)
+    first_rank, first = failures[0]
+    user = [f for _, f in failures if f.exitcode == 2]
+    if user:  # a user error (every rank meets it; one that then died on its way out does not hide it)
+        print(f"threefold: error: {_user_message(user[0].message)}", file=sys.stderr)
+        return 2
+    print(f"threefold: rank {first_rank} failed ({_exit_text(first.exitcode)}): "
+          f"{_error_line(first.message, log_dir, first_rank)}", file=sys.stderr)
+    if len(failures) > 1:
+        others = ", ".join(str(rank) for rank, _ in failures[1:])
+        print(f"threefold: ranks {others} were stopped after rank {first_rank} failed", file=sys.stderr)
+    if log_dir is not None:
+        print(f"threefold: full log: {log_dir / f'rank-{first_rank}.log'} (--verbose shows every rank here)",
+              file=sys.stderr)
+    if hang_report is not None and hang_report.exists() and hang_report.stat().st_mtime >= started - 1:
+        print(hang_report.read_text().rstrip(), file=sys.stderr)
+    return 1
 
 def _quiet_store_warnings() -> None:
     """In the launcher of a node of a multi-node job, before torch is loaded: torch's C++ warnings

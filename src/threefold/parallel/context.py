@@ -262,26 +262,25 @@ def _heads_to_seq(y: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     return out.transpose(0, 1).reshape(b, cp * hc, s, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """`there(x, comm, axis)` forward, `back` (its inverse exchange) on the gradient: ulysses' two all-to-alls."""
+
     @staticmethod
-    def forward(ctx, x, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return _seq_to_heads(x, comm, axis)
+    def forward(ctx, x, comm, axis, there, back):
+        ctx.comm, ctx.axis, ctx.back = comm, axis, back
+        return there(x, comm, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.comm, ctx.axis), None, None
+        return ctx.back(grad, ctx.comm, ctx.axis), None, None, None, None
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, comm, axis):
-        ctx.comm, ctx.axis = comm, axis
-        return _heads_to_seq(y, comm, axis)
+def _to_heads(x, comm, axis):
+    return _AllToAll.apply(x, comm, axis, _seq_to_heads, _heads_to_seq)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.comm, ctx.axis), None, None
+
+def _to_seq(y, comm, axis):
+    return _AllToAll.apply(y, comm, axis, _heads_to_seq, _seq_to_heads)
 
 
 def check_ulysses(heads: int, kv_heads: int, cp: int) -> None:
@@ -360,17 +359,17 @@ def ulysses_attention(q, k, v, comm: Comm, axis: str, index: torch.Tensor, docs:
     cp = comm.mesh.size(axis)
     check_ulysses(q.shape[1], k.shape[1], cp)
     where = _gather_where(comm, axis, q, index, docs)
-    qh, kh, vh = (_SeqToHeads.apply(x, comm, axis) for x in (q, k, v))
+    qh, kh, vh = (_to_heads(x, comm, axis) for x in (q, k, v))
     if docs is None:
         qs, ks, vs = (_rank_to_sequence(x, cp, 2) for x in (qh, kh, vh))
         y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])
-        return _HeadsToSeq.apply(_sequence_to_rank(y, cp, 2), comm, axis)
+        return _to_seq(_sequence_to_rank(y, cp, 2), comm, axis)
     all_index, all_docs = where.flat()
     if kernel is not None:
         y = document_attention(qh, kh, vh, all_index, all_index, all_docs, all_docs, scale, kernel)
-        return _HeadsToSeq.apply(y, comm, axis)
+        return _to_seq(y, comm, axis)
     allowed = attention_mask(all_index, all_index, all_docs, all_docs)
-    return _HeadsToSeq.apply(_sdpa(qh, kh, vh, allowed, scale), comm, axis)
+    return _to_seq(_sdpa(qh, kh, vh, allowed, scale), comm, axis)
 
 
 ATTENTION: dict[str, Callable] = {"ring": ring_attention, "allgather": allgather_attention,

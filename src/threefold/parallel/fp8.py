@@ -46,7 +46,7 @@ from ..config import PrecisionConfig
 from ..models.moe import Experts
 from ..errors import ConfigError
 from .lora import is_adapter_module
-from .mxfp8 import MxKernel, hardware_mx, misfit, quiet_torchao, save_matmul_operands
+from .mxfp8 import MxKernel, hardware_mx, misfit, quiet_torchao, save_matmul_operands, saved_matmul_operands
 from .tensor import AXIS, ColumnParallelLinear, RowParallelLinear
 
 Sharded = Literal["in", "out"] | None
@@ -180,15 +180,11 @@ class Fp8Matmul(torch.autograd.Function):
         a = kernel.cast(rows, r.input_dtype, role.INPUT, "MK", -1)
         b = kernel._weight_t(weight, 0)
         y = torch.mm(a, b)
-        save_matmul_operands(ctx, x, weight, kernel, shard)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return save_matmul_operands(ctx, x, weight, kernel, shard, y)
 
     @staticmethod
     def backward(ctx, grad_y):
-        saved, weight = ctx.saved_tensors
-        if ctx.regather is not None:  # the shard's all-gather runs under the input-gradient matmul
-            ctx.regather.start(saved)
-        kernel = ctx.kernel
+        saved, weight, kernel = saved_matmul_operands(ctx)
         r, role = kernel.recipe, kernel._role
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = None

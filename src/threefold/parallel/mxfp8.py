@@ -69,10 +69,11 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
 
-def save_matmul_operands(ctx, x: torch.Tensor, weight: torch.Tensor, kernel, shard) -> None:
-    """What a low-precision linear's backward reads (this file's and fp8.py's): the weight and the input -
-    or, under sequence parallelism, the input's shard (`shard`: (shard, its regather), all-gathered again
-    under the input-gradient matmul) - with the kernel and the input's shape."""
+def save_matmul_operands(ctx, x: torch.Tensor, weight: torch.Tensor, kernel, shard, y: torch.Tensor) -> torch.Tensor:
+    """Save what a low-precision linear's backward reads (this file's and fp8.py's): the weight and the
+    input - or, under sequence parallelism, the input's shard (`shard`: (shard, its regather), all-gathered
+    again under the input-gradient matmul) - with the kernel and the input's shape; returns the forward's
+    product `y` (rows x out) in the input's leading shape."""
     if shard is not None:
         regather = shard[1]
         regather.uses += regather.open
@@ -80,6 +81,16 @@ def save_matmul_operands(ctx, x: torch.Tensor, weight: torch.Tensor, kernel, sha
     else:
         ctx.save_for_backward(x, weight)
     ctx.kernel, ctx.regather, ctx.x_shape = kernel, None if shard is None else shard[1], x.shape
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def saved_matmul_operands(ctx) -> tuple:
+    """`save_matmul_operands`' input (or shard), weight and kernel, back in the backward; a shard's
+    all-gather is started here, to run under the input-gradient matmul."""
+    saved, weight = ctx.saved_tensors
+    if ctx.regather is not None:
+        ctx.regather.start(saved)
+    return saved, weight, ctx.kernel
 
 
 class MxMatmul(torch.autograd.Function):
@@ -89,15 +100,11 @@ class MxMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, kernel: MxKernel, shard):
         rows = x.reshape(-1, x.shape[-1])
         y = torch.mm(kernel.cast(rows), kernel.cast(weight).t())
-        save_matmul_operands(ctx, x, weight, kernel, shard)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return save_matmul_operands(ctx, x, weight, kernel, shard, y)
 
     @staticmethod
     def backward(ctx, grad_y):
-        saved, weight = ctx.saved_tensors
-        if ctx.regather is not None:  # the shard's all-gather runs under the input-gradient matmul
-            ctx.regather.start(saved)
-        kernel = ctx.kernel
+        saved, weight, kernel = saved_matmul_operands(ctx)
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:

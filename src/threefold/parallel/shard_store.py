@@ -177,10 +177,9 @@ class ShardStore:
     @contextlib.contextmanager
     def updating(self, index: int):
         """The shard resident for the optimizer to write into, then written back and released."""
-        self.load(index)
-        yield self.shards[index]
-        self._write(index)
-        self.drop(index)
+        with self.reading(index) as shard:
+            yield shard
+            self._write(index)
 
     @contextlib.contextmanager
     def reading(self, index: int):
