@@ -191,3 +191,15 @@ def test_zero3_shard_store_checks_every_shard_read(tmp_path):
         store.load(1)
     assert store.sums.checked == 5
     store.close()
+
+
+def test_an_optimizer_without_a_streamed_update_is_refused_in_one_line(tmp_path):
+    """NVMe offload streams the update the optimizer registry names (`OptimizerEntry.streamed`); one that
+    names none (Muon, whose update needs whole matrices) is refused naming the key, not run as AdamW."""
+    from threefold.optim.registry import ENTRIES
+
+    assert {name for name, e in ENTRIES.items() if e.streamed is not None} == {"adamw", "sgd"}
+    w, g = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ConfigError) as err:
+        NvmeOptimizer(flat_pieces(w, g, [4]), TrainConfig(optimizer="muon"), ScratchSettings(tmp_path))
+    assert str(err.value).startswith("parallel.offload:") and "muon" in str(err.value) and "\n" not in str(err.value)

@@ -21,5 +21,16 @@ def make(groups: list[dict], cfg: TrainConfig, fused: bool, matrices=None) -> Ma
     return Made(inner, lambda master: KINDS)
 
 
-ENTRY = OptimizerEntry("adamw", make, lambda cfg, matrix: KINDS,
+def streamed(params: list, grads: list, states: list[list], step: int, group: dict, cfg: TrainConfig) -> None:
+    """torch's multi-tensor AdamW over views of the masters and moments (parallel/nvme.py streams them)."""
+    import torch
+    from torch.optim.adam import adam
+
+    steps = [torch.tensor(float(step)) for _ in params]  # each piece's count (incremented by the kernel)
+    adam(params, grads, states[0], states[1], [], steps, foreach=True, decoupled_weight_decay=True, amsgrad=False,
+         beta1=cfg.beta1, beta2=cfg.beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=cfg.eps,
+         maximize=False)
+
+
+ENTRY = OptimizerEntry("adamw", make, lambda cfg, matrix: KINDS, streamed=streamed,
                        summary="AdamW, decoupled weight decay on matrices and embeddings (exp_avg, exp_avg_sq)")

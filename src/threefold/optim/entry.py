@@ -46,6 +46,10 @@ class OptimizerEntry:
     make: Callable[[list[dict], TrainConfig, bool, Matrices | None], Made] | None
     states: Callable[[TrainConfig, bool], tuple[str, ...]]  # (train section, hidden matrix?) -> state kinds
     whole_matrices: bool = False  # the update needs each 2-D weight whole (optim/exchange.py assembles it)
+    # the update over flat fp32 views, for states streamed through memory from a scratch file
+    # (parallel.offload=nvme, parallel/nvme.py): (params, grads, [views of each state kind], step count,
+    # the parameter group, the train section); None: the optimizer cannot be streamed
+    streamed: Callable[[list, list, list[list], int, dict, TrainConfig], None] | None = None
     summary: str = ""  # one line for docs and --help
 
     def state_bytes(self, cfg: TrainConfig, matrix: bool = True) -> int:

@@ -21,5 +21,14 @@ def make(groups: list[dict], cfg: TrainConfig, fused: bool, matrices=None) -> Ma
     return Made(inner, lambda master: kinds)
 
 
-ENTRY = OptimizerEntry("sgd", make, states,
+def streamed(params: list, grads: list, states: list[list], step: int, group: dict, cfg: TrainConfig) -> None:
+    """torch's multi-tensor SGD over views of the masters and momenta (parallel/nvme.py streams them)."""
+    from torch.optim.sgd import sgd
+
+    sgd(params, grads, states[0] if states else [None] * len(params), foreach=True,
+        weight_decay=group["weight_decay"], momentum=cfg.momentum, lr=group["lr"], dampening=0.0,
+        nesterov=cfg.nesterov, maximize=False)
+
+
+ENTRY = OptimizerEntry("sgd", make, states, streamed=streamed,
                        summary="momentum SGD (train.momentum, train.nesterov; what DGC and 1-bit gradients were made for)")

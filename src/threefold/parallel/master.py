@@ -65,9 +65,6 @@ class Piece:
     # when they are known only for the piece (ZeRO-3's unit-by-unit build: materialise.Deferred)
 
 
-STATE_KINDS = {"adamw": adamw.KINDS, "sgd": sgd.KINDS}  # nvme.py's kernels (the optimizers it streams)
-
-
 def fused_on(device: torch.device) -> bool:
     """Fused AdamW / SGD where the masters are on CUDA (foreach would read every step count on the
     host and could not skip a step without reading the overflow flag)."""
@@ -83,8 +80,8 @@ def make_inner(groups: list[dict], cfg: TrainConfig, device: torch.device = torc
 def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     """Names of the per-tensor states of a torch AdamW / SGD (or 1-bit Adam), shaped like the tensor."""
     if isinstance(optimizer, torch.optim.SGD):
-        return STATE_KINDS["sgd"] if optimizer.defaults["momentum"] else ()
-    return STATE_KINDS["adamw"]
+        return sgd.KINDS if optimizer.defaults["momentum"] else ()
+    return adamw.KINDS
 
 
 def fp32_grads(grads: list[torch.Tensor], own: list[bool], host: torch.device,

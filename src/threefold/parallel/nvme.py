@@ -9,7 +9,7 @@ the file, each kind padded to 4096 bytes, so every read and write is one large a
 
 A step streams the units through a bounded pool of `offload_prefetch + 1` host buffers (pinned
 next to CUDA): a reader thread reads unit u + prefetch while the host updates unit u with torch's
-own multi-tensor kernels (`torch.optim.adam.adam` / `torch.optim.sgd.sgd`, foreach: the kernels
+own multi-tensor kernels (the optimizer entry's `streamed` update, optim/adamw.py and sgd.py: the kernels
 `parallel.offload=optimizer` runs on its host pool, multi-threaded where torch's CPU kernels are),
 copies the updated masters into the model, and queues the unit's write behind the reads. Those
 are elementwise kernels with the step counts and bias corrections of each piece, so cutting
@@ -51,13 +51,12 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.optim.adam import adam
-from torch.optim.sgd import sgd
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..optim.registry import entry
 from ..sharding import Placement
-from .master import STATE_KINDS, Piece, ShardedOptimizer, fp32_grads
+from .master import Piece, ShardedOptimizer, fp32_grads
 from .scratch import (ALIGN, FLOATS, BlockSums, IoStats, ScratchSettings, aligned_buffer, check_scratch, close_scratch,
                       open_scratch, read_block, remove_stale, return_freed_memory, scratch_name, write_block)
 from .shard_store import OpenUnit, ShardStore
@@ -127,8 +126,10 @@ class NvmeOptimizer:
     def __init__(self, pieces: list[Piece], cfg: TrainConfig, settings: ScratchSettings,
                  fp32_init: dict[str, torch.Tensor] | None = None, after_step: Callable[[], None] | None = None,
                  home: ShardStore | None = None, grads: ShardStore | None = None):
-        if cfg.optimizer not in STATE_KINDS:
-            raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+        self.update = entry(cfg.optimizer).streamed  # the optimizer registry's update over flat views
+        if self.update is None:
+            raise ConfigError("parallel.offload", f"train.optimizer={cfg.optimizer} has no streamed update; "
+                              "use parallel.offload=optimizer or none, or train.optimizer=adamw/sgd")
         self.pieces = pieces
         self.cfg = cfg
         self.after_step = after_step
@@ -140,7 +141,7 @@ class NvmeOptimizer:
         self._clip: torch.Tensor | None = None  # min(1, max_norm / (norm + 1e-6)) for the streamed gradients
         self._home_unit = OpenUnit()  # the home's unit being updated (or read for the first masters)
         self._pre_hooks: list[Callable[[], None]] = []
-        self.kinds = STATE_KINDS[cfg.optimizer] if (cfg.optimizer == "adamw" or cfg.momentum) else ()
+        self.kinds = entry(cfg.optimizer).states(cfg, True)
         self.placements = [p.placement for p in pieces]
         device = pieces[0].model.device if pieces else torch.device("cpu")
         self.device = device
@@ -372,16 +373,7 @@ class NvmeOptimizer:
             grads = ([self._grad(s.piece, s.lo, s.hi) for s in segs] if self.grads is not None
                      else [self.masters[s.piece].grad[s.lo: s.hi] for s in segs])
             states = [[m[s.at: s.at + s.hi - s.lo] for s in segs] for m in moments]
-            c = self.cfg
-            if c.optimizer == "adamw":
-                steps = [torch.tensor(float(self.steps)) for _ in segs]  # each piece's count (incremented here)
-                adam(params, grads, states[0], states[1], [], steps, foreach=True, decoupled_weight_decay=True,
-                     amsgrad=False, beta1=c.beta1, beta2=c.beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                     eps=c.eps, maximize=False)
-            else:
-                sgd(params, grads, states[0] if states else [None] * len(segs), foreach=True,
-                    weight_decay=group["weight_decay"], momentum=c.momentum, lr=group["lr"], dampening=0.0,
-                    nesterov=c.nesterov, maximize=False)
+            self.update(params, grads, states, self.steps, group, self.cfg)
         if self.home is None:
             models = [self.pieces[s.piece].model[s.lo: s.hi] for s in unit.segments]
             torch._foreach_copy_(models, [master[s.at: s.at + s.hi - s.lo] for s in unit.segments])  # blocking:
