@@ -77,8 +77,8 @@ def test_quantized_collectives_are_the_exact_ones_to_the_int8_bound(worlds):
 
 FP8_UNSUPPORTED = """
 import sys
-import threefold.parallel
-threefold.parallel.fp8_supported = lambda device: False  # a device whose torch cannot cast to e4m3
+import threefold.parallel.sync_kinds
+threefold.parallel.sync_kinds.fp8_supported = lambda device: False  # a device whose torch cannot cast to e4m3
 from threefold.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -52,7 +52,7 @@ def test_rank_skipping_a_collective_is_named_and_no_process_is_left(tmp_path):
     assert report["never_joined"] == [2] and report["missing"] == []
     (wait,) = report["waits"]
     assert wait["waiting"] == [0, 1, 3]
-    assert wait["op"] == "all_reduce.metrics" and wait["axis"] == "dp+cp" and wait["group"] == [0, 1, 2, 3] and wait["callsite"].startswith("trainer.py:")
+    assert wait["op"] == "all_reduce.metrics" and wait["axis"] == "dp+cp" and wait["group"] == [0, 1, 2, 3] and wait["callsite"].startswith("step.py:")  # the step's metrics reduce
     assert wait["in_flight_s"] >= timeout_s
     assert "in stall" in report["ranks"]["2"]["where"]  # where the rank that never joined is
     assert report["ranks"]["2"]["coords"] == {"pp": 0, "dp": 1, "cp": 0, "tp": 0}
