@@ -11,7 +11,7 @@ from tests.helpers import make_config
 
 def train_layout(overrides: list[str], out: str, initial: bool = False) -> dict:
     """Train; return losses, grad norms, the final local parameters with their placements (and
-    with `initial`, the parameters before the first step)."""
+    with `initial`, the parameters and the optimizer's fp32 masters before the first step)."""
     from threefold.train.trainer import Trainer
 
     err = io.StringIO()
@@ -19,11 +19,14 @@ def train_layout(overrides: list[str], out: str, initial: bool = False) -> dict:
         trainer = Trainer(make_config(overrides, out))
         before = ({n: p.detach().float().clone() for n, p in trainer.parallel.module.named_parameters()}
                   if initial else None)
+        masters_before = ({place.name: t.detach().float().clone() for place, t in trainer.optimizer.named_state()
+                           if place.name.startswith("optimizer.master.")} if initial else None)
         records = trainer.run()
     mesh = trainer.mesh
     masters = [(place, t) for place, t in trainer.optimizer.named_state()
                if place.name.startswith("optimizer.master.")]  # bf16 / fp16 compute: the fp32 values
-    return {"initial": before, "masters": {place.name: t.detach().float().clone() for place, t in masters},
+    return {"initial": before, "initial_masters": masters_before,
+            "masters": {place.name: t.detach().float().clone() for place, t in masters},
             "master_placements": {place.name: place for place, _ in masters},
             "losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
             "val": [r["val_loss"] for r in records if "val_loss" in r],

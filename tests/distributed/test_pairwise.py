@@ -31,8 +31,9 @@ import torch
 from tests.case_runs import fp32_values, update_error
 from tests.composition_tasks import train_and_resume, train_many
 from tests.helpers import rel_err
+from tests.hf_moe_tasks import save_tiny_moe
 from tests.hf_tasks import save_tiny
-from tests.pairwise import covering, case_with, invalid, invalid_pairs, label, model, overrides
+from tests.pairwise import covering, case_with, invalid, invalid_pairs, label, model, overrides, reference, training
 from tests.zero_tasks import assemble
 from threefold.checkpoint.format import step_dir_name
 from threefold.config import load_config
@@ -68,29 +69,32 @@ def bounds(case: dict) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """The Hugging Face model LoRA cases adapt: a 4-layer Llama (2 per stage, or 1 per interleaved chunk)."""
-    return str(save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama", num_hidden_layers=4))
+def hf(tmp_path_factory):
+    """The Hugging Face models LoRA cases adapt: a 4-layer Llama (2 per stage, or 1 per interleaved chunk) with
+    4 key/value heads of 16 (whole 32-element MXFP8 blocks at tp=2); a Mixtral for LoRA with experts (refused)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": str(save_tiny("llama", root / "llama", num_hidden_layers=4, num_key_value_heads=4)),
+            "mixtral": str(save_tiny_moe("mixtral", root / "mixtral"))}
 
 
-def test_invalid_pairs_are_config_errors(llama):
+def test_invalid_pairs_are_config_errors(hf):
     """Each pair no valid case holds is refused when the config is validated, in one line naming the key."""
     pairs = invalid_pairs()
     assert (("zero", 0), ("offload", "nvme")) in pairs, pairs
     for pair in pairs:
         case = case_with(pair)
         with pytest.raises(ConfigError) as err:
-            load_config(None, BASE + model(case, llama) + overrides(case)).validate(4)
+            load_config(None, BASE + model(case, hf) + overrides(case)).validate(4)
         assert err.value.field == invalid(case), f"{pair}: {err.value}"
         assert "\n" not in str(err.value), f"{pair}: not one line: {err.value}"
 
 
-def _jobs(cases: list[dict], root, llama: str) -> tuple[list, list]:
+def _jobs(cases: list[dict], root, hf: dict) -> tuple[list, list]:
     """(the 4-process runs with their same-layout resumes, the one-process resumes under another layout)."""
     runs, relayout = [], []
     for i, case in enumerate(cases):
         out = root / f"case{i}"
-        options = BASE + model(case, llama)
+        options = BASE + model(case, hf)
         resume = [f"checkpoint.resume={out / 'checkpoints' / step_dir_name(SAVED)}"]
         same = case["checkpoint"] != "relayout"
         if case["offload"] == "nvme":  # the scratch directories must exist (parallel/scratch.py)
@@ -100,7 +104,7 @@ def _jobs(cases: list[dict], root, llama: str) -> tuple[list, list]:
                      (options + overrides(case, f"{out}-resume-nvme") + resume, f"{out}-resume") if same else None,
                      case["checkpoint"] == "peer"))
         if not same:
-            relayout.append((options + [f"precision.compute={case['precision']}"] + resume, f"{out}-resume"))
+            relayout.append((options + training(case) + resume, f"{out}-resume"))
     return runs, relayout
 
 
@@ -130,28 +134,29 @@ def parameter_error(got: dict, want: dict, initial: dict, exact: bool) -> tuple[
     return update_error(got, want, initial)
 
 
-def _references(worlds, tmp_path, llama: str, relayout: list) -> tuple[dict, list]:
-    """{(precision, lora): (losses, global parameters, initial parameters)} of one process, and the
-    one-process resumes."""
-    keys = [(p, lora) for p in ("fp32", "bf16", "fp16") for lora in (False, True)]
-    jobs = [(BASE + model({"lora": lora}, llama) + [f"precision.compute={p}"], str(tmp_path / f"ref-{p}-{lora}"))
-            for p, lora in keys]
+def _references(worlds, tmp_path, hf: dict, cases: list[dict], relayout: list) -> tuple[dict, list]:
+    """{`reference(case)`: (losses, global parameters, initial parameters)} of one process for the keys the
+    cases need (its precision, optimizer and model), and the one-process resumes."""
+    keys = {reference(case): case for case in cases}
+    jobs = [(BASE + model(case, hf) + training(case), str(tmp_path / f"ref-{i}")) for i, case in enumerate(keys.values())]
     singles = worlds(1).run(train_many, jobs + relayout, True)[0]
-    initial = {lora: assemble([r["initial"]], [r["placements"]]) for (p, lora), r in zip(keys, singles) if p == "fp32"}
-    refs = {key: (r["losses"], fp32_values([r]), initial[key[1]]) for key, r in zip(keys, singles)}
+    refs = {}
+    for key, r in zip(keys, singles):
+        initial = fp32_values([{**r, "params": r["initial"], "masters": r["initial_masters"]}])  # as the masters start
+        refs[key] = (r["losses"], fp32_values([r]), initial)
     return refs, singles[len(keys):]
 
 
-def test_every_pair_of_options_matches_one_process(worlds, tmp_path, llama, capsys):
+def test_every_pair_of_options_matches_one_process(worlds, tmp_path, hf, capsys):
     cases = covering()
-    runs, relayout = _jobs(cases, tmp_path, llama)
+    runs, relayout = _jobs(cases, tmp_path, hf)
     per_rank = worlds(4).run(train_and_resume, runs)
-    refs, relayout_results = _references(worlds, tmp_path, llama, relayout)
+    refs, relayout_results = _references(worlds, tmp_path, hf, cases, relayout)
     relayout_results = iter(relayout_results)
     lines, failures = [], []
     for i, case in enumerate(cases):
         results = [r[i][0] for r in per_rank]
-        want_losses, want, initial = refs[(case["precision"], case["lora"])]
+        want_losses, want, initial = refs[reference(case)]
         loss_bound, update_bound = bounds(case)
         loss_err = max(abs(a - b) / abs(b) for r in results for a, b in zip(r["losses"], want_losses, strict=True))
         exact, what = update_bound == EXACT, "params" if update_bound == EXACT else "update"

@@ -35,8 +35,8 @@ MEGATRON = [
     ("table 2: 174.6B (GPT-3) on 1536 GPUs", 96, 12288, 96, 8, 12, 1536, 1536, 141, 0.002),
     ("table 2: 529.6B on 560 GPUs", 128, 20480, 105, 8, 35, 560, 2240, 171, 0.034),
     ("table 2: 529.6B on 2240 GPUs", 128, 20480, 105, 8, 35, 2240, 2240, 159, 0.015),
-    ("table 1: 1.7B on 32 GPUs", 24, 2304, 24, 1, 1, 32, 512, 137, -0.024),
-    ("table 1: 7.5B on 128 GPUs", 32, 4096, 36, 4, 1, 128, 512, 142, -0.095),
+    ("table 1: 1.7B on 32 GPUs", 24, 2304, 24, 1, 1, 32, 512, 137, 0.058),
+    ("table 1: 7.5B on 128 GPUs", 32, 4096, 36, 4, 1, 128, 512, 142, -0.053),
     ("table 1: 39.1B on 512 GPUs", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.014),
     ("table 1: 145.6B on 1536 GPUs", 96, 12288, 80, 8, 8, 1536, 2304, 148, -0.003),
     ("table 1: 529.6B on 2520 GPUs", 128, 20480, 105, 8, 35, 2520, 2520, 163, -0.010),
@@ -158,20 +158,32 @@ def test_schedule_simulator_agrees_with_the_closed_forms(schedule, v):
 
 
 # Narayanan et al. 2021, table 2: ZeRO-3 without model parallelism (DeepSpeed), 174.6B model,
-# global batch 1536, full recomputation. The model follows the collapse as the per-GPU batch
-# shrinks and communication is exposed, but predicts 27-40% above these figures (it assumes
-# prefetched all-gathers hide perfectly behind compute, and without tp the GEMMs are large enough to
-# run near the plateau, which DeepSpeed's ZeRO-3 of 2021 did not reach): bounded at 45% here, see
-# docs/planner.md.
-ZERO3 = [(384, 4, 144), (768, 2, 88), (1536, 1, 44)]
+# global batch 1536, full recomputation: 144, 88, 44 TFLOP/s as the per-GPU batch shrinks. DeepSpeed's ZeRO-3 of
+# 2021 gathered parameter by parameter and prefetched at most 50M elements ahead - less than one of this model's
+# 151M-parameter matrices - so its gathers are priced one collective per parameter tensor and not hidden
+# (Workload.sharding "deepspeed-2021", planner/dp_comm.py). NCCL's rings cross a node through its 8 NICs
+# (planner/comm.py Group): the model follows the collapse but stays above it, by the documented errors below
+# (pinned within 2 points, docs/planner.md): the rest of the collapse is not explained by the model.
+ZERO3 = [(384, 4, 144, 0.272), (768, 2, 88, 0.574), (1536, 1, 44, 0.689)]
 
 
-@pytest.mark.parametrize("gpus,micro_batch,reported", ZERO3)
-def test_zero3_without_model_parallelism_tracks_deepspeed(gpus, micro_batch, reported):
-    w = Workload(gpt(96, 12288, 96), 1536, 2048, attention="dense")  # DeepSpeed of 2021: no flash
+def zero3_tflops(gpus, micro_batch, sharding="deepspeed-2021"):
+    w = Workload(gpt(96, 12288, 96), 1536, 2048, attention="dense", sharding=sharding)  # DeepSpeed of 2021: no flash
     st = Strategy(dp=gpus, zero=3, microbatches=1536 // (gpus * micro_batch), remat="full")
-    predicted = hardware_tflops_per_gpu(w, st, step_time(w, st, A100).total_s)
-    assert abs(predicted / reported - 1) <= 0.45, f"predicted {predicted:.0f} vs {reported} TFLOP/s"
+    return hardware_tflops_per_gpu(w, st, step_time(w, st, A100).total_s)
+
+
+@pytest.mark.parametrize("gpus,micro_batch,reported,error", ZERO3)
+def test_zero3_without_model_parallelism_tracks_deepspeed(gpus, micro_batch, reported, error):
+    predicted = zero3_tflops(gpus, micro_batch)
+    assert predicted / reported - 1 == pytest.approx(error, abs=0.02), f"predicted {predicted:.0f} vs {reported}"
+
+
+def test_deepspeed_2021_zero3_collapses_with_the_per_gpu_batch_where_unit_gathers_would_not():
+    ours = [zero3_tflops(g, mb) for g, mb, *_ in ZERO3]
+    assert ours[0] > ours[1] > ours[2] and ours[2] < 0.5 * ours[0]
+    units = [zero3_tflops(g, mb, "threefold") for g, mb, *_ in ZERO3]  # a unit per block, prefetched
+    assert units[2] > 0.9 * units[0]
 
 
 def test_a_flash_kernel_is_charged_half_the_causal_attention():
@@ -195,10 +207,11 @@ def test_zero1_parameter_gathers_overlap_the_next_forward_only_without_a_pipelin
 
     w = Workload(load_config(None, ["model.preset=llama-7b"]).model, 64, 2048)
     n = rank_parameters(w.model, 1, 1, 0).total
-    link = comm.axis_link(A100, "dp", 1, 16, 16)
+    group = comm.group(A100, 1, 16)  # 16 ranks on 2 nodes: NCCL's ring crosses nodes on 1 of its 15 steps
     buckets = math.ceil(2 * n / (25 * 2**20))  # 25 MiB buckets of bf16 gradients, a collective each
-    rs, ag = (buckets * op(2 * n / buckets, 16, link) for op in (comm.reduce_scatter, comm.all_gather))
-    assert rs > comm.reduce_scatter(2 * n, 16, link) + (buckets - 1) * 15 * link.latency_s * 0.999
+    rs, ag = (buckets * op(2 * n / buckets, group) for op in (comm.group_reduce_scatter, comm.group_all_gather))
+    step_latency = 14 * A100.intra_latency_s + A100.inter_latency_s
+    assert rs == pytest.approx(comm.group_reduce_scatter(2 * n, group) + (buckets - 1) * step_latency)
     st = Strategy(dp=16, zero=1, microbatches=4)
     # the reduce-scatters bucket by bucket as the gradients are ready (dp_comm.bucket_tail): at most the
     # backward's first (n - 1)/n hides them, and never the last bucket
@@ -206,9 +219,9 @@ def test_zero1_parameter_gathers_overlap_the_next_forward_only_without_a_pipelin
     assert data_parallel(w, st, A100, 0, 0.1, 0.05) == pytest.approx((rs + ag, tail + ag - 0.05))
     assert data_parallel(replace(w, grad_overlap=False), st, A100, 0, 0.1, 0.05) == pytest.approx((rs + ag, rs + ag))
     n2 = rank_parameters(w.model, 1, 2, 0).total
-    link2 = comm.axis_link(A100, "dp", 1, 8, 8)
+    group2 = comm.group(A100, 1, 8)
     st2 = Strategy(dp=8, pp=2, zero=1, microbatches=4)  # the gathers wait right after the step
     buckets2 = math.ceil(2 * n2 / (25 * 2**20))
-    ag2 = buckets2 * comm.all_gather(2 * n2 / buckets2, 8, link2)
-    rs2 = buckets2 * comm.reduce_scatter(2 * n2 / buckets2, 8, link2)
+    ag2 = buckets2 * comm.group_all_gather(2 * n2 / buckets2, group2)
+    rs2 = buckets2 * comm.group_reduce_scatter(2 * n2 / buckets2, group2)
     assert data_parallel(w, st2, A100, 0, 1e9, 1e9)[1] == pytest.approx(ag2 + rs2 / buckets2)  # the last bucket

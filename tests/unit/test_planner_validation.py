@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 
 from threefold.config import load_config
+from threefold.planner.dp_comm import software_bucket_mb
 from threefold.planner.hardware import PRESETS
 from threefold.planner.search import search
 from threefold.planner.step_time import hardware_tflops_per_gpu
@@ -193,15 +194,16 @@ ONE_BUFFER = ("Korthikanti",)
 
 
 def bucket_mb(name: str, dp: int | None, m=None) -> float | None:
-    """The run's software's gradient bucket in MiB of bf16 gradients (dp None: the floor)."""
+    """The run's software's gradient bucket in MiB of bf16 gradients (dp None: the floor), from the planner's
+    table of software (planner/dp_comm.py `software_bucket_mb`)."""
     if name.startswith(FSDP_BLOCK_UNITS) and m is not None:
         return 12 * m.hidden**2 * 2 / 2**20  # one block's gradients (its weight matrices)
     if name.startswith(MCORE_DDP):
-        return max(40e6, 1e6 * (dp or 0)) * 2 / 2**20
+        return software_bucket_mb("megatron-core", dp or 0)
     if name.startswith(ONE_BUFFER):
-        return 2.0**30  # one collective over all of a rank's gradients
+        return software_bucket_mb("megatron-2021")
     if name.startswith(DEEPSPEED_PIPELINE):
-        return 500e6 * 2 / 2**20
+        return software_bucket_mb("deepspeed-pipe")
     return None
 
 
@@ -422,8 +424,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("rows", nargs="*", help="only the rows whose names start so")
     parser.add_argument("--gpu", help="a GPU kind file (bench/planner_kernels.py --toml) for the rows on the preset "
                                       "its name starts with")
+    parser.add_argument("--no-best", action="store_true", help="skip the last column (the software's best layout: "
+                                                               "a search of every layout, minutes)")
     args = parser.parse_args(argv)
     measured = load_gpu(args.gpu) if args.gpu else None
+    within = scored = 0
     for run in RUNS:
         name, m, gpu, gpus, batch, seq, knobs, metric, published, _ = run
         if args.rows and not any(name.startswith(o) for o in args.rows):
@@ -434,14 +439,18 @@ def main(argv: list[str] | None = None) -> None:
         if chosen is None:
             print(f"| {name} | nothing fits | {published} | - | - | - |")
             continue
-        best = software_best(run)  # every layout the run's software offered
-        gain = f"{best.tokens_per_s / chosen.tokens_per_s - 1:+.0%} ({best.strategy.label()})" \
+        best = None if args.no_best else software_best(run)  # every layout the run's software offered
+        gain = "-" if args.no_best else f"{best.tokens_per_s / chosen.tokens_per_s - 1:+.0%} ({best.strategy.label()})" \
             if best is not None else "nothing fits"
+        if name not in REPEATS_CALIBRATION:
+            scored, within = scored + 1, within + (abs(error(run, value)) <= WITHIN)
         if name in REPEATS_CALIBRATION:
             name += " (repeats a calibration layout: not in the validation set)"
         executed = f" (executed count {executed_tflops(run) / published - 1:+.1%})" if run in LLAMA3_ROWS else ""
         print(f"| {name} | {chosen.strategy.label()} | {published} | {value:.3g} | {error(run, value):+.1%}{executed} | "
               f"{gain} |", flush=True)
+    if not args.rows and measured is None:
+        print(f"{within} of {scored} validation rows within {WITHIN:.0%}")
 
 
 if __name__ == "__main__":

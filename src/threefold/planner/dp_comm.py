@@ -50,10 +50,45 @@ QUANTIZED_BYTES = 1 + 4 / 256  # an 8-bit value and its share of the block's fp3
 MEETING_BYTES = 4  # a local SGD / DiLoCo meeting all-reduces fp32 masters (or deltas)
 
 
-def _groups(st: Strategy, dense: float, expert: float) -> list[tuple[float, int]]:
-    """(values, ranks) per reduction group: dense over the replicas (dp, or dp x cp in one collective
-    under context parallelism), experts (when any) over edp (edp x cp under context parallelism)."""
-    return [(dense, st.replicas), (expert, st.expert_replicas)] if expert else [(dense, st.replicas)]
+def _groups(st: Strategy, gpu: Gpu, dense: float, expert: float) -> list[tuple[float, comm.Group]]:
+    """(values, group) per reduction: dense over the replicas (dp, or dp x cp in one collective under context
+    parallelism: ranks of stride tp, mesh.py `replica_axis`), experts (when any) over edp (x cp), the members
+    of a dp group ep apart (mesh.py: ep inner), so 1/ep as many of them on a node."""
+    replicas = comm.group(gpu, st.tp, st.replicas)
+    if not expert:
+        return [(dense, replicas)]
+    per_node = max(1, min(st.expert_replicas, replicas.per_node // st.ep))
+    experts = comm.Group(st.expert_replicas, per_node, replicas.intra, replicas.inter)
+    return [(dense, replicas), (expert, experts)]
+
+
+# Gradient buckets by software: the pieces its data-parallel gradient collectives go in, each paying its latency.
+#   threefold       parallel.bucket_mb, 25 MiB (config/sections.py; parallel/buckets.py)
+#   pytorch-ddp     25 MiB: torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25), torch/nn/parallel/distributed.py
+#   megatron-core   max(40M, 1M x dp) parameters (megatron/core/distributed/distributed_data_parallel.py;
+#                   distributed_data_parallel_config.py: "larger DP sizes need larger buckets to ensure collectives
+#                   do not become latency-bound"), in the gradients' dtype (bf16: grad_reduce_in_fp32 off by default)
+#   megatron-2021   one collective over the whole contiguous gradient buffer (megatron/model/distributed.py of
+#                   2021-22: allreduce_gradients after forward_backward_func)
+#   deepspeed-pipe  500M elements (deepspeed/runtime/constants.py MEMORY_OPT_ALLREDUCE_SIZE = 500000000)
+#   fsdp            one reduce-scatter per wrapped unit (FullyShardedDataParallel / fully_shard): the
+#                   ZeRO-3 pieces of `_units`, or a unit's gradient bytes where software wraps by block
+ONE_BUFFER_MB = 2.0**30
+# DeepSpeed ZeRO's reduce_bucket_size default, elements (deepspeed/runtime/zero/config.py: 500,000,000)
+DEEPSPEED_REDUCE_BUCKET = 500e6  # "one collective": a bucket larger than any rank's gradients
+
+
+def software_bucket_mb(software: str, dp: int = 0, grad_bytes: int = 2, default_mb: float = 25.0) -> float:
+    """The gradient bucket, in MiB of gradients, that `software` reduces at data-parallel size `dp`."""
+    if software in ("threefold", "pytorch-ddp"):
+        return default_mb if software == "threefold" else 25.0
+    if software == "megatron-core":
+        return max(40e6, 1e6 * dp) * grad_bytes / 2**20
+    if software == "megatron-2021":
+        return ONE_BUFFER_MB
+    if software == "deepspeed-pipe":
+        return 500e6 * grad_bytes / 2**20
+    raise ValueError(f"software_bucket_mb: unknown software '{software}'")
 
 
 def _buckets(nbytes: float, st: Strategy) -> int:
@@ -61,16 +96,28 @@ def _buckets(nbytes: float, st: Strategy) -> int:
     return max(1, math.ceil(nbytes / (st.bucket_mb * 2**20)))
 
 
-def _in_buckets(collective, nbytes: float, st: Strategy, ranks: int, link: comm.Link) -> float:
+def _in_buckets(collective, nbytes: float, st: Strategy, g: comm.Group) -> float:
     """`collective` of `nbytes` issued bucket by bucket."""
-    return comm.in_pieces(collective, nbytes, _buckets(nbytes, st), ranks, link)
+    return comm.over_group(collective, nbytes, _buckets(nbytes, st), g)
 
 
 def _units(w: Workload, st: Strategy, stage: int) -> int:
     """ZeRO-3's units on a pipeline rank (parallel/units.py): one per block, the embedding on the first
-    stage, the final norm and the head on the last; each is gathered and reduced by collectives of its own."""
+    stage, the final norm and the head on the last; each is gathered and reduced by collectives of its own.
+    DeepSpeed's ZeRO-3 of 2021 gathered each parameter tensor by a collective of its own (deepspeed/runtime/zero/
+    partition_parameters.py `_all_gather`: `_allgather_param(param, async_op)` per parameter of the list), so
+    there a block is `block_tensors` pieces (the final norm two, the embedding and head one each)."""
     chunks = rank_chunks(w.model, st.pp, stage, st.chunks, st.placement)
-    return sum(len(c.layers) + int(c.first) + 2 * int(c.last) for c in chunks)
+    per_block = block_tensors(w.model) if w.sharding == "deepspeed-2021" else 1
+    return sum(len(c.layers) * per_block + int(c.first) + 2 * int(c.last) for c in chunks)
+
+
+def block_tensors(m) -> int:
+    """Parameter tensors of one dense block as Megatron-style GPT code holds them: the fused QKV and the output
+    projection, two (GELU) or three (SwiGLU) MLP matrices, each with a bias when the model has biases, and two
+    norms (LayerNorm: weight and bias; RMSNorm: weight)."""
+    linears = 2 + (3 if m.mlp == "swiglu" else 2)
+    return linears * (2 if m.bias else 1) + 2 * (2 if m.norm == "layernorm" else 1)
 
 
 def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: float,
@@ -81,33 +128,32 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
         return 0.0, 0.0
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     _, grad_bytes, _ = bytes_per_param(st.precision)
-    if st.cp > 1:  # one collective over dp+cp: dp x cp ranks of stride tp (mesh.py replica_axis)
-        link = comm.axis_link(gpu, "replica", st.tp, st.dp, st.replicas, st.cp)
-    else:
-        link = comm.axis_link(gpu, "dp", st.tp, st.dp, st.dp)  # an edp group spans the same nodes
     dense_trainable, expert = count.trainable - count.expert, count.expert
-    trainable = _groups(st, dense_trainable, expert)
+    trainable = _groups(st, gpu, dense_trainable, expert)
     if st.sync_every > 1:  # periodic meetings: nothing per step, one fp32 all-reduce every H steps
-        t = sum(_in_buckets(comm.all_reduce, n * MEETING_BYTES, st, g, link) for n, g in trainable) / st.sync_every
+        t = sum(_in_buckets(comm.group_all_reduce, n * MEETING_BYTES, st, g) for n, g in trainable) / st.sync_every
         return t, t
     m = st.microbatches
     hide = backward_s if w.grad_overlap else 0.0
     buckets = sum(_buckets(n * grad_bytes, st) for n, _ in trainable)
     if st.zero == 0:
-        t = sum(_in_buckets(comm.all_reduce, n * grad_bytes, st, g, link) for n, g in trainable)
+        t = sum(_in_buckets(comm.group_all_reduce, n * grad_bytes, st, g) for n, g in trainable)
         return t, bucket_tail(t, buckets, hide)
     wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
     wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes
-    params = _groups(st, count.total - expert, expert)
+    params = _groups(st, gpu, count.total - expert, expert)
     # ZeRO-1/2 reduce and gather back bucket by bucket (buckets of gradient bytes), ZeRO-3 unit by unit
     units = _units(w, st, stage) if st.zero >= 3 else 0
 
     def pieces(n: float) -> int:
         return units or _buckets(n * grad_bytes, st)
-    rs = sum(comm.in_pieces(comm.reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), pieces(n), g, link)
+
+    def rs_pieces(n: float) -> int:  # DeepSpeed's ZeRO-3 reduced its gradients in buckets of reduce_bucket_size
+        return math.ceil(n / DEEPSPEED_REDUCE_BUCKET) if units and w.sharding == "deepspeed-2021" else pieces(n)
+    rs = sum(comm.over_group(comm.group_reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), rs_pieces(n), g)
              for n, g in trainable)
-    ag = sum(comm.in_pieces(comm.all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
-                            pieces(n), g, link) for n, g in params)
+    ag = sum(comm.over_group(comm.group_all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
+                             pieces(n), g) for n, g in params)
     # the parameter all-gathers after the step overlap the next forward (threefold without pp or ep)
     ag_exposed = max(0.0, ag - forward_s) if w.grad_overlap and st.pp == 1 and st.ep == 1 else ag
     if st.zero == 1:
@@ -116,6 +162,8 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
         return m * rs + ag, m * bucket_tail(rs, buckets, hide) + ag_exposed
     # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
     ag_b = _hpz_gather(st, gpu, params, units) if st.hpz else ag
+    if w.sharding == "deepspeed-2021":  # prefetch of 50M elements: less than one matrix ahead (_units)
+        return m * (ag + ag_b + rs), m * (ag + ag_b + max(0.0, rs - backward_s))
     exposed = m * (max(0.0, ag - forward_s) + max(0.0, ag_b + rs - backward_s))
     return m * (ag + ag_b + rs), exposed
 
@@ -136,10 +184,10 @@ def bucket_tail(total_s: float, buckets: int, backward_s: float) -> float:
     return max(c, total_s - backward_s * (buckets - 1) / buckets)
 
 
-def _hpz_gather(st: Strategy, gpu: Gpu, params: list[tuple[float, int]], units: int) -> float:
+def _hpz_gather(st: Strategy, gpu: Gpu, params: list[tuple[float, comm.Group]], units: int) -> float:
     """The backward all-gather from hpZ's secondary partition: over the dp ranks of a node, on NVLink,
     in the compute dtype (ZeRO++ keeps the secondary copy in 16 bits), unit by unit."""
     inside = dp_per_node(st, gpu)
     link = comm.intra_link(gpu)
-    return sum(comm.in_pieces(comm.all_gather, n * compute_bytes(st.precision), units, min(g, inside), link)
+    return sum(comm.in_pieces(comm.all_gather, n * compute_bytes(st.precision), units, min(g.ranks, inside), link)
                for n, g in params)

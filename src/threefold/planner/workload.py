@@ -37,8 +37,9 @@ SELECTIVE = ("threefold", "torchtitan-op")
 # how ZeRO-2/3 holds gradients (planner/memory.py): threefold's buckets, or PyTorch's FSDP2 (fully_shard) with its
 # fp32 reduce_dtype - the unit's gradients cast to fp32 for the reduce-scatter, and under a pipeline the stage's
 # gradients accumulated unsharded in fp32 until the last micro-batch (torch.distributed.pipelining turns the
-# gradient sync off for the others: stage.py `backward_maybe_with_nosync`; FSDP2 `to_accumulated_grad_if_needed`)
-SHARDING = ("threefold", "fsdp2")
+# gradient sync off for the others: stage.py `backward_maybe_with_nosync`; FSDP2 `to_accumulated_grad_if_needed`),
+# or DeepSpeed's ZeRO-3 of 2021, which gathered parameter by parameter (planner/dp_comm.py `_units`)
+SHARDING = ("threefold", "fsdp2", "deepspeed-2021")
 
 
 @dataclass(frozen=True)
