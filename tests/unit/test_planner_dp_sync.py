@@ -121,3 +121,32 @@ def test_the_mpt_rows_at_512_h100_agree_with_their_communication_exposed_in_full
         t = best.time
         full = (1 + error(run, value)) * t.total_s / (t.total_s + t.dp_comm_s - t.dp_exposed_s) - 1
         assert abs(full) <= 0.05 and error(run, value) > 0.14, (run[0], error(run, value), full)
+
+
+def test_the_runtimes_hierarchical_all_reduce_sends_the_node_through_one_leader():
+    """`compress.hierarchical` (comm/hierarchical.py): reduce in the node to its leader, all-reduce among the 8
+    leaders, broadcast back. 1 GiB over 64 ranks on 8 nodes: the leaders' ring moves 2 x 7/8 GiB through one NIC
+    per node, where NCCL's ring spreads it over the node's 8 NICs - so on these nodes it is the slower one."""
+    nbytes = 2.0**30
+    g = comm.group(H100, 1, 64)
+    inside = 7 * A_INTRA + nbytes / NVLINK
+    leaders = comm.group_all_reduce(nbytes, comm.Group(8, 1, g.intra, g.inter))
+    assert leaders == pytest.approx(min(14 * A_INTER + 2 * 7 / 8 * nbytes / NIC, 6 * A_INTER + 2 * nbytes / NIC))
+    assert comm.hierarchical_all_reduce(nbytes, g) == pytest.approx(2 * inside + leaders)
+    assert comm.hierarchical_all_reduce(nbytes, g) > 3 * comm.group_all_reduce(nbytes, g)
+    one_node = comm.group(H100, 1, 8)  # one node: the runtime all-reduces over dp_intra alone
+    assert comm.hierarchical_all_reduce(nbytes, one_node) == comm.group_all_reduce(nbytes, one_node)
+    # the plan of a run with it: its data-parallel seconds are the hierarchical collective's, bucket by bucket
+    w, st = llama7b(64), Strategy(dp=64, zero=0, bucket_mb=25.0)
+    flat, _ = data_parallel(w, st, H100, 0, backward_s=10.0, forward_s=5.0)
+    hier, _ = data_parallel(w, replace(st, hierarchical=True), H100, 0, backward_s=10.0, forward_s=5.0)
+    assert hier > 3 * flat
+
+
+def test_a_run_configured_hierarchical_is_planned_so():
+    from threefold.config import load_config as load
+    from threefold.planner.workload import from_config
+
+    cfg = load(None, ["model.preset=tiny", "compress.hierarchical=true", "parallel.dp=8"])
+    assert from_config(cfg, 8, "cpu")[1].hierarchical
+    assert not from_config(load(None, ["model.preset=tiny", "parallel.dp=8"]), 8, "cpu")[1].hierarchical

@@ -155,6 +155,17 @@ def group_reduce_scatter(nbytes: float, g: Group) -> float:
 group_all_gather = group_reduce_scatter
 
 
+def hierarchical_all_reduce(nbytes: float, g: Group) -> float:
+    """threefold's `compress.hierarchical` (comm/hierarchical.py): reduce over the node's L ranks to its leader,
+    all-reduce among the N leaders (one rank, so one NIC, per node), broadcast back over the node. The reduce and
+    the broadcast as NCCL's ring prices them (tuning.cc: nsteps = nRanks, algorithm bandwidth = bus bandwidth).
+    Where the group is one node or one rank per node it is the plain all-reduce (as the runtime falls back)."""
+    if g.nodes == 1 or g.per_node == 1:
+        return group_all_reduce(nbytes, g)
+    inside = (g.per_node - 1) * g.intra.latency_s + nbytes / g.intra.bytes_per_s
+    return 2 * inside + group_all_reduce(nbytes, Group(g.nodes, 1, g.intra, g.inter))
+
+
 def over_group(collective, nbytes: float, pieces: int, g: Group) -> float:
     """`collective` (a group_* function) of `nbytes` issued as `pieces` equal collectives over `g`."""
     pieces = max(1, int(pieces))

@@ -136,8 +136,9 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     m = st.microbatches
     hide = backward_s if w.grad_overlap else 0.0
     buckets = sum(_buckets(n * grad_bytes, st) for n, _ in trainable)
-    if st.zero == 0:
-        t = sum(_in_buckets(comm.group_all_reduce, n * grad_bytes, st, g) for n, g in trainable)
+    if st.zero == 0:  # NCCL's all-reduce, or the runtime's hierarchical one (compress.hierarchical)
+        reduce = comm.hierarchical_all_reduce if st.hierarchical else comm.group_all_reduce
+        t = sum(_in_buckets(reduce, n * grad_bytes, st, g) for n, g in trainable)
         return t, bucket_tail(t, buckets, hide)
     wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
     wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes

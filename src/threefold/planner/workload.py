@@ -101,6 +101,9 @@ class Strategy(Layout):
     weight_comm: str = "none"  # ZeRO-3 weight all-gathers: none (compute dtype) | int8 | fp8
     grad_comm: str = "none"  # ZeRO-3 gradient reduce-scatter: none | int8
     hpz: bool = False  # ZeRO-3: a secondary weight partition inside the node for the backward all-gather
+    # compress.hierarchical: plain data parallelism's sums reduced in the node, all-reduced among one leader per
+    # node, broadcast back (comm/hierarchical.py; planner/comm.py hierarchical_all_reduce)
+    hierarchical: bool = False
     act_offload: tuple[int, ...] = ()  # remat.offload=cpu: global indices of the blocks whose saves go to the host
     # context parallelism (docs/context.md, Layout.cp): each sequence split over cp ranks (zigzag), parameters
     # replicated over cp; the attention of `cp_method` (planner/context_comm.py METHODS) brings the other ranks' keys
@@ -182,6 +185,7 @@ def from_config(cfg: Config, world_size: int, device_type: str = "cuda") -> tupl
                            precision=cfg.precision.compute, remat_every=cfg.remat.every, bucket_mb=p.bucket_mb,
                            sync_every=cfg.train.sync_every, outer=cfg.train.outer_optimizer,
                            weight_comm=p.zero_weight_comm, grad_comm=p.zero_grad_comm, hpz=p.zero_hpz,
+                           hierarchical=cfg.compress.hierarchical,
                            act_offload=cfg.remat.offloaded(cfg.model.layers), cp_method=p.cp_method)
     return Workload(cfg.model, cfg.train.global_batch, cfg.train.seq_len, optimizer=cfg.train.optimizer), strategy
 
