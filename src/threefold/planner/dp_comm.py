@@ -12,6 +12,11 @@ every micro-batch (its gradients are sharded), each hidden behind that micro-bat
 ZeRO-3 also all-gathers each layer's parameters before its forward and its backward (prefetched,
 hidden behind compute when compute is longer).
 
+Every collective here is NCCL's over the group's nodes (planner/comm.py `Group`: its ring crosses the network
+only between nodes, its tree chains each node, a node's L ranks cross through L NICs), in the pieces the
+software cuts it into (`software_bucket_mb`, ZeRO-3's `_units`); `Strategy.hierarchical` is the runtime's
+compress.hierarchical (comm.hierarchical_all_reduce).
+
 Context parallelism: the parameters are replicated over cp as over dp, so every gradient is reduced
 (and ZeRO shards) over dp x cp ranks in one collective over the flattened dp+cp group (mesh.py
 `replica_axis`, docs/context.md "In training"), whose ranks have stride tp.
@@ -73,9 +78,9 @@ def _groups(st: Strategy, gpu: Gpu, dense: float, expert: float) -> list[tuple[f
 #   deepspeed-pipe  500M elements (deepspeed/runtime/constants.py MEMORY_OPT_ALLREDUCE_SIZE = 500000000)
 #   fsdp            one reduce-scatter per wrapped unit (FullyShardedDataParallel / fully_shard): the
 #                   ZeRO-3 pieces of `_units`, or a unit's gradient bytes where software wraps by block
-ONE_BUFFER_MB = 2.0**30
+ONE_BUFFER_MB = 2.0**30  # "one collective": a bucket larger than any rank's gradients
 # DeepSpeed ZeRO's reduce_bucket_size default, elements (deepspeed/runtime/zero/config.py: 500,000,000)
-DEEPSPEED_REDUCE_BUCKET = 500e6  # "one collective": a bucket larger than any rank's gradients
+DEEPSPEED_REDUCE_BUCKET = 500e6
 
 
 def software_bucket_mb(software: str, dp: int = 0, grad_bytes: int = 2, default_mb: float = 25.0) -> float:
