@@ -3,9 +3,21 @@ test session, so the many multi-process checks pay for starting processes only o
 
 import os
 
-import pytest
+# One torch thread per process unless the caller says otherwise: `make test` runs two pytest workers,
+# each with worlds of processes, on a 2-core machine, and torch's default (a thread per core in every
+# process) oversubscribes it; its idle threads spin, on a busy machine for most of the CPU time
+# (tests/unit/test_fp8.py + test_remat.py: 41 CPU-s with 2 threads, 24 with 1, the same results).
+# Set before torch is imported; the worlds' processes and the CLI runs inherit it (run.threads
+# reads it, tests/distributed/test_threads.py sets and clears it itself).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from threefold.launch.world import World
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from threefold.launch.world import World  # noqa: E402
+
+_FIRST = os.environ["OMP_NUM_THREADS"].split(",")[0].strip()  # OpenMP's nested levels: the first
+torch.set_num_threads(int(_FIRST) if _FIRST.isdigit() and int(_FIRST) > 0 else 1)  # in case torch came first
 
 
 class Worlds:
