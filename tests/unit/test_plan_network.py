@@ -66,5 +66,7 @@ def test_a_slower_network_slows_a_plan_whose_dp_crosses_nodes():
     w, st = Workload(m, 256, 4096), Strategy(dp=16, tp=1, pp=1, zero=3, microbatches=16, remat="full")
     h100 = PRESETS["h100-80gb"]
     fast, slow = (evaluate(w, st, with_network(h100, NETWORKS[n])).time for n in ("efa-p5", "efa-p4d"))
-    assert slow.dp_comm_s == pytest.approx(8 * fast.dp_comm_s, rel=0.05)  # 50 against 400 Gb/s per GPU
+    # 50 against 400 Gb/s per GPU: the bandwidth term 8x; the latencies not (a ring's steps inside a node
+    # run over NVLink on both, planner/comm.py `Group`), so a little under 8x
+    assert 7 * fast.dp_comm_s < slow.dp_comm_s <= 8 * fast.dp_comm_s, (slow.dp_comm_s, fast.dp_comm_s)
     assert slow.total_s > fast.total_s
