@@ -22,6 +22,7 @@ def train_layout(overrides: list[str], out: str, initial: bool = False) -> dict:
         masters_before = ({place.name: t.detach().float().clone() for place, t in trainer.optimizer.named_state()
                            if place.name.startswith("optimizer.master.")} if initial else None)
         records = trainer.run()
+        trainer.parallel.settle()  # a reader after the run (ZeRO-3 with nvme left the shards in their file)
     mesh = trainer.mesh
     masters = [(place, t) for place, t in trainer.optimizer.named_state()
                if place.name.startswith("optimizer.master.")]  # bf16 / fp16 compute: the fp32 values

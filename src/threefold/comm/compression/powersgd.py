@@ -80,6 +80,8 @@ class PowerSGDHook(StatelessHook):
             state["q"] = torch.randn(layout.q_numel, generator=gen).to(bucket.buffer)
             if self.error_feedback:
                 state["error"] = torch.zeros_like(bucket.buffer)
+        if "q" not in state and not layout.q_numel:  # no matrix compressed: the empty Q a checkpoint does not hold
+            state["q"] = bucket.buffer.new_empty(0)
         return state
 
     def _matrix(self, flat: torch.Tensor, mat: _Matrix) -> torch.Tensor:
