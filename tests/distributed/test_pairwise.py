@@ -156,7 +156,8 @@ def _references(worlds, tmp_path, hf: dict, cases: list[dict]) -> dict:
     cases need (its precision, optimizer and model). Run before the cases: what a world returns holds a file
     descriptor per tensor until it is dropped, and the cases' results with these would pass the limit."""
     keys = {reference(case): case for case in cases}
-    jobs = [(BASE + model(case, hf) + training(case), str(tmp_path / f"ref-{i}")) for i, case in enumerate(keys.values())]
+    jobs = [(BASE + model(case, hf) + training(case), str(tmp_path / f"ref-{i}"))
+            for i, case in enumerate(keys.values())]
     refs = {}
     for key, r in zip(keys, worlds(1).run(train_many, jobs, True)[0]):
         initial = fp32_values([{**r, "params": r["initial"], "masters": r["initial_masters"]}])  # as the masters start
