@@ -55,6 +55,26 @@ def test_hang_report_names_who_never_joined_and_where_everyone_is(tmp_path):
     assert "rank 4 () no flight record" in text
 
 
+def test_a_rank_that_joined_the_overdue_call_late_waits_in_it_too(tmp_path):
+    """The watchdog of the first rank past the limit asks every rank for its record; one that joined the
+    same collective later has been in it for less than the limit, and still waits there (a loaded
+    machine: ranks 0 and 3 were listed, rank 1 in the same call for 6.1 s of 6.2 was left out)."""
+    waiting = _call(6, "all_reduce.metrics")
+    for rank, seconds in ((0, 12.0), (1, 3.0), (3, 12.0)):
+        dump = _dump(rank, [waiting])
+        dump["in_flight"][0]["in_flight_s"] = seconds
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(dump))
+    (tmp_path / "rank-2.json").write_text(json.dumps(_dump(2, [], last=_call(5, "all_reduce.grad_norm", end=1.0))))
+    (wait,) = build_report(tmp_path, 4, timeout_s=10)["waits"]
+    assert wait["waiting"] == [0, 1, 3] and wait["never_joined"] == [2] and wait["in_flight_s"] == 12.0
+    # a rank in another call that is not overdue is not a wait
+    other = _dump(1, [_call(7, "all_gather", axis="tp", group=(1, 3))])
+    other["in_flight"][0]["in_flight_s"] = 3.0
+    (tmp_path / "rank-1.json").write_text(json.dumps(other))
+    (wait,) = build_report(tmp_path, 4, timeout_s=10)["waits"]
+    assert wait["waiting"] == [0, 3]
+
+
 def test_hang_report_matches_point_to_point_peers(tmp_path):
     recv = _call(9, "recv", axis="pp", group=(0, 1), peer=1)
     (tmp_path / "rank-0.json").write_text(json.dumps(_dump(0, [recv])))

@@ -66,18 +66,25 @@ def _innermost_threefold_frame(stack: list[str]) -> str:
     return "?"
 
 
+def _wait_key(call: dict) -> tuple:
+    return call["op"], call["axis"], tuple(call["group"]), call["axis_seq"], call.get("peer")
+
+
 def build_report(flight_dir: Path, world_size: int, timeout_s: float) -> dict:
     records = load_records(flight_dir, world_size)
+    # the oldest call of each rank is the one it is blocked on; a call is a wait once some rank has been in
+    # it past the limit, and then every rank in it waits there, however late it joined (its own time shorter)
+    oldest = {rank: record["in_flight"][0] for rank, record in records.items() if record["in_flight"]}
+    overdue = {_wait_key(c) for c in oldest.values() if c["in_flight_s"] >= timeout_s}
     waits: dict[tuple, dict] = {}
-    for rank, record in sorted(records.items()):
-        for call in record["in_flight"][:1]:  # the oldest call is the one the rank is blocked on
-            if call["in_flight_s"] < timeout_s:
-                continue
-            key = (call["op"], call["axis"], tuple(call["group"]), call["axis_seq"], call.get("peer"))
+    for rank, call in sorted(oldest.items()):
+        key = _wait_key(call)
+        if key in overdue:
             entry = waits.setdefault(key, {**{k: call[k] for k in ("op", "axis", "group", "axis_seq", "seq", "shape",
                                                                     "dtype", "callsite", "peer")},
                                            "waiting": [], "never_joined": [], "in_flight_s": call["in_flight_s"]})
             entry["waiting"].append(rank)
+            entry["in_flight_s"] = max(entry["in_flight_s"], call["in_flight_s"])  # the longest wait in it
             members = [call["peer"]] if call["op"] in _MATCHING_P2P else call["group"]
             for member in members:
                 if member != rank and not _joined(records.get(member), call, rank) \
