@@ -106,9 +106,22 @@ def train_bias(runs: list[tuple[list[str], str]]) -> list[dict]:
         module, places = trainer.parallel.module, trainer.parallel.placements
         biases = {places[f"{name}.router.weight"].name.removesuffix(".router.weight"): moe.expert_bias.clone()
                   for name, moe in moe_modules(module)}
-        out.append({"losses": [r["loss"] for r in records], "biases": biases, "placements": dict(places),
+        out.append({"losses": [r["loss"] for r in records], "extras": [r.get("mtp_loss") for r in records],
+                    "biases": biases, "placements": dict(places),
                     "params": {n: p.detach().float().clone() for n, p in module.named_parameters()}})
     return out
+
+
+def assert_biases_match(name: str, results: list[dict], want: list[torch.Tensor]) -> None:
+    """Every rank's copy of every block's bias (`train_bias`) is exactly the reference's block by block."""
+    held = {}
+    for r in results:
+        for block, bias in r["biases"].items():
+            held.setdefault(block, []).append(bias)
+    assert sorted(held) == [f"blocks.{i}.mlp" for i in range(len(want))], f"{name}: blocks {sorted(held)}"
+    for i, bias_want in enumerate(want):
+        for bias in held[f"blocks.{i}.mlp"]:
+            assert bias.dtype == torch.float32 and torch.equal(bias, bias_want), f"{name} block {i}: {bias} != {bias_want}"
 
 
 def test_bias_balancing_matches_a_plain_reference(worlds, tmp_path, capsys):
@@ -128,14 +141,7 @@ def test_bias_balancing_matches_a_plain_reference(worlds, tmp_path, capsys):
         param, worst = max((rel_err(got[k], v), k) for k, v in ref["params"].items())
         lines.append(f"{name}: loss {loss:.1e} params {param:.1e} ({worst})")
         assert loss <= TOL and param <= TOL, lines[-1]
-        held = {}
-        for r in results:
-            for block, bias in r["biases"].items():
-                held.setdefault(block, []).append(bias)
-        assert len(held) == len(ref["biases"]), f"{name}: blocks {sorted(held)}"
-        for i, want in enumerate(ref["biases"]):
-            for bias in held[f"blocks.{i}.mlp"]:  # every rank's copy, exactly the reference's
-                assert bias.dtype == torch.float32 and torch.equal(bias, want), f"{name} block {i}: {bias} != {want}"
+        assert_biases_match(name, results, ref["biases"])
     with capsys.disabled():
         print(f"\nbias balancing against the plain reference, {STEPS} steps:\n  " + "\n  ".join(lines))
 

@@ -17,13 +17,12 @@ without ZeRO. One torch thread per process (`run.threads=1`, and the reference's
 machine a second thread spent seconds spin-waiting on these tiny operations.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from tests.distributed.test_moe_bias import assert_biases_match, train_bias
 from tests.helpers import make_config, rel_err
-from tests.unit.test_mtp import rms, rotate
+from tests.unit.test_mtp import attention, rms
 from tests.zero_tasks import assemble
 from threefold.data import Sampler, load_tokens
 from threefold.models.decoder import build_model
@@ -38,20 +37,6 @@ FOUR = {"ep2 (dp4)": ["parallel.dp=4", "parallel.ep=2"],
         "dp2 ep2 zero1": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"],
         "tp2 ep2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
         "pp2 ep2": ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "train.microbatches=2"]}
-
-
-def attention(p: dict, pre: str, x: torch.Tensor, m) -> torch.Tensor:
-    """Pre-norm causal grouped-query attention with rotary positions, softmax written out (the residual added)."""
-    b, s, _ = x.shape
-    h = rms(x, p[pre + "attn_norm.weight"], m.norm_eps)
-    q = (h @ p[pre + "attn.q.weight"].T).view(b, s, m.heads, -1).transpose(1, 2)
-    k = (h @ p[pre + "attn.k.weight"].T).view(b, s, m.kv_heads, -1).transpose(1, 2)
-    v = (h @ p[pre + "attn.v.weight"].T).view(b, s, m.kv_heads, -1).transpose(1, 2)
-    q, k = rotate(q, m.rope_theta), rotate(k, m.rope_theta)
-    k, v = k.repeat_interleave(m.heads // m.kv_heads, 1), v.repeat_interleave(m.heads // m.kv_heads, 1)
-    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1),
-                                                                            -math.inf)
-    return x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1) @ p[pre + "attn.o.weight"].T
 
 
 def swiglu(x, gate, up, down):
@@ -144,31 +129,12 @@ def _reference_run(overrides: list[str]) -> dict:
             "params": {n: q.detach() for n, q in p.items()}}
 
 
-def train_runs(runs: list[tuple[list[str], str]]) -> list[dict]:
-    """On every rank: train each run; losses, logged MTP losses, local parameters, placements and every block's
-    bias by its global name (from the router weight's placement)."""
-    from threefold.models.moe import moe_modules
-    from threefold.train.trainer import Trainer
-
-    out = []
-    for overrides, path in runs:
-        trainer = Trainer(make_config(overrides, path))
-        records = trainer.run()
-        module, places = trainer.parallel.module, trainer.parallel.placements
-        biases = {places[f"{name}.router.weight"].name.removesuffix(".mlp.router.weight"): moe.expert_bias.clone()
-                  for name, moe in moe_modules(module)}
-        out.append({"losses": [r["loss"] for r in records], "extras": [r["mtp_loss"] for r in records],
-                    "biases": biases, "placements": dict(places),
-                    "params": {n: q.detach().float().clone() for n, q in module.named_parameters()}})
-    return out
-
-
 def test_mtp_on_bias_balanced_experts_matches_a_plain_reference(worlds, tmp_path, capsys):
     ref = reference_run(BASE)
     assert ref["flips"] > 0, "the bias never changed a choice: the case would not test it"
     assert ref["extras"][0] > 0.3 * ref["losses"][0]  # the depths weigh in the loss
-    runs = {"(1,1,1)": [r[0] for r in worlds(1).run(train_runs, [(BASE, str(tmp_path / "one"))])]}
-    per_rank = worlds(4).run(train_runs, [(BASE + o, str(tmp_path / f"r{i}")) for i, o in enumerate(FOUR.values())])
+    runs = {"(1,1,1)": [r[0] for r in worlds(1).run(train_bias, [(BASE, str(tmp_path / "one"))])]}
+    per_rank = worlds(4).run(train_bias, [(BASE + o, str(tmp_path / f"r{i}")) for i, o in enumerate(FOUR.values())])
     runs.update({name: [r[i] for r in per_rank] for i, name in enumerate(FOUR)})
     lines = []
     for name, results in runs.items():
@@ -179,13 +145,6 @@ def test_mtp_on_bias_balanced_experts_matches_a_plain_reference(worlds, tmp_path
         param, worst = max((rel_err(got[k], v), k) for k, v in ref["params"].items())
         lines.append(f"{name}: loss {loss:.1e} mtp_loss {extra:.1e} params {param:.1e} ({worst})")
         assert loss <= TOL and extra <= TOL and param <= TOL, lines[-1]
-        held = {}
-        for r in results:
-            for block, bias in r["biases"].items():
-                held.setdefault(block, []).append(bias)
-        assert sorted(held) == [f"blocks.{i}" for i in range(len(ref["biases"]))], f"{name}: blocks {sorted(held)}"
-        for i, want in enumerate(ref["biases"]):
-            for bias in held[f"blocks.{i}"]:  # every rank's copy, exactly the reference's
-                assert bias.dtype == torch.float32 and torch.equal(bias, want), f"{name} block {i}: {bias} != {want}"
+        assert_biases_match(name, results, ref["biases"])
     with capsys.disabled():
         print(f"\nMTP on bias-balanced experts against the plain reference, {STEPS} steps:\n  " + "\n  ".join(lines))

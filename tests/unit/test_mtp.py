@@ -33,8 +33,8 @@ def rotate(x, theta):
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
 
 
-def block(p, pre, x, m):
-    """One Llama block (rmsnorm, rope, grouped-query attention, SwiGLU), softmax written out."""
+def attention(p, pre, x, m):
+    """Pre-norm causal grouped-query attention with rotary positions, softmax written out (the residual added)."""
     b, s, _ = x.shape
     h = rms(x, p[pre + "attn_norm.weight"], m.norm_eps)
     q = (h @ p[pre + "attn.q.weight"].T).view(b, s, m.heads, -1).transpose(1, 2)
@@ -44,8 +44,12 @@ def block(p, pre, x, m):
     k, v = k.repeat_interleave(m.heads // m.kv_heads, 1), v.repeat_interleave(m.heads // m.kv_heads, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -math.inf)
-    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1) @ p[pre + "attn.o.weight"].T
-    x = x + y
+    return x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1) @ p[pre + "attn.o.weight"].T
+
+
+def block(p, pre, x, m):
+    """One Llama block (rmsnorm, rope, grouped-query attention, SwiGLU), softmax written out."""
+    x = attention(p, pre, x, m)
     h = rms(x, p[pre + "mlp_norm.weight"], m.norm_eps)
     return x + (F.silu(h @ p[pre + "mlp.gate.weight"].T) * (h @ p[pre + "mlp.up.weight"].T)) @ p[pre + "mlp.down.weight"].T
 
