@@ -166,13 +166,8 @@ def hierarchical_all_reduce(nbytes: float, g: Group) -> float:
     return 2 * inside + group_all_reduce(nbytes, Group(g.nodes, 1, g.intra, g.inter))
 
 
-def over_group(collective, nbytes: float, pieces: int, g: Group) -> float:
-    """`collective` (a group_* function) of `nbytes` issued as `pieces` equal collectives over `g`."""
+def in_pieces(collective, nbytes: float, pieces: int, *where) -> float:
+    """`collective` of `nbytes` in all, issued as `pieces` equal collectives: each pays its latency. `where` is
+    what the collective is priced over: (n, link) for the link's, (group,) for a group_* function."""
     pieces = max(1, int(pieces))
-    return pieces * collective(nbytes / pieces, g)
-
-
-def in_pieces(collective, nbytes: float, pieces: int, n: int, link: Link) -> float:
-    """`collective` of `nbytes` in all, issued as `pieces` equal collectives: each pays its latency."""
-    pieces = max(1, int(pieces))
-    return pieces * collective(nbytes / pieces, n, link)
+    return pieces * collective(nbytes / pieces, *where)

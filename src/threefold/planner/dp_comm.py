@@ -103,7 +103,7 @@ def _buckets(nbytes: float, st: Strategy) -> int:
 
 def _in_buckets(collective, nbytes: float, st: Strategy, g: comm.Group) -> float:
     """`collective` of `nbytes` issued bucket by bucket."""
-    return comm.over_group(collective, nbytes, _buckets(nbytes, st), g)
+    return comm.in_pieces(collective, nbytes, _buckets(nbytes, st), g)
 
 
 def _units(w: Workload, st: Strategy, stage: int) -> int:
@@ -156,10 +156,10 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
 
     def rs_pieces(n: float) -> int:  # DeepSpeed's ZeRO-3 reduced its gradients in buckets of reduce_bucket_size
         return math.ceil(n / DEEPSPEED_REDUCE_BUCKET) if units and w.sharding == "deepspeed-2021" else pieces(n)
-    rs = sum(comm.over_group(comm.group_reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), rs_pieces(n), g)
+    rs = sum(comm.in_pieces(comm.group_reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), rs_pieces(n), g)
              for n, g in trainable)
-    ag = sum(comm.over_group(comm.group_all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
-                             pieces(n), g) for n, g in params)
+    ag = sum(comm.in_pieces(comm.group_all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
+                            pieces(n), g) for n, g in params)
     # the parameter all-gathers after the step overlap the next forward (threefold without pp or ep)
     ag_exposed = max(0.0, ag - forward_s) if w.grad_overlap and st.pp == 1 and st.ep == 1 else ag
     if st.zero == 1:
