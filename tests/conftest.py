@@ -15,9 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from threefold.launch.world import World  # noqa: E402
+from threefold.train.threads import choose_cpu_threads  # noqa: E402
 
-_FIRST = os.environ["OMP_NUM_THREADS"].split(",")[0].strip()  # OpenMP's nested levels: the first
-torch.set_num_threads(int(_FIRST) if _FIRST.isdigit() and int(_FIRST) > 0 else 1)  # in case torch came first
+# in case torch came first: the count run.threads reads from the same variable
+torch.set_num_threads(choose_cpu_threads(0, os.environ["OMP_NUM_THREADS"], os.cpu_count() or 1, 1)[0])
 
 
 class Worlds:
