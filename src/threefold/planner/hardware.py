@@ -47,6 +47,13 @@ a fused causal attention kernel at `peak x attention_efficiency`. Sources:
         PyTorch's SDPA runs first.
   gemm_fixed_s: seconds each GEMM costs beyond its FLOPs, fitted to XLA's measured H100 table
         (planner/kernel_data.py) with the plateau above held; the Hopper presets only (0 elsewhere).
+  overlap_slowdown: how much longer compute takes while a collective runs beside it (NCCL's kernels hold
+        multiprocessors - an all-gather's 24 CTAs of an H100's 132 SMs - and share HBM bandwidth): 0.189, the
+        average computational slowdown Lee et al. measured when compute and communication overlap on A100 and H100
+        (GPT and LLaMA layers; "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+        Learning: Performance and Power Implications", arXiv:2507.03114, 2025: 18.9% on average, 40% at most).
+        Published, not fitted; the same for every preset. Priced on the data-parallel / ZeRO collectives the step
+        hides behind compute (planner/step_time.py `overlap_interference`).
   Tiles and waves follow the same guide (its sections "Tile Quantization" and "Wave Quantization":
         an output tile of 256 x 128 per SM is the most efficient, a GEMM whose tiles fill the SMs
         unevenly runs its last wave partly idle).
@@ -102,6 +109,7 @@ class Gpu:
     fp8_flops: float = 0.0  # dense FP8 tensor-core peak (0: no fp8 tensor cores; --precision fp8 gains nothing)
     gemm_fixed_s: float = 0.0  # seconds every GEMM costs beyond its FLOPs (planner/kernel_data.py; 0: no table)
     attention_table: str = ""  # published fused-attention table (kernel_data.ATTENTION); "": attention_efficiency
+    overlap_slowdown: float = 0.189  # compute's slowdown beside a running collective (Lee et al. 2025; docstring)
 
     def flops(self, precision: str) -> float:
         if precision == "fp32":
@@ -242,6 +250,7 @@ TOML_KEYS = {
     "fp32_tflops": "non-tensor-core FP32 TFLOP/s, for --precision fp32 (default: peak_tflops / 16)",
     "fp8_tflops": "dense FP8 tensor-core TFLOP/s (default 0: no fp8 tensor cores)",
     "gemm_fixed_us": "microseconds every GEMM costs beyond its FLOPs (default 0)",
+    "overlap_slowdown": "compute's slowdown while a collective overlaps it, 0 for none (default 0.189)",
     "attention_table": f"a published fused-attention table ({', '.join(ATTENTION)}); default none: "
                        "attention_efficiency",
 }
@@ -257,7 +266,7 @@ def gpu_table(gpu: Gpu) -> dict:
             "compute_efficiency": gpu.compute_efficiency, "sms": gpu.sms, "gemm_efficiency": gpu.gemm_efficiency,
             "attention_efficiency": gpu.attention_efficiency, "link_efficiency": gpu.link_efficiency,
             "intra_latency_us": gpu.intra_latency_s * 1e6, "inter_latency_us": gpu.inter_latency_s * 1e6,
-            "op_overhead_us": gpu.op_overhead_s * 1e6,
+            "op_overhead_us": gpu.op_overhead_s * 1e6, "overlap_slowdown": gpu.overlap_slowdown,
             **({"fp32_tflops": gpu.fp32_flops / 1e12} if gpu.fp32_flops else {}),
             **({"fp8_tflops": gpu.fp8_flops / 1e12} if gpu.fp8_flops else {}),
             **({"gemm_fixed_us": gpu.gemm_fixed_s * 1e6} if gpu.gemm_fixed_s else {}),
@@ -298,7 +307,7 @@ def load_gpu(kind: str) -> Gpu:
         raise UserError(f"--gpu: '{kind}' lacks {', '.join(missing)} in its [gpu] table")
     for key, value in table.items():
         if key not in ("name", "nvlink", "infiniband", "network", "attention_table") \
-                and (not isinstance(value, (int, float)) or value <= 0):
+                and (not isinstance(value, (int, float)) or value < 0 or value == 0 and key != "overlap_slowdown"):
             raise UserError(f"--gpu: {key} in '{kind}' must be a positive number, got {value!r}")
     attention_table = str(table.get("attention_table", ""))
     if attention_table and attention_table not in ATTENTION:
@@ -327,6 +336,7 @@ def load_gpu(kind: str) -> Gpu:
         fp8_flops=table.get("fp8_tflops", defaults["fp8_flops"] / 1e12) * 1e12,
         gemm_fixed_s=table.get("gemm_fixed_us", 0.0) * 1e-6,
         attention_table=attention_table,
+        overlap_slowdown=float(table.get("overlap_slowdown", defaults["overlap_slowdown"])),
     )
     if net is not None and "ib_gbps" not in table and "inter_latency_us" not in table:
         gpu = with_network(gpu, net)

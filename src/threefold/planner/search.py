@@ -277,7 +277,8 @@ def components(t: StepTime) -> dict[str, float]:
     return {"compute": compute, "recomputation": t.recompute_s, "pipeline bubble": t.bubble_s,
             "tensor-parallel communication": t.tp_comm_s, "pipeline communication": t.pp_comm_s,
             "expert-parallel all-to-all": t.ep_comm_s, "context-parallel attention communication": t.cp_comm_s,
-            "exposed data-parallel/ZeRO communication": t.dp_exposed_s, "optimizer update": t.optimizer_s}
+            "exposed data-parallel/ZeRO communication": t.dp_exposed_s,
+            "compute slowed by overlapped collectives": t.overlap_slowdown_s, "optimizer update": t.optimizer_s}
 
 
 NEGLIGIBLE = 0.005  # terms under 0.5% of the step are left out of the "why" column

@@ -35,6 +35,8 @@ the whole sequence's) and each sparse block all-reduces its routing statistics o
 
 Data-parallel and ZeRO traffic, and how much of it is exposed: planner/dp_comm.py (also local
 SGD / DiLoCo meetings, quantized ZeRO-3 communication and hpZ).
+Compute that such a collective overlaps runs slower (NCCL's kernels hold multiprocessors and HBM bandwidth):
+`overlap_interference` charges the hidden seconds at the GPU's published `overlap_slowdown` (hardware.py).
 The optimizer update is memory-bound: its bytes per local parameter (AdamW 32) over HBM bandwidth; Muon adds
 the busiest owner's Newton-Schulz work and its whole-matrix exchange (planner/optimizer.py).
 MXFP8 (planner/mx.py) prices the linears its auto rule converts (on Blackwell only) at their MXFP8 cost.
@@ -90,6 +92,8 @@ class StepTime:
     optimizer_newton_schulz_s: float = 0.0
     optimizer_exchange_s: float = 0.0
     optimizer_exchange_bytes: float = 0.0
+    # per step: the compute slowed by the data-parallel / ZeRO collectives that run beside it (`overlap_interference`)
+    overlap_slowdown_s: float = 0.0
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -173,12 +177,12 @@ def _stage_compute(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> tuple[flo
     # the blocks' rate from the shapes of a dense block's matmuls on this tp rank (compute.py); a sparse
     # block's MLP FLOPs run at that rate too
     mb = st.micro_batch_size(w)
-    cp = (st.cp,) if st.cp > 1 else ()
     block_s, block_flops = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu,
-                                                 st.precision, *cp)
+                                                 st.precision, st.cp, w.elementwise)
     if st.precision in ("fp8", "mxfp8") and layers:  # the first and last block stay bf16 (fp8_skip_first_last)
         kept = min(layers, int(first) + int(last))
-        bf16_s, _ = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu, "bf16", *cp)
+        bf16_s, _ = block_forward_seconds(m, mb, s, st.tp, st.sequence_parallel, w.attention, gpu, "bf16", st.cp,
+                                          w.elementwise)
         if st.precision == "mxfp8":  # the linears the auto rule converts, at their MXFP8 cost (planner/mx.py)
             block_s = bf16_s - block_saving_seconds(m, tokens, st.tp, gpu) / gpu.compute_efficiency
         block_s = (kept * bf16_s + (layers - kept) * block_s) / layers
@@ -305,11 +309,22 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
     bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
     opt = _optimizer_step(w, st, gpu, stage)
-    total = makespan + dp_exposed + opt.total_s
+    interference = overlap_interference(dp_total - dp_exposed, gpu)
+    total = makespan + dp_exposed + interference + opt.total_s
     m = st.microbatches
     return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, opt.total_s, total,
                     simulated, m * ep, m * hidden, m * cp_comm, m * cp_hidden, opt.newton_schulz_s, opt.exchange_s,
-                    opt.exchange_bytes)
+                    opt.exchange_bytes, interference)
+
+
+def overlap_interference(hidden_s: float, gpu: Gpu) -> float:
+    """Seconds a step's compute grows by while `hidden_s` seconds of collectives run beside it: NCCL's kernels hold
+    multiprocessors and HBM bandwidth, so compute overlapped by a collective runs `Gpu.overlap_slowdown` slower
+    (Lee et al. 2025, hardware.py): in `hidden_s` of wall time it does hidden_s / (1 + d) of its work, and the rest
+    takes hidden_s d / (1 + d) more. Where a collective outlasts its compute the overlapped compute is slowed all
+    the same (first order: its exposed part is not shortened)."""
+    d = gpu.overlap_slowdown
+    return max(0.0, hidden_s) * d / (1 + d)
 
 
 def _optimizer_step(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> OptimizerStep:
