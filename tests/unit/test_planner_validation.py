@@ -147,9 +147,19 @@ NO_SEQUENCE_PARALLEL = ("MT-NLG", "BLOOM", "OPT")
 # logits in fp32; Meta's own for Llama 3 is not published (threefold's counted)
 MEGATRON_LOSS = ("MCore", "Korthikanti", "Nemotron", "MT-NLG", "BLOOM", "OPT")
 TORCH_LOSS = ("torchtitan", "MPT")  # llm-foundry's MPT: torch's cross-entropy of the logits
+# whose blocks ran their elementwise work as eager PyTorch operations (planner/compute.py `elementwise_bytes_per_token`):
+# torchtitan's Llama without torch.compile - its A100 preset (train_configs/llama3_8b.toml: compile = false,
+# norm_type = "rmsnorm", the module of fp32 steps) and the 2024-12 bf16 rows (their Float8 twins name compile); the
+# others, and torchtitan's compiled rows, ran fused kernels (Megatron's and Transformer Engine's, llm-foundry's low-precision LayerNorm and GELU)
+EAGER = ("torchtitan",)
 
 
-def workload(name, m, batch, seq):
+def compiled(knobs: dict) -> bool:
+    """torchtitan's Float8 rows ran under torch.compile, each of them (tests/unit/test_planner_published.py)."""
+    return knobs.get("precision") == "fp8"
+
+
+def workload(name, m, batch, seq, knobs=None):
     p2p = "deepspeed" if name.startswith(DEEPSPEED_PIPELINE) else \
         "scatter-gather" if name.startswith(SCATTER_GATHER) else "batched"
     loss = "megatron" if name.startswith(MEGATRON_LOSS) else "torch" if name.startswith(TORCH_LOSS) else "threefold"
@@ -157,7 +167,8 @@ def workload(name, m, batch, seq):
                     grad_overlap=not name.startswith(AFTER_FLUSH), pipeline_p2p=p2p,
                     regather="linear" if name.startswith(MEGATRON) else "region", loss=loss,
                     selective="torchtitan-op" if name.startswith("torchtitan") else "threefold",
-                    sharding="fsdp2" if name.startswith("torchtitan") else "threefold")
+                    sharding="fsdp2" if name.startswith("torchtitan") else "threefold",
+                    elementwise="torchtitan-eager" if name.startswith(EAGER) and not compiled(knobs or {}) else "fused")
 
 
 # the ZeRO stages a run's software offered, where it does not say which it used: Megatron-LM's distributed
@@ -252,7 +263,7 @@ def predict(run, gpu_override=None):
     the published layout fits."""
     name, m, gpu, gpus, batch, seq, knobs, metric, _, _ = run
     gpu = software_gpu(name, gpu_override or gpu)
-    w = workload(name, m, batch, seq)
+    w = workload(name, m, batch, seq, knobs)
     best = best_of(w, gpus, gpu, software_options(name, fixed_knobs(run)))
     if best is None:
         return None, None
@@ -271,7 +282,7 @@ def software_best(run):
         software["bucket_mb"] = bucket_mb(name, None)
     # the family the source names (interleaved 1F1B) and its plain form
     schedules = list(dict.fromkeys([knobs["schedule"], "1f1b"])) if "schedule" in knobs else None
-    return best_of(workload(name, m, batch, seq), gpus, software_gpu(name, gpu),
+    return best_of(workload(name, m, batch, seq, knobs), gpus, software_gpu(name, gpu),
                    software_options(name, software, schedules))
 
 

@@ -262,17 +262,15 @@ def fused_attention_seconds(m: ModelConfig, rows: int, seq_len: int, tp: int, at
 
 @lru_cache(maxsize=8192)
 def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                          attention: str, gpu: Gpu, precision: str, cp: int = 1) -> tuple[float, float]:
+                          attention: str, gpu: Gpu, precision: str, cp: int = 1,
+                          elementwise: str = "fused") -> tuple[float, float]:
     """(seconds, FLOPs) of one dense block's forward of a micro-batch on one tp rank, from the shapes of
     its matmuls: q/k/v and the attention output (column / row parallel, 1/tp of the width), the MLP's
     up (and gate) and down, the attention scores and weighted sum per head; plus its memory-bound
-    elementwise work. Under context parallelism (`cp` > 1) the rank holds seq_len / cp tokens of each
-    sequence, whose queries attend to keys of the whole sequence: 1/cp of the causal work (the zigzag
-    split balances it)."""
+    elementwise work (`elementwise_bytes_per_token`, by the software's kernels). Under context parallelism
+    (`cp` > 1) the rank holds seq_len / cp tokens of each sequence, whose queries attend to keys of the whole
+    sequence: 1/cp of the causal work (the zigzag split balances it)."""
     rows = micro_batch * seq_len // cp  # tokens of the micro-batch on this rank: the GEMMs' M
-    h, f = m.hidden, m.ffn_hidden
-    kv = m.kv_heads * m.head_dim
-    q_width = _ceil(m.attn_width, tp)
     t = 0.0
     # q, k, v (one fused weight), attention output (row parallel), MLP up (and gate), MLP down
     for mm, k, n in block_linear_shapes(m, rows, tp).values():
@@ -288,14 +286,42 @@ def block_forward_seconds(m: ModelConfig, micro_batch: int, seq_len: int, tp: in
         t += gemm_seconds(local, seq_len, m.head_dim, gpu, precision, heads)
         t += gemm_seconds(local, m.head_dim, seq_len, gpu, precision, heads)
         t += 4 * el * heads * local * seq_len / gpu.hbm_bytes_per_s
-    # elementwise, read + write per token: 2 norms (2h each), 2 residual adds (3h each), the activation
-    # (gelu 2f, swiglu 3f), rotary q and k (2 x their widths); norms and adds are sharded only under sp
-    sharded = (3 if m.mlp == "swiglu" else 2) * f + (2 * (m.attn_width + kv) if m.position == "rope" else 0)
-    unsharded = 4 * h + 6 * h
-    elements = rows * (sharded / tp + unsharded / (tp if sequence_parallel else 1))
-    t += el * elements / gpu.hbm_bytes_per_s
+    forward, backward = elementwise_bytes_per_token(m, tp, sequence_parallel, elementwise, el)
+    t += rows * (forward + backward) / 3 / gpu.hbm_bytes_per_s  # the pair costs what the passes move
     flops = rows * (2 * block_matmul_params(m) / tp) + attn_flops
     return t / gpu.compute_efficiency, flops
+
+
+def elementwise_bytes_per_token(m: ModelConfig, tp: int, sequence_parallel: bool, kind: str = "fused",
+                                el: int = 2) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of a block's memory-bound work between its GEMMs and attention kernel
+    on a tp rank (widths of q, k/v and the MLP over tp; of the hidden size over tp only under sequence parallelism).
+
+    "fused": read + write once per element and operation, `el` bytes each: 2 norms (2h), 2 residual adds (3h), the
+    activation (GELU 2f, SwiGLU 3f) and rotary q and k (2 x their widths); the backward twice the forward's bytes.
+    "torchtitan-eager": torchtitan's Llama block run eager in bf16, as counted kernel by kernel
+    (tests/unit/test_plan_elementwise.py: every aten operation of a forward and backward recorded on the CPU, each
+    priced at the bytes its GPU kernel reads and writes). Per element of h, forward: its RMSNorm of fp32 steps (cast
+    up 6, square 8, mean 4, scale 8, cast down 6, weight 4: 36) twice and the residual adds (6) twice, 84; backward
+    84 per norm, 8 per norm weight's gradient, and 6 per sum of two gradients (the two residual branches; q, k, v's
+    and w1, w3's input gradients: 5 sums), 214. Rotary positions through complex fp32 (cast up 6, complex product 8,
+    cast down 6): 20 per element of q and k, forward and backward. The k and v heads repeated to the query heads
+    (expand then a copy where 1 < kv heads < heads): 4 (q + kv) forward; their gradients summed back: 4 (q + kv)
+    where kv heads < heads. SiLU then the product: 10 per element of the MLP width forward, 18 backward."""
+    h, f, kv, q = m.hidden, m.ffn_hidden, m.kv_heads * m.head_dim, m.attn_width
+    hidden_share = 1 / (tp if sequence_parallel else 1)
+    if kind == "fused":
+        sharded = (3 if m.mlp == "swiglu" else 2) * f + (2 * (q + kv) if m.position == "rope" else 0)
+        forward = el * (sharded / tp + 10 * h * hidden_share)
+        return forward, 2 * forward
+    if kind != "torchtitan-eager":
+        raise ValueError(f"elementwise_bytes_per_token: unknown kind '{kind}'")
+    qkv = (q + kv) / tp
+    copied = 4 * qkv if 1 < m.kv_heads < m.heads else 0.0
+    summed = 4 * qkv if m.kv_heads < m.heads else 0.0
+    forward = 84 * h * hidden_share + 20 * qkv + copied + 10 * f / tp
+    backward = 214 * h * hidden_share + 20 * qkv + summed + 18 * f / tp
+    return forward, backward
 
 
 @lru_cache(maxsize=4096)

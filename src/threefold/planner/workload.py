@@ -40,6 +40,12 @@ SELECTIVE = ("threefold", "torchtitan-op")
 # gradient sync off for the others: stage.py `backward_maybe_with_nosync`; FSDP2 `to_accumulated_grad_if_needed`),
 # or DeepSpeed's ZeRO-3 of 2021, which gathered parameter by parameter (planner/dp_comm.py `_units`)
 SHARDING = ("threefold", "fsdp2", "deepspeed-2021")
+# how a block's memory-bound work between the GEMMs runs (planner/compute.py `elementwise_bytes_per_token`): "fused"
+# (one read and one write per element and operation: fused norm, activation, rotary and add kernels, as Megatron's,
+# llm-foundry's and compiled code run them) or "torchtitan-eager" (torchtitan's Llama block run eager, as its
+# 2024-12 bf16 benchmark rows did: an RMSNorm of fp32 steps, rotary positions through complex fp32, repeated k and
+# v heads, SiLU then a product)
+ELEMENTWISE = ("fused", "torchtitan-eager")
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Workload:
     loss: str = "threefold"  # LOSSES
     selective: str = "threefold"  # SELECTIVE
     sharding: str = "threefold"  # SHARDING
+    elementwise: str = "fused"  # ELEMENTWISE
     optimizer: str = "adamw"  # train.optimizer, a name of optim/registry.py: its states and step (planner/optimizer.py)
 
     def __post_init__(self):
@@ -72,7 +79,8 @@ class Workload:
                                      ("pipeline_p2p", self.pipeline_p2p, PIPELINE_P2P),
                                      ("regather", self.regather, REGATHER), ("loss", self.loss, LOSSES),
                                      ("selective", self.selective, SELECTIVE),
-                                     ("sharding", self.sharding, SHARDING)):
+                                     ("sharding", self.sharding, SHARDING),
+                                     ("elementwise", self.elementwise, ELEMENTWISE)):
             if value not in choices:
                 raise ValueError(f"Workload.{name}: unknown '{value}'; one of {', '.join(choices)}")
 
