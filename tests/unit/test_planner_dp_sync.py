@@ -110,8 +110,9 @@ def test_the_runtime_default_bucket_is_near_the_best_until_dp_makes_the_reduce_s
 
 def test_the_mpt_rows_at_512_h100_agree_with_their_communication_exposed_in_full():
     """The validation table's llm-foundry rows on 512 H100 (tests/unit/test_planner_published.py): the model hides
-    FSDP's gathers and reduce-scatters behind compute and predicts 15-48% too fast; with every second of them
-    exposed each is within 5% of the published throughput (the known misses' reason, docs/planner.md)."""
+    FSDP's gathers and reduce-scatters behind compute (slowing it by the published overlap_slowdown) and predicts
+    13-38% too fast; with every second of them exposed and nothing overlapped each is within 5% of the published
+    throughput (the known misses' reason, docs/planner.md)."""
     from tests.unit.test_planner_validation import RUNS, error, predict
 
     rows = [run for run in RUNS if run[0].startswith("MPT") and run[0].endswith("512 H100")]
@@ -119,8 +120,9 @@ def test_the_mpt_rows_at_512_h100_agree_with_their_communication_exposed_in_full
     for run in rows:
         value, best = predict(run)
         t = best.time
-        full = (1 + error(run, value)) * t.total_s / (t.total_s + t.dp_comm_s - t.dp_exposed_s) - 1
-        assert abs(full) <= 0.05 and error(run, value) > 0.14, (run[0], error(run, value), full)
+        serial = t.total_s - t.overlap_slowdown_s + t.dp_comm_s - t.dp_exposed_s
+        full = (1 + error(run, value)) * t.total_s / serial - 1
+        assert abs(full) <= 0.05 and error(run, value) > 0.12, (run[0], error(run, value), full)
 
 
 def test_the_runtimes_hierarchical_all_reduce_sends_the_node_through_one_leader():

@@ -107,7 +107,7 @@ def test_step_time_parts_add_up_and_pipeline_costs_bubble():
     w = Workload(load_config(None, ["model.preset=llama-7b"]).model, 256, 4096)
     gpu = PRESETS["h100-80gb"]
     t = step_time(w, Strategy(dp=4, tp=2, pp=4, microbatches=8, sequence_parallel=True), gpu)
-    assert t.total_s == pytest.approx(t.pipeline_s + t.dp_exposed_s + t.optimizer_s)
+    assert t.total_s == pytest.approx(t.pipeline_s + t.dp_exposed_s + t.overlap_slowdown_s + t.optimizer_s)
     assert t.bubble_s == pytest.approx(3 * (t.forward_s + t.backward_s))
     more = step_time(w, Strategy(dp=4, tp=2, pp=4, microbatches=32, sequence_parallel=True), gpu)
     assert more.bubble_s < t.bubble_s
@@ -164,7 +164,7 @@ def test_schedule_simulator_agrees_with_the_closed_forms(schedule, v):
 # (Workload.sharding "deepspeed-2021", planner/dp_comm.py). NCCL's rings cross a node through its 8 NICs
 # (planner/comm.py Group): the model follows the collapse but stays above it, by the documented errors below
 # (pinned within 2 points, docs/planner.md): the rest of the collapse is not explained by the model.
-ZERO3 = [(384, 4, 144, 0.272), (768, 2, 88, 0.574), (1536, 1, 44, 0.689)]
+ZERO3 = [(384, 4, 144, 0.263), (768, 2, 88, 0.552), (1536, 1, 44, 0.653)]
 
 
 def zero3_tflops(gpus, micro_batch, sharding="deepspeed-2021"):
@@ -183,7 +183,7 @@ def test_deepspeed_2021_zero3_collapses_with_the_per_gpu_batch_where_unit_gather
     ours = [zero3_tflops(g, mb) for g, mb, *_ in ZERO3]
     assert ours[0] > ours[1] > ours[2] and ours[2] < 0.5 * ours[0]
     units = [zero3_tflops(g, mb, "threefold") for g, mb, *_ in ZERO3]  # a unit per block, prefetched
-    assert units[2] > 0.9 * units[0]
+    assert units[2] > 0.85 * units[0]  # 211 / 203 / 186: the hidden gathers slow the compute beside them
 
 
 def test_a_flash_kernel_is_charged_half_the_causal_attention():

@@ -107,29 +107,26 @@ for table, gpu, precision, label in ((_H100_LARGE, H100, "bf16", "H100"), (_H100
 # within 2 points, so a miss that grows or shrinks fails) and where the gap lies as far as the data shows it
 # (docs/planner.md, "Validation set": the added rows). The step's exposed communication share is printed by
 # `python -m tests.unit.test_planner_validation` beside each row.
-_EAGER = ("compute outside the kernel tables: the row runs eager (its compiled Float8 twin is within 15%), and the "
-          "eager RMSNorm / rotary / SwiGLU passes over HBM are not priced; 500 W power cap, peak unknown")
+_EAGER = ("compute: the eager block's passes over HBM are priced (planner/compute.py torchtitan-eager: 3.3x the fused "
+          "bytes), which took 24-26 points off; what remains is not priced: the 500 W power cap (the peak taken as the "
+          "SXM's, the source does not know it) and the elementwise work op-level checkpointing redoes in the backward")
 _FP8 = "compute: fp8 casts and the compiled graph not priced (kernel tables are bf16)"
 _HIDDEN = ("exposed communication: the model hides FSDP's per-block gathers and reduce-scatters over 512 ranks (NCCL's "
-           "rings through each node's 8 NICs) behind compute; exposed in full, every MPT row at 512 H100 is within 4% "
-           "(tests/unit/test_planner_dp_sync.py). What keeps llm-foundry's FSDP from overlapping there is not modelled")
+           "rings through each node's 8 NICs) behind compute, slowed by the published overlap_slowdown; exposed in full, "
+           "every MPT row at 512 H100 is within 5% (tests/unit/test_planner_dp_sync.py). What else keeps llm-foundry's "
+           "FSDP from overlapping there is not modelled")
 KNOWN_MISSES = {
-    f"{TITAN} Llama 3.1 8B, 8 H100, FSDP": (0.522, _EAGER),
-    f"{TITAN} Llama 3.1 8B, 8 H100, seq 32768, FSDP + compile + Float8": (0.265, _FP8 + "; 32k keys beyond the 16k "
+    f"{TITAN} Llama 3.1 8B, 8 H100, FSDP": (0.279, _EAGER),
+    f"{TITAN} Llama 3.1 8B, 8 H100, seq 32768, FSDP + compile + Float8": (0.261, _FP8 + "; 32k keys beyond the 16k "
                                                                                      "of the attention table"),
-    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP": (0.575, _EAGER),
-    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP + compile + Float8": (0.163, _FP8),
-    f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, Interleaved 1F1B":
-        (0.162, "pipeline: a 30% bubble and 16% exposed communication in the model; torch.distributed.pipelining's "
-                "interleaved schedule not simulated as it runs"),
-    "MPT 70b, 512 H100": (0.166, _HIDDEN),
-    "MPT 30b, 512 H100": (0.189, _HIDDEN),
-    "MPT 7b, 512 H100": (0.436, _HIDDEN),
-    "MPT 3b, 512 H100": (0.437, _HIDDEN),
-    "MPT 1b, 512 H100": (0.475, _HIDDEN),
-    "MPT 3b, 8 H100 FP8": (0.324, _FP8),
-    "MPT 13b, 8 A100": (0.210, "unexplained: the A100 rows of 3b-30b agree"),
-    "MPT 1b, 8 A100": (0.163, "small GEMMs (h 2048) faster in the model than measured (no A100 GEMM table)"),
+    f"{TITAN} Llama 3.1 8B, 128 H100, FSDP": (0.312, _EAGER),
+    "MPT 30b, 512 H100": (0.160, _HIDDEN),
+    "MPT 7b, 512 H100": (0.331, _HIDDEN),
+    "MPT 3b, 512 H100": (0.343, _HIDDEN),
+    "MPT 1b, 512 H100": (0.383, _HIDDEN),
+    "MPT 3b, 8 H100 FP8": (0.306, _FP8),
+    "MPT 13b, 8 A100": (0.174, "unexplained: the A100 rows of 3b-30b agree"),
+    "MPT 1b, 8 A100": (0.158, "small GEMMs (h 2048) faster in the model than measured (no A100 GEMM table)"),
 }
 NEW_RUNS = [(*run[:9], KNOWN_MISSES.get(run[0], (None,))[0]) for run in NEW_RUNS]
 
