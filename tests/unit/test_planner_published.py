@@ -103,6 +103,15 @@ for table, gpu, precision, label in ((_H100_LARGE, H100, "bf16", "H100"), (_H100
                               **({"precision": precision} if precision != "bf16" else {})),
                          "tokens_per_gpu", tps, None))
 
+# llm-foundry's attention kernel per row (the model's attn_config.attn_impl, scripts/train/benchmarking): the A100 and
+# H100 FP8 tables' runs (sweep.sh of b2a43a147, llm-foundry v0.3.0; and the A100 table's older bf16 PURE rows) pass no
+# --attn_impl, so submit_benchmarks.py's default `triton` ran - llm-foundry's Triton FlashAttention
+# (llmfoundry/models/layers/flash_attn_triton.py, copied from the flash-attn repository's); the large-scale table's
+# sweep.py (5e85bd62d) passes `--attn_impl flash` (flash-attn 2.4.2, the `gpu-flash2` extra) for 1b, 3b, 7b and 70b
+# and `--attn_impl triton` for 13b and 30b. The kernels' published rates: planner/kernel_data.py
+TRITON_ATTENTION = tuple(run[0] for run in NEW_RUNS if run[0].startswith("MPT") and (
+    run[2].name.startswith("a100") or run[0].endswith("FP8") or run[0].startswith(("MPT 13b, 512", "MPT 30b, 512"))))
+
 # The rows that miss 15%, with the error the table prints (`known_miss`: test_planner_validation.verdict holds each
 # within 2 points, so a miss that grows or shrinks fails) and where the gap lies as far as the data shows it
 # (docs/planner.md, "Validation set": the added rows). The step's exposed communication share is printed by
@@ -120,13 +129,9 @@ KNOWN_MISSES = {
     f"{TITAN} Llama 3.1 8B, 8 H100, seq 32768, FSDP + compile + Float8": (0.261, _FP8 + "; 32k keys beyond the 16k "
                                                                                      "of the attention table"),
     f"{TITAN} Llama 3.1 8B, 128 H100, FSDP": (0.312, _EAGER),
-    "MPT 30b, 512 H100": (0.160, _HIDDEN),
     "MPT 7b, 512 H100": (0.331, _HIDDEN),
     "MPT 3b, 512 H100": (0.343, _HIDDEN),
     "MPT 1b, 512 H100": (0.383, _HIDDEN),
-    "MPT 3b, 8 H100 FP8": (0.306, _FP8),
-    "MPT 13b, 8 A100": (0.174, "unexplained: the A100 rows of 3b-30b agree"),
-    "MPT 1b, 8 A100": (0.158, "small GEMMs (h 2048) faster in the model than measured (no A100 GEMM table)"),
 }
 NEW_RUNS = [(*run[:9], KNOWN_MISSES.get(run[0], (None,))[0]) for run in NEW_RUNS]
 

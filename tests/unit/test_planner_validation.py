@@ -21,7 +21,7 @@ from threefold.planner.hardware import PRESETS
 from threefold.planner.search import search
 from threefold.planner.step_time import hardware_tflops_per_gpu
 from threefold.planner.workload import Workload
-from tests.unit.test_planner_published import NEW_RUNS, NEW_SOURCES
+from tests.unit.test_planner_published import NEW_RUNS, NEW_SOURCES, TRITON_ATTENTION
 
 A100, H100 = PRESETS["a100-80gb"], PRESETS["h100-80gb"]
 # BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs, i.e. 50 Gb/s per GPU
@@ -234,15 +234,19 @@ def fixed_knobs(run) -> dict:
 
 # the fused attention kernel each software ran on a GPU with published attention tables (planner/kernel_data.py):
 # Megatron-Core (and Nemotron's Megatron) through Transformer Engine's cuDNN fused attention; torchtitan through
-# PyTorch's SDPA and llm-foundry through the flash-attn 2 package: FlashAttention-2, the presets' own; Llama 3's
-# kernel is not published (the preset's)
+# PyTorch's SDPA and llm-foundry's `attn_impl: flash` through the flash-attn 2 package: FlashAttention-2, the presets'
+# own; llm-foundry's `attn_impl: triton` its Triton FlashAttention (TRITON_ATTENTION, test_planner_published.py);
+# Llama 3's kernel is not published (the preset's)
 CUDNN_ATTENTION = ("MCore", "Nemotron")
 
 
 def software_gpu(name: str, gpu):
     """`gpu` with the attention table of the run's software, where the GPU has published tables."""
-    if gpu.attention_table and name.startswith(CUDNN_ATTENTION):
-        return replace(gpu, attention_table=gpu.attention_table.split("/")[0] + "/cudnn")
+    kind = gpu.attention_table.split("/")[0]
+    if kind and name.startswith(CUDNN_ATTENTION):
+        return replace(gpu, attention_table=kind + "/cudnn")
+    if kind and name in TRITON_ATTENTION:
+        return replace(gpu, attention_table=kind + "/triton")
     return gpu
 
 

@@ -43,8 +43,9 @@ a fused causal attention kernel at `peak x attention_efficiency`. Sources:
   attention_efficiency: FlashAttention-2 (Dao 2023) reports 50-73% of the A100's peak forward and
         ~60% in backward (0.6); B200 0.55 (no published table at hand). Kinds with a published table
         (`attention_table`, planner/kernel_data.py) take its measured TFLOP/s instead: the Hopper presets
-        FlashAttention-2's on H100 SXM5 (Shah et al. 2024, FlashAttention-3, figures 5 and 6), the kernel
-        PyTorch's SDPA runs first.
+        FlashAttention-2's on H100 SXM5 (Shah et al. 2024, FlashAttention-3, figures 5 and 6), the A100
+        presets FlashAttention-2's on A100 SXM4 (Dao 2023, its forward + backward figure: 155 TFLOP/s at 2k
+        causal keys, where 0.6 of the peak gave 218), the kernel PyTorch's SDPA runs first.
   gemm_fixed_s: seconds each GEMM costs beyond its FLOPs, fitted to XLA's measured H100 table
         (planner/kernel_data.py) with the plateau above held; the Hopper presets only (0 elsewhere).
   overlap_slowdown: how much longer compute takes while a collective runs beside it (NCCL's kernels hold
@@ -141,9 +142,9 @@ _HOPPER_KERNELS = dict(gemm_fixed_s=H100_GEMM_FIXED_S, attention_table="h100/fa2
 
 PRESETS: dict[str, Gpu] = {
     "a100-40gb": Gpu("a100-40gb", 312e12, 40 * GiB, 1555 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
-                     infiniband="hdr", fp32_flops=19.5e12),
+                     infiniband="hdr", fp32_flops=19.5e12, attention_table="a100/fa2"),
     "a100-80gb": Gpu("a100-80gb", 312e12, 80 * GiB, 2039 * GB, "nvlink3", _nvlink("nvlink3"), _ib("hdr"),
-                     infiniband="hdr", fp32_flops=19.5e12),
+                     infiniband="hdr", fp32_flops=19.5e12, attention_table="a100/fa2"),
     "h100-80gb": Gpu("h100-80gb", 989e12, 80 * GiB, 3350 * GB, "nvlink4", _nvlink("nvlink4"), _ib("ndr"),
                      infiniband="ndr", fp32_flops=67e12, sms=132,
                      gemm_efficiency=0.74, attention_efficiency=0.55, fp8_flops=1979e12, **_HOPPER_KERNELS),

@@ -27,6 +27,12 @@ Fused causal attention, H100 80GB SXM5, BF16, head size 128 (`ATTENTION`): Shah 
   (torch._C._get_sdp_priority_order() = flash, efficient, math, cudnn in torch 2.13; FlashAttention-3 is opt-in),
   llm-foundry's `attn_impl: flash` is the flash-attn 2 package, Megatron-Core runs Transformer Engine's cuDNN
   fused attention. Head sizes other than 128 take the 128 table; sequences outside 512-16k its end values.
+
+Fused causal attention, A100 80GB SXM4 and H100 80GB SXM5, forward + backward (`_FWD_BWD`): Dao 2023,
+  "FlashAttention-2" (arXiv:2307.08691), the benchmark figures of its repository (panel (d): causal, head dim 128):
+  FlashAttention-2 ("a100/fa2", what PyTorch's SDPA runs on an A100 and the A100 presets' table), FlashAttention
+  v1 and the Triton FlashAttention llm-foundry's `attn_impl: triton` runs; on H100 FlashAttention v1 (and, as a
+  stand-in, the Triton kernel: see TRITON_ON_H100).
 """
 
 from __future__ import annotations
@@ -55,7 +61,31 @@ ATTENTION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "h100/cudnn": ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516)),
     "h100/fa3": ((292, 423, 521, 579, 602, 616), (316, 424, 501, 542, 559, 561)),
 }
-ATTENTION_SOURCES = {name: FA3_PAPER for name in ATTENTION}
+# Dao 2023, FlashAttention-2 (arXiv:2307.08691), its benchmark figures as published in the flash-attn repository
+# (github.com/Dao-AILab/flash-attention, commit 4f285b35, assets/flash2_a100_fwd_bwd_benchmark.png and
+# assets/flash2_h100_fwd_bwd_benchmark.png), panel (d): forward + backward, causal mask, head dim 128, batch x
+# sequence = 16k tokens, hidden 2048, FLOPs counted as executed (half the square; backward 2.5x the forward). Each
+# bar is the pair's one rate, so a table holds it for both passes (their sum takes the time the bar gives).
+# "triton" is the Triton FlashAttention of that repository (flash_attn/flash_attn_triton.py), which llm-foundry
+# copied as its `attn_impl: triton` (llmfoundry/models/layers/flash_attn_triton.py); "fa1" FlashAttention (v1).
+FA2_PAPER = ("Dao 2023, FlashAttention-2 (arXiv:2307.08691), flash-attention 4f285b35 "
+             "assets/flash2_{gpu}_fwd_bwd_benchmark.png (d): causal, head dim 128, forward + backward")
+_FWD_BWD = {
+    "a100/fa2": (99, 133, 155, 173, 182, 189),
+    "a100/fa1": (55, 62, 69, 76, 80, 83),
+    "a100/triton": (50, 61, 68, 74, 78, 80),
+    "h100/fa1": (98, 109, 108, 126, 135, 137),
+}
+# The Triton kernel on an H100: no published figure. On the A100 it runs within 10% of FlashAttention (v1) at every
+# length of panel (d) (50-80 against 55-83 TFLOP/s), both kernels of Ampere's instructions (triton-pre-mlir, the
+# legacy Triton backend of December 2022 that llm-foundry pins, predates Hopper's), so the H100's takes FlashAttention's H100 bars: a
+# stand-in, named as one (TRITON_ON_H100).
+TRITON_ON_H100 = "h100/fa1"
+_FWD_BWD["h100/triton"] = _FWD_BWD[TRITON_ON_H100]
+ATTENTION.update({name: (rates, rates) for name, rates in _FWD_BWD.items()})
+ATTENTION_SOURCES = {name: FA2_PAPER.format(gpu=name.split("/")[0]) if name in _FWD_BWD else FA3_PAPER
+                     for name in ATTENTION}
+ATTENTION_SOURCES["h100/triton"] += f"; no Triton bar on H100: {TRITON_ON_H100}'s, a stand-in (above)"
 BACKWARD_FLOPS = 2.5  # a flash backward's FLOPs over its forward's (the FlashAttention papers' count)
 
 
