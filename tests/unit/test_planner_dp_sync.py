@@ -109,14 +109,17 @@ def test_the_runtime_default_bucket_is_near_the_best_until_dp_makes_the_reduce_s
 
 
 def test_the_mpt_rows_at_512_h100_agree_with_their_communication_exposed_in_full():
-    """The validation table's llm-foundry rows on 512 H100 (tests/unit/test_planner_published.py): the model hides
-    FSDP's gathers and reduce-scatters behind compute (slowing it by the published overlap_slowdown) and predicts
-    13-38% too fast; with every second of them exposed and nothing overlapped each is within 5% of the published
-    throughput (the known misses' reason, docs/planner.md)."""
+    """The validation table's llm-foundry rows on 512 H100 that ran flash-attn 2 (tests/unit/test_planner_published.py;
+    13b and 30b ran its Triton kernel and agree with their communication hidden): the model hides FSDP's gathers and
+    reduce-scatters behind compute (slowing it by the published overlap_slowdown) and predicts 14-38% too fast; with
+    every second of them exposed and nothing overlapped each is within 5% of the published throughput (docs/planner.md:
+    a coincidence as far as the sources show, not a reason)."""
+    from tests.unit.test_planner_published import TRITON_ATTENTION
     from tests.unit.test_planner_validation import RUNS, error, predict
 
-    rows = [run for run in RUNS if run[0].startswith("MPT") and run[0].endswith("512 H100")]
-    assert len(rows) == 6
+    rows = [run for run in RUNS if run[0].startswith("MPT") and run[0].endswith("512 H100")
+            and run[0] not in TRITON_ATTENTION]
+    assert len(rows) == 4
     for run in rows:
         value, best = predict(run)
         t = best.time
