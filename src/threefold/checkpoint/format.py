@@ -131,7 +131,7 @@ class Manifest:
         return json.dumps({"format": FORMAT, "version": VERSION, "step": self.step, "layout": self.layout,
                            "data": self.data, "files": files, "tensors": tensors,
                            "rng": {str(r): s for r, s in sorted(self.rng.items())}, "extra": self.extra,
-                           "config": self.config}, indent=1)
+                           "config": self.config}, separators=(",", ":"))  # C encoder: `indent` has none
 
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
