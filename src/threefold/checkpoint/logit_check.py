@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..models.meta import on_meta
 from ..models.spec import ModelSpec, empty_whole, retie
 from ..sharding import Placement
 from .format import CheckpointError, read_manifest
@@ -173,7 +174,7 @@ def pretrained_check_line(spec: ModelSpec, vocab: int) -> str:
     """The trainer's check of a `hf:DIR` start (rank 0, before step 1): its line, or the line saying why it
     was skipped (more than PRETRAINED_CHECK_MAX_PARAMS parameters: loading the directory twice more and a
     forward on the host would cost minutes); CheckpointError (exit 2) when the logits differ."""
-    with torch.device("meta"):
+    with on_meta():
         count = sum(p.numel() for p in spec.build().parameters())
     if count > PRETRAINED_CHECK_MAX_PARAMS:
         return (f"init check skipped: {count:,} parameters, above {PRETRAINED_CHECK_MAX_PARAMS:,} (the check "

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .loss import TokenCrossEntropy, head_loss
+from .meta import on_meta
 from .moe import MoE
 from .mtp import MTPDepth, mtp_loss
 
@@ -275,7 +276,7 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Decoder:
     """The whole model, initialised from `seed`, on `device`."""
-    with torch.device("meta"):
+    with on_meta():
         model = Decoder(cfg)
     model.to_empty(device=device)
     model.tie_weights()
@@ -286,7 +287,7 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu")
 def count_parameters(cfg: ModelConfig, padded: bool = True) -> int:
     """Exact parameter count without allocating anything (tied weights counted once); `padded=False`
     counts the real vocabulary's rows only (what the papers count), not those of `model.vocab_multiple`."""
-    with torch.device("meta"):
+    with on_meta():
         model = Decoder(cfg)
     total = sum(p.numel() for p in model.parameters())
     if not padded:

@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from .meta import on_meta
 from .plans import TensorPlan
 from .loss import head_loss
 
@@ -179,7 +180,7 @@ def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> t
 
 def empty_whole(spec: ModelSpec, device: torch.device | str = "cpu") -> nn.Module:
     """The whole model on `device` with storage but no parameter values (tied parameters not yet retied)."""
-    with torch.device("meta"):
+    with on_meta():
         model = spec.build()
     # buffers a family builds with an explicit device (a Hugging Face model's rotary tables) keep their values
     kept = {name: b.clone() for name, b in model.named_buffers() if b.device.type != "meta"}

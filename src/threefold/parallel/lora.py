@@ -46,6 +46,7 @@ from ..errors import ConfigError, UserError
 from ..mesh import Mesh
 from ..models.decoder import parameter_seed
 from ..models.fingerprint import base_fingerprint
+from ..models.meta import on_meta
 from ..models.spec import ModelSpec
 from ..sharding import Placement
 from .materialise import _local_box
@@ -237,7 +238,7 @@ def add_adapters(model: nn.Module, placements: dict[str, Placement], partial: li
             summed.append("lora_A")
         elif tp > 1:  # a plain Linear under tp: its input and output are replicated
             a_place, b_place = a_place.replicated("tp"), b_place.replicated("tp")
-        with torch.device("meta"):
+        with on_meta():
             module.lora_A = nn.Linear(a_place.shape[1], r, bias=False)
             module.lora_B = nn.Linear(r, b_place.shape[0], bias=False)
         dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()

@@ -14,6 +14,7 @@ import torch
 from ..config.sections import PrecisionConfig, RematConfig
 from ..errors import ConfigError
 from ..mesh import REPLICA
+from ..models.meta import on_meta
 from ..models.moe import moe_modules
 from .compile import apply_compile
 from .compose import Build, weight_tensors
@@ -31,7 +32,7 @@ LOSSY_WIRES = ("dgc", "onebit", "powersgd")  # dp gradient exchanges that are no
 
 def build_meta(b: Build) -> None:
     """0. the whole model, without storage."""
-    with torch.device("meta"):
+    with on_meta():
         b.model = b.spec.build()
 
 
