@@ -98,6 +98,7 @@ class PlanResult:
     feasible: bool
     message: str = ""
     extra: dict = field(default_factory=dict)
+    priced: int = 0  # strategies whose step time was computed in full (`evaluated` counts the space enumerated)
 
     @property
     def best(self) -> Candidate | None:
@@ -245,9 +246,14 @@ def _hpz_bytes(w: Workload, st: Strategy, gpu: Gpu, stage: int) -> float:
     return slow_link_state_bytes(count, replace(st, sync_every=1), dp_per_node(st, gpu))
 
 
-def evaluate(w: Workload, st: Strategy, gpu: Gpu) -> Candidate:
-    mem = rank_memory(w, st, gpu)
-    t = step_time(w, st, gpu)
+def evaluate(w: Workload, st: Strategy, gpu: Gpu, mem: MemoryBreakdown | None = None,
+             beat: Candidate | None = None) -> Candidate | None:
+    """A strategy priced: its memory (`mem` when the caller has it already) and its step time. With `beat`
+    (a fitting candidate), None when the strategy provably cannot be faster (step_time's bound)."""
+    mem = mem or rank_memory(w, st, gpu)
+    t = step_time(w, st, gpu, beat.time.total_s if beat is not None else None)
+    if t is None:
+        return None
     return Candidate(st, mem, mem.total <= gpu.memory_bytes, t, w.tokens / t.total_s,
                      mfu(w, t.total_s, st.world_size, gpu.flops(st.precision)),
                      hpz_group=hpz_group(st, gpu) if st.hpz else 0, hpz_bytes=_hpz_bytes(w, st, gpu, mem.stage))
@@ -302,6 +308,7 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
     if not strategies:
         return PlanResult(w, gpu, gpus, [], 0, False, _no_layout_message(w, gpus, gpu, fixed))
     families: dict[tuple, Candidate] = {}
+    priced = 0  # strategies whose step time was computed in full (the others fit not, or provably lose)
     for st in strategies:
         mem = rank_memory(w, st, gpu)
         fits = mem.total <= gpu.memory_bytes
@@ -311,12 +318,14 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
             if held is None or (not held.fits and mem.total < held.memory.total):
                 families[key] = Candidate(st, mem, False)
             continue
-        c = evaluate(w, st, gpu)
-        if held is None or not held.fits or c.tokens_per_s > held.tokens_per_s:
+        c = evaluate(w, st, gpu, mem, held if held is not None and held.fits else None)
+        priced += c is not None
+        if c is not None and (held is None or not held.fits or c.tokens_per_s > held.tokens_per_s):
             families[key] = c
     for key, c in families.items():
         if c.fits:
-            families[key] = _refine(w, c, gpu, fixed or {})
+            families[key], n = _refine(w, c, gpu, fixed or {})
+            priced += n
     ranked = sorted(families.values(), key=lambda c: (not c.fits, -c.tokens_per_s if c.fits else c.memory.total))
     for i, c in enumerate(ranked):
         if c.time is None:
@@ -331,13 +340,13 @@ def search(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None = None, precisio
         else:
             c.why = slower(c, best)
     message = "" if feasible else nothing_fits_message(w, gpus, gpu, best, precision, constrained=bool(fixed))
-    return PlanResult(w, gpu, gpus, ranked, len(strategies), feasible, message)
+    return PlanResult(w, gpu, gpus, ranked, len(strategies), feasible, message, priced=priced)
 
 
-def _refine(w: Workload, best: Candidate, gpu: Gpu, fixed: dict) -> Candidate:
+def _refine(w: Workload, best: Candidate, gpu: Gpu, fixed: dict) -> tuple[Candidate, int]:
     """A family's best member with sequence parallelism off and with hpZ on (each knob the caller left
     open), at every checkpointing policy it allows: the fastest that fits wins, the member itself on a
-    tie (SP then stays on only when it is needed to fit or is faster)."""
+    tie (SP then stays on only when it is needed to fit or is faster); with the count of variants priced."""
     st = best.strategy
     remats = [fixed["remat"]] if "remat" in fixed else REMAT_POLICIES
     variants = []
@@ -347,14 +356,19 @@ def _refine(w: Workload, best: Candidate, gpu: Gpu, fixed: dict) -> Candidate:
         variants += [dict(hpz=True, remat=r) for r in remats]
         variants += [dict(hpz=True, sequence_parallel=False, remat=r) for r in remats
                      if st.tp > 1 and st.sequence_parallel and "sequence_parallel" not in fixed]
+    priced = 0
     for changes in variants:
         v = replace(st, **changes)
-        if v == st or rank_memory(w, v, gpu).total > gpu.memory_bytes:
+        if v == st:
             continue
-        c = evaluate(w, v, gpu)
-        if c.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+        mem = rank_memory(w, v, gpu)
+        if mem.total > gpu.memory_bytes:
+            continue
+        c = evaluate(w, v, gpu, mem, best)
+        priced += c is not None
+        if c is not None and c.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
             best = c
-    return best
+    return best, priced
 
 
 def _no_layout_message(w: Workload, gpus: int, gpu: Gpu, fixed: dict | None) -> str:

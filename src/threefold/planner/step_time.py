@@ -65,6 +65,7 @@ from .moe import (all_to_all_seconds, overlapped_all_to_all, pairs_overlap, rout
 from .mx import block_saving_seconds
 from .optimizer import OptimizerStep, matrix_parameters, optimizer_step, whole_matrices
 from .pipeline_p2p import p2p_seconds
+from .makespan import makespan as schedule_makespan
 from .workload import Strategy, Workload, rank_chunks, rank_parameters, stage_layers
 
 
@@ -120,11 +121,17 @@ def _simulator():
 SIMULATE_MAX_ACTIONS = 512  # above this, the closed form (exact for uniform stages) is used
 
 
+@lru_cache(maxsize=1024)
+def _schedule(schedule: str, p: int, m: int, v: int):
+    """The schedule's actions, built once per (name, p, m, v): they do not depend on the costs."""
+    return _simulator()[0](schedule, p, m, v)
+
+
 @lru_cache(maxsize=4096)
 def _simulated_makespan(schedule: str, p: int, m: int, v: int, f: float, b_input: float, b_weight: float) -> float:
-    build_schedule, Costs, simulate = _simulator()
-    s = build_schedule(schedule, p, m, v)
-    return simulate(s, Costs(f / s.virtual, b_input / s.virtual, b_weight / s.virtual)).makespan  # per chunk
+    s = _schedule(schedule, p, m, v)
+    # the simulator's makespan (pipeline/simulate.py) from the schedule's graph, built once (planner/makespan.py)
+    return schedule_makespan(s, f / s.virtual, b_input / s.virtual, b_weight / s.virtual)  # per chunk
 
 
 def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
@@ -141,12 +148,19 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, f: float, b: flo
     return steady + (p - 1) * (f + b)
 
 
+def simulates(schedule: str, p: int, m: int, v: int) -> bool:
+    """Whether `pipeline_makespan` runs the simulator (small pipelines) rather than the closed forms."""
+    from ..schedules.registry import SCHEDULES
+    v = v if SCHEDULES[schedule].needs_virtual_stages else 1
+    chunks = SCHEDULES[schedule].chunks_for(v)
+    return p > 1 and _simulator() is not None and 3 * p * m * chunks <= SIMULATE_MAX_ACTIONS
+
+
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> tuple[float, bool]:
     """(makespan, whether the simulator computed it)."""
     from ..schedules.registry import SCHEDULES
     v = v if SCHEDULES[schedule].needs_virtual_stages else 1
-    chunks = SCHEDULES[schedule].chunks_for(v)
-    if p > 1 and _simulator() is not None and 3 * p * m * chunks <= SIMULATE_MAX_ACTIONS:
+    if simulates(schedule, p, m, v):
         return _simulated_makespan(schedule, p, m, v, f, b - w, w), True
     return closed_form_makespan(schedule, p, m, v, f, b, w), False
 
@@ -281,14 +295,17 @@ def _cp_comm(w: Workload, st: Strategy, gpu: Gpu, layers: int, sparse: int = 0) 
             layers * (redo * call.forward + call.backward) + block_redo * sparse * stats, hidden)
 
 
-def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
+def _critical_stage(w: Workload, st: Strategy, gpu: Gpu) -> tuple:
+    """The pipeline rank whose micro-batch takes longest (of the embedding's, the most blocks', the head's) with
+    its parts: (forward + backward, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep, hidden, cp_comm, cp_hidden)."""
     best = None
     per_rank = stage_layers(w.model, st.pp, st.chunks, st.placement)
     heaviest = max(range(st.pp), key=lambda r: per_rank[r])
     for stage in sorted({0, heaviest, st.pp - 1}):  # the embedding, the most blocks, the head
         f, b, wgrad, redo = _stage_compute(w, st, gpu, stage)
         layers = per_rank[stage]
-        tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * _sparse_layers(w, st, stage), stage)  # a replicated MoE: no MLP all-reduce
+        sparse = _sparse_layers(w, st, stage)
+        tp_f, tp_b = _tp_comm(w, st, gpu, layers - 0.5 * sparse, stage)  # a replicated MoE: no MLP all-reduce
         ep_f, ep_b = _ep_comm(w, st, gpu, stage)
         hidden = 0.0
         overlap = (w.a2a_overlap if w.a2a_overlap is not None
@@ -297,19 +314,39 @@ def step_time(w: Workload, st: Strategy, gpu: Gpu) -> StepTime:
             ep_f, ep_b, hidden = overlapped_all_to_all(st.schedule, st.pp, st.microbatches, stage, f, b, ep_f, ep_b)
         p2p_f, p2p_b = p2p_seconds(w, st, gpu)
         fwd, bwd = f + tp_f + ep_f + p2p_f, b + tp_b + ep_b + p2p_b
-        cp_f, cp_b, cp_hidden = _cp_comm(w, st, gpu, layers, _sparse_layers(w, st, stage))
+        cp_f, cp_b, cp_hidden = _cp_comm(w, st, gpu, layers, sparse)
         if st.cp > 1:
             fwd, bwd = fwd + cp_f, bwd + cp_b
         candidate = (fwd + bwd, stage, f, b, wgrad, fwd, bwd, tp_f + tp_b, redo, p2p_f + p2p_b, ep_f + ep_b, hidden,
                      cp_f + cp_b, cp_hidden)
         best = candidate if best is None or candidate[0] > best[0] else best
-    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep, hidden, cp_comm, cp_hidden = best
+    return best
+
+
+def makespan_floor(p: int, m: int, chunks: int, f: float, b: float) -> float:
+    """A floor under any simulated makespan: the last rank's first action is a forward of a stage >= p - 1, which
+    waits for the p - 1 stages before it (f / chunks each), and then the rank runs its whole m (f + b)."""
+    return (p - 1) * (f / chunks) + m * (f + b)
+
+
+BOUND_SLACK = 1e-9  # a layout is dropped only when its lower bound exceeds the bound by more than rounding
+
+
+def step_time(w: Workload, st: Strategy, gpu: Gpu, bound: float | None = None) -> StepTime | None:
+    """The step's time and its parts. With `bound` (seconds): None, without simulating the pipeline, when the step
+    provably takes longer (`makespan_floor`; the search's pruning, search.py). Only a simulated pipeline is pruned:
+    the closed forms cost nothing to evaluate."""
+    _, stage, f, b, wgrad, fwd, bwd, tp, redo, p2p, ep, hidden, cp_comm, cp_hidden = _critical_stage(w, st, gpu)
     v = st.virtual
-    makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
-    bubble = makespan - st.microbatches * (fwd + bwd)
     dp_total, dp_exposed = data_parallel(w, st, gpu, stage, b, f)
     opt = _optimizer_step(w, st, gpu, stage)
     interference = overlap_interference(dp_total - dp_exposed, gpu)
+    rest = dp_exposed + interference + opt.total_s
+    if (bound is not None and simulates(st.schedule, st.pp, st.microbatches, v)
+            and (makespan_floor(st.pp, st.microbatches, st.chunks, fwd, bwd) + rest) * (1 - BOUND_SLACK) > bound):
+        return None
+    makespan, simulated = pipeline_makespan(st.schedule, st.pp, st.microbatches, v, fwd, bwd, wgrad)
+    bubble = makespan - st.microbatches * (fwd + bwd)
     total = makespan + dp_exposed + interference + opt.total_s
     m = st.microbatches
     return StepTime(fwd, bwd, makespan, bubble, m * tp, m * redo, m * p2p, dp_total, dp_exposed, opt.total_s, total,

@@ -89,6 +89,15 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
+@lru_cache(maxsize=None)
+def _schedule_facts(schedule: str, virtual_stages: int) -> tuple[int, bool, str]:
+    """(chunks per rank, whether it takes virtual stages, placement) of a schedule's registration, once per
+    (schedule, virtual stages): the search asks for them for every layout it prices."""
+    from ..schedules.registry import SCHEDULES  # pure Python: the registry the runtime reads
+    kind = SCHEDULES[schedule]
+    return kind.chunks_for(virtual_stages), kind.needs_virtual_stages, kind.placement
+
+
 @dataclass(frozen=True)
 class Strategy(Layout):
     """A layout (dp, tp, pp, ep, cp: layout.py, the record the runtime reads) with the knobs the planner
@@ -128,17 +137,13 @@ class Strategy(Layout):
     def chunks(self) -> int:
         """Model chunks per pipeline rank, as the schedule's registration says (schedules/registry.py):
         the virtual stages of an interleaved pipeline, two for the V schedules, else 1."""
-        if self.pp == 1:
-            return 1
-        from ..schedules.registry import SCHEDULES  # pure Python: the registry the runtime reads
-        return SCHEDULES[self.schedule].chunks_for(self.virtual_stages)
+        return 1 if self.pp == 1 else _schedule_facts(self.schedule, self.virtual_stages)[0]
 
     @property
     def virtual(self) -> int:
         """`virtual_stages` as the schedule takes them: its own for a schedule that needs them
         (the registration's `needs_virtual_stages`: interleaved), else 1."""
-        from ..schedules.registry import SCHEDULES
-        return self.virtual_stages if SCHEDULES[self.schedule].needs_virtual_stages else 1
+        return self.virtual_stages if _schedule_facts(self.schedule, self.virtual_stages)[1] else 1
 
     @property
     def schedule_label(self) -> str:
@@ -149,10 +154,7 @@ class Strategy(Layout):
     @property
     def placement(self) -> str:
         """Which rank holds which stage: "interleaved" (stage s on rank s % pp) or "v"."""
-        if self.pp == 1:
-            return "interleaved"
-        from ..schedules.registry import SCHEDULES
-        return SCHEDULES[self.schedule].placement
+        return "interleaved" if self.pp == 1 else _schedule_facts(self.schedule, self.virtual_stages)[2]
 
     def micro_batch_size(self, w: Workload) -> int:
         return w.global_batch // (self.dp * self.microbatches)
@@ -333,9 +335,10 @@ def rank_chunks(m: ModelConfig, pp: int, rank: int, v: int = 1, placement: str =
     return [Chunk(ranges[s], s == 0, s == last) for s in stages]
 
 
-def stage_layers(m: ModelConfig, pp: int, v: int = 1, placement: str = "interleaved") -> list[int]:
+@lru_cache(maxsize=65536)
+def stage_layers(m: ModelConfig, pp: int, v: int = 1, placement: str = "interleaved") -> tuple[int, ...]:
     """Blocks held by each pipeline rank (all its chunks)."""
-    return [sum(len(c.layers) for c in rank_chunks(m, pp, r, v, placement)) for r in range(pp)]
+    return tuple(sum(len(c.layers) for c in rank_chunks(m, pp, r, v, placement)) for r in range(pp))
 
 
 @lru_cache(maxsize=65536)
