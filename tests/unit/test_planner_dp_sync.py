@@ -111,9 +111,10 @@ def test_the_runtime_default_bucket_is_near_the_best_until_dp_makes_the_reduce_s
 def test_the_mpt_rows_at_512_h100_agree_with_their_communication_exposed_in_full():
     """The validation table's llm-foundry rows on 512 H100 that ran flash-attn 2 (tests/unit/test_planner_published.py;
     13b and 30b ran its Triton kernel and agree with their communication hidden): the model hides FSDP's gathers and
-    reduce-scatters behind compute (slowing it by the published overlap_slowdown) and predicts 14-38% too fast; with
-    every second of them exposed and nothing overlapped each is within 5% of the published throughput (docs/planner.md:
-    a coincidence as far as the sources show, not a reason)."""
+    reduce-scatters behind compute (slowing it by the published overlap_slowdown) and predicts 13-38% too fast; with
+    every second of them exposed and nothing overlapped each is within 8% of the published throughput (docs/planner.md:
+    a coincidence as far as the sources show, not a reason; within 5% while the gradients went in bf16 - their fp32
+    reduce-scatter, Workload.grad_reduce, takes the 7b row to -6.9%)."""
     from tests.unit.test_planner_published import TRITON_ATTENTION
     from tests.unit.test_planner_validation import RUNS, error, predict
 
@@ -125,7 +126,7 @@ def test_the_mpt_rows_at_512_h100_agree_with_their_communication_exposed_in_full
         t = best.time
         serial = t.total_s - t.overlap_slowdown_s + t.dp_comm_s - t.dp_exposed_s
         full = (1 + error(run, value)) * t.total_s / serial - 1
-        assert abs(full) <= 0.05 and error(run, value) > 0.12, (run[0], error(run, value), full)
+        assert abs(full) <= 0.08 and error(run, value) > 0.12, (run[0], error(run, value), full)
 
 
 def test_the_runtimes_hierarchical_all_reduce_sends_the_node_through_one_leader():

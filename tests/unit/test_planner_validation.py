@@ -152,6 +152,11 @@ TORCH_LOSS = ("torchtitan", "MPT")  # llm-foundry's MPT: torch's cross-entropy o
 # norm_type = "rmsnorm", the module of fp32 steps) and the 2024-12 bf16 rows (their Float8 twins name compile); the
 # others, and torchtitan's compiled rows, ran fused kernels (Megatron's and Transformer Engine's, llm-foundry's low-precision LayerNorm and GELU)
 EAGER = ("torchtitan",)
+# whose gradients were reduced in fp32 (Workload.grad_reduce): llm-foundry's MPT rows whose table prints MP Mode
+# DEFAULT (scripts/train/benchmarking/README.md) - Composer's DEFAULT (v0.16.4 on; llm-foundry pinned >=0.16.4 for
+# the A100/FP8 sweep and >=0.17.2 for the large-scale one) sets FSDP's reduce_dtype to torch.float32; its PURE rows
+# (MPT 70b on A100) reduce in bf16
+FP32_REDUCE = tuple(run[0] for run in NEW_RUNS if run[0].startswith("MPT") and run[0] != "MPT 70b, 64 A100")
 
 
 def compiled(knobs: dict) -> bool:
@@ -168,7 +173,8 @@ def workload(name, m, batch, seq, knobs=None):
                     regather="linear" if name.startswith(MEGATRON) else "region", loss=loss,
                     selective="torchtitan-op" if name.startswith("torchtitan") else "threefold",
                     sharding="fsdp2" if name.startswith("torchtitan") else "threefold",
-                    elementwise="torchtitan-eager" if name.startswith(EAGER) and not compiled(knobs or {}) else "fused")
+                    elementwise="torchtitan-eager" if name.startswith(EAGER) and not compiled(knobs or {}) else "fused",
+                    grad_reduce="fp32" if name in FP32_REDUCE else "compute")
 
 
 # the ZeRO stages a run's software offered, where it does not say which it used: Megatron-LM's distributed

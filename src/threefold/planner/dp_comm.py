@@ -133,6 +133,9 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
         return 0.0, 0.0
     count = rank_parameters(w.model, st.tp, st.pp, stage, st.chunks, st.ep, st.placement)
     _, grad_bytes, _ = bytes_per_param(st.precision)
+    # the bytes a gradient takes on the wire: fp32 where the software reduces in fp32 (Workload.grad_reduce); the
+    # buckets stay cut by the gradients' own bytes (the software fills them before the cast)
+    reduce_bytes = 4 if w.grad_reduce == "fp32" else grad_bytes
     dense_trainable, expert = count.trainable - count.expert, count.expert
     trainable = _groups(st, gpu, dense_trainable, expert)
     if st.sync_every > 1:  # periodic meetings: nothing per step, one fp32 all-reduce every H steps
@@ -143,10 +146,10 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
     buckets = sum(_buckets(n * grad_bytes, st) for n, _ in trainable)
     if st.zero == 0:  # NCCL's all-reduce, or the runtime's hierarchical one (compress.hierarchical)
         reduce = comm.hierarchical_all_reduce if st.hierarchical else comm.group_all_reduce
-        t = sum(_in_buckets(reduce, n * grad_bytes, st, g) for n, g in trainable)
+        t = sum(comm.in_pieces(reduce, n * reduce_bytes, _buckets(n * grad_bytes, st), g) for n, g in trainable)
         return t, bucket_tail(t, buckets, hide)
     wire_w = QUANTIZED_BYTES if st.weight_comm != "none" else compute_bytes(st.precision)
-    wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else grad_bytes
+    wire_g = QUANTIZED_BYTES if st.grad_comm != "none" else reduce_bytes
     params = _groups(st, gpu, count.total - expert, expert)
     # ZeRO-1/2 reduce and gather back bucket by bucket (buckets of gradient bytes), ZeRO-3 unit by unit
     units = _units(w, st, stage) if st.zero >= 3 else 0
@@ -156,7 +159,7 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
 
     def rs_pieces(n: float) -> int:  # DeepSpeed's ZeRO-3 reduced its gradients in buckets of reduce_bucket_size
         return math.ceil(n / DEEPSPEED_REDUCE_BUCKET) if units and w.sharding == "deepspeed-2021" else pieces(n)
-    rs = sum(comm.in_pieces(comm.group_reduce_scatter, n * (wire_g if st.zero >= 3 else grad_bytes), rs_pieces(n), g)
+    rs = sum(comm.in_pieces(comm.group_reduce_scatter, n * (wire_g if st.zero >= 3 else reduce_bytes), rs_pieces(n), g)
              for n, g in trainable)
     ag = sum(comm.in_pieces(comm.group_all_gather, n * (wire_w if st.zero >= 3 else compute_bytes(st.precision)),
                             pieces(n), g) for n, g in params)

@@ -46,6 +46,11 @@ SHARDING = ("threefold", "fsdp2", "deepspeed-2021")
 # 2024-12 bf16 benchmark rows did: an RMSNorm of fp32 steps, rotary positions through complex fp32, repeated k and
 # v heads, SiLU then a product)
 ELEMENTWISE = ("fused", "torchtitan-eager")
+# the dtype the gradients' reduction runs in (planner/dp_comm.py): the gradients' own ("compute": bf16 under bf16
+# compute, threefold's and Megatron's default) or fp32 (FSDP's MixedPrecision reduce_dtype=float32: Composer's
+# `mixed_precision: DEFAULT` from v0.16.4 on - composer/trainer/mosaic_fsdp_utils.py, param_dtype the compute dtype,
+# reduce_dtype torch.float32 - which llm-foundry's MPT benchmarks ran; twice the bytes on the wire)
+GRAD_REDUCE = ("compute", "fp32")
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class Workload:
     selective: str = "threefold"  # SELECTIVE
     sharding: str = "threefold"  # SHARDING
     elementwise: str = "fused"  # ELEMENTWISE
+    grad_reduce: str = "compute"  # GRAD_REDUCE
     optimizer: str = "adamw"  # train.optimizer, a name of optim/registry.py: its states and step (planner/optimizer.py)
 
     def __post_init__(self):
@@ -80,7 +86,8 @@ class Workload:
                                      ("regather", self.regather, REGATHER), ("loss", self.loss, LOSSES),
                                      ("selective", self.selective, SELECTIVE),
                                      ("sharding", self.sharding, SHARDING),
-                                     ("elementwise", self.elementwise, ELEMENTWISE)):
+                                     ("elementwise", self.elementwise, ELEMENTWISE),
+                                     ("grad_reduce", self.grad_reduce, GRAD_REDUCE)):
             if value not in choices:
                 raise ValueError(f"Workload.{name}: unknown '{value}'; one of {', '.join(choices)}")
 
