@@ -5,18 +5,18 @@ time, bubble and peak; the search needs only the makespan, for the same (schedul
 layout of the same pipeline shape with another tp, micro-batch size or checkpointing). The replay's rules with the
 planner's zero latency are a longest path: an action starts at the latest of its rank's clock and the events it
 needs (`schedules.replay._needs`: a local hand-off, or a message sent and its receive posted), a message arrives
-when sent, never before the channel's previous one. `graph` runs that replay once, recording for each action where
+when sent, never before the channel's previous one. `graph` walks the schedule once in the replay's order (`schedules.replay.walk`), recording for each action where
 its inputs come from; `makespan` walks the graph with the costs, in the replay's order and with its own sums, so
 that the figure is the simulator's to the last bit (tests/unit/test_plan_search_speed.py holds them equal).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from functools import lru_cache
 
-from ..schedules.actions import Schedule, ScheduleError
-from ..schedules.replay import _needs  # the runtime's own rule of what an action waits for
+from ..schedules.actions import Schedule
+from ..schedules.replay import walk  # the runtime's own order and rule of what an action waits for
 
 # what a node's time is read from: its end, or (a send) its message's arrival
 END, ARRIVAL = 0, 1
@@ -26,47 +26,19 @@ COMPUTE = {"F": 0, "I": 1, "W": 2, "B": 3}  # the kinds with a duration; every o
 def graph(s: Schedule) -> tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...]:
     """The schedule's actions in the replay's order, each as (kind code or -1, node of the rank's previous action or
     -1, the (node, END/ARRIVAL) its needs are read from, previous send on the same channel or -1 for a send else -2)."""
-    ranks, pc = s.ranks, [0] * s.pp
     last = [-1] * s.pp
     produced: dict[tuple, tuple[int, int]] = {}
     channel_last: dict[tuple[int, int], int] = defaultdict(lambda: -1)
-    waiting: dict[tuple, list[int]] = defaultdict(list)
-    runnable = deque(range(s.pp))
     nodes = []
-
-    def produce(key, source):
-        produced[key] = source
-        runnable.extend(waiting.pop(key, ()))
-
-    while runnable:
-        r = runnable.popleft()
-        actions = ranks[r]
-        while pc[r] < len(actions):
-            a = actions[pc[r]]
-            needs = _needs(a, r, s)
-            missing = next((k for k in needs if k not in produced), None)
-            if missing is not None:
-                waiting[missing].append(r)
-                break
-            node, kind, send = len(nodes), a.kind, -2
-            if kind in ("SEND_F", "SEND_B"):
-                channel = (r, s.stage_rank(a.stage + 1 if kind == "SEND_F" else a.stage - 1))
-                send, channel_last[channel] = channel_last[channel], node
-            nodes.append((COMPUTE.get(kind, -1), last[r], tuple(produced[k] for k in needs), send))
-            last[r] = node
-            pc[r] += 1
-            if kind == "F":
-                produce(("F", a.stage, a.mb), (node, END))
-            elif kind in ("B", "I"):
-                produce(("Bin", a.stage, a.mb), (node, END))
-            elif send != -2:
-                produce(("arrived", "act" if kind == "SEND_F" else "grad", a.stage, a.mb), (node, ARRIVAL))
-            elif kind == "RECV_F":
-                produce(("posted", "act", a.stage - 1, a.mb), (node, END))
-            elif kind == "RECV_B":
-                produce(("posted", "grad", a.stage + 1, a.mb), (node, END))
-    if any(pc[r] < len(ranks[r]) for r in range(s.pp)):
-        raise ScheduleError(f"{s.name} (pp={s.pp}, m={s.microbatches}, v={s.virtual}) deadlocks")
+    for r, a, needs, key in walk(s):
+        node, kind, send = len(nodes), a.kind, -2
+        if kind in ("SEND_F", "SEND_B"):
+            channel = (r, s.stage_rank(a.stage + 1 if kind == "SEND_F" else a.stage - 1))
+            send, channel_last[channel] = channel_last[channel], node
+        nodes.append((COMPUTE.get(kind, -1), last[r], tuple(produced[k] for k in needs), send))
+        last[r] = node
+        if key is not None:
+            produced[key] = (node, ARRIVAL if send != -2 else END)
     return tuple(nodes)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from .actions import Action, Schedule, ScheduleError
 
@@ -39,6 +39,53 @@ def _needs(a: Action, rank: int, s: Schedule) -> list[tuple]:
     return []  # receive postings never wait
 
 
+def _produces(a: Action) -> tuple | None:
+    """The event action `a` makes happen (what a later `_needs` names), or None."""
+    if a.kind == "F":
+        return ("F", a.stage, a.mb)
+    if a.kind in ("B", "I"):
+        return ("Bin", a.stage, a.mb)
+    if a.kind in ("SEND_F", "SEND_B"):
+        return ("arrived", "act" if a.kind == "SEND_F" else "grad", a.stage, a.mb)
+    if a.kind == "RECV_F":
+        return ("posted", "act", a.stage - 1, a.mb)
+    if a.kind == "RECV_B":
+        return ("posted", "grad", a.stage + 1, a.mb)
+    return None
+
+
+def walk(s: Schedule) -> Iterator[tuple[int, Action, list[tuple], tuple | None]]:
+    """(rank, action, the events it needs, the event it makes or None) in the order the replay runs them:
+    ranks in turn, each until an action needs an event not yet made. Whether an action can run depends on
+    which events exist, never on when: every reader of the schedule (the replay, planner/makespan.py) walks
+    it in this one order. Raises ScheduleError on a deadlock."""
+    ranks = s.ranks
+    pc = [0] * s.pp
+    made: set[tuple] = set()
+    waiting: dict[tuple, list[int]] = defaultdict(list)
+    runnable = deque(range(s.pp))
+    while runnable:
+        r = runnable.popleft()
+        actions = ranks[r]
+        while pc[r] < len(actions):
+            a = actions[pc[r]]
+            needs = _needs(a, r, s)
+            missing = next((k for k in needs if k not in made), None)
+            if missing is not None:
+                waiting[missing].append(r)
+                break
+            key = _produces(a)
+            yield r, a, needs, key
+            pc[r] += 1
+            if key is not None:
+                made.add(key)
+                runnable.extend(waiting.pop(key, ()))
+    stuck = [f"rank {r} waits at {ranks[r][pc[r]]}" for r in range(s.pp) if pc[r] < len(ranks[r])]
+    if stuck:
+        raise ScheduleError(f"{s.name} (pp={s.pp}, m={s.microbatches}, v={s.virtual}) deadlocks: "
+                            + "; ".join(stuck))
+
+
 @dataclass
 class Replay:
     """Start and end time of every action (rank -> list aligned with the schedule)."""
@@ -59,51 +106,18 @@ def replay(s: Schedule, duration: Callable[[Action], float] = lambda a: 0.0,
     exist. A message sent at t arrives at t + latency, never before an earlier message of the
     same channel (FIFO). Event-driven: each action is visited once, so it is fast for large p, m.
     """
-    ranks = s.ranks
-    pc = [0] * s.pp
     clock = [0.0] * s.pp
     times: list[list[tuple[float, float]]] = [[] for _ in range(s.pp)]
     events: dict[tuple, float] = {}
     channel_last: dict[tuple[int, int], float] = defaultdict(float)
-    waiting: dict[tuple, list[int]] = defaultdict(list)
-    runnable = deque(range(s.pp))
-
-    def produce(key, t):
-        events[key] = t
-        runnable.extend(waiting.pop(key, ()))
-
-    while runnable:
-        r = runnable.popleft()
-        actions = ranks[r]
-        while pc[r] < len(actions):
-            a = actions[pc[r]]
-            needs = _needs(a, r, s)
-            missing = next((k for k in needs if k not in events), None)
-            if missing is not None:
-                waiting[missing].append(r)
-                break
-            start = max([clock[r]] + [events[k] for k in needs])
-            end = start + duration(a)
-            clock[r] = end
-            times[r].append((start, end))
-            pc[r] += 1
-            kind = a.kind
-            if kind == "F":
-                produce(("F", a.stage, a.mb), end)
-            elif kind in ("B", "I"):
-                produce(("Bin", a.stage, a.mb), end)
-            elif kind in ("SEND_F", "SEND_B"):
-                dst_stage = a.stage + 1 if kind == "SEND_F" else a.stage - 1
-                channel = (r, s.stage_rank(dst_stage))
-                arrival = max(end + latency, channel_last[channel])
-                channel_last[channel] = arrival
-                produce(("arrived", "act" if kind == "SEND_F" else "grad", a.stage, a.mb), arrival)
-            elif kind == "RECV_F":
-                produce(("posted", "act", a.stage - 1, a.mb), end)
-            elif kind == "RECV_B":
-                produce(("posted", "grad", a.stage + 1, a.mb), end)
-    stuck = [f"rank {r} waits at {ranks[r][pc[r]]}" for r in range(s.pp) if pc[r] < len(ranks[r])]
-    if stuck:
-        raise ScheduleError(f"{s.name} (pp={s.pp}, m={s.microbatches}, v={s.virtual}) deadlocks: "
-                            + "; ".join(stuck))
+    for r, a, needs, key in walk(s):
+        start = max([clock[r]] + [events[k] for k in needs])
+        end = start + duration(a)
+        clock[r] = end
+        times[r].append((start, end))
+        if a.kind in ("SEND_F", "SEND_B"):
+            channel = (r, s.stage_rank(a.stage + 1 if a.kind == "SEND_F" else a.stage - 1))
+            end = channel_last[channel] = max(end + latency, channel_last[channel])  # the arrival
+        if key is not None:
+            events[key] = end
     return Replay(s, times)
