@@ -149,3 +149,17 @@ def test_a_longer_context_for_a_hugging_face_model(family, tmp_path):
             load_config(None, base + ["model.max_seq=200"])
         cfg = load_config(None, base + ["train.seq_len=64"]).validate(1)
         assert not [w for w in warnings_for(cfg) if w.startswith("model.max_seq")]
+
+
+def test_to_dict_is_the_dataclasses_dict_and_a_copy():
+    """to_dict walks the sections shallowly (every field is a scalar); the standard library's deep
+    asdict is the reference, on a config with every section holding a value away from its default."""
+    import dataclasses
+
+    c = load_config(None, ["model.preset=tiny", "parallel.zero=2", "pipeline.schedule=zb-h1", "precision.compute=bf16",
+                           "remat.policy=full", "compress.method=onebit", "train.steps=7", "data.pack=true",
+                           "checkpoint.keep=2", "run.plot=false", "debug.stats=true", "fault.kind=nan"])
+    got = c.to_dict()
+    assert got == dataclasses.asdict(c)
+    got["train"]["steps"] = 99  # the caller's dict, not the config's
+    assert c.train.steps == 7 and c.to_dict()["train"]["steps"] == 7

@@ -45,9 +45,6 @@ class Config(Sections):
         """Check everything against `world_size`; return the config with derived values set."""
         return validate(self, world_size)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     def to_toml(self) -> str:
         """The whole config as TOML that `load_config` reads back to an equal Config."""
         lines = []

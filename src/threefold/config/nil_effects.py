@@ -5,7 +5,7 @@ what `nil_effects` finds; the trainer's start-up warns what `nil_effect_warnings
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 from .sections import Sections
@@ -113,7 +113,7 @@ def nil_effects(c: Sections, dp: int) -> list[tuple[NilEffect, str]]:
 
 def _values(c: Sections) -> dict[str, object]:
     """Every field of the sections by its key, "section.field"."""
-    return {f"{section}.{name}": value for section, fields_ in asdict(c).items() for name, value in fields_.items()}
+    return {f"{section}.{name}": value for section, fields_ in c.to_dict().items() for name, value in fields_.items()}
 
 
 def nil_effect_warnings(c: Sections) -> list[str]:

@@ -9,7 +9,7 @@ between the two and nothing circles back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from ..errors import ConfigError
@@ -382,6 +382,12 @@ class Sections:
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def to_dict(self) -> dict[str, dict[str, object]]:
+        """{section: {field: value}}: dataclasses.asdict's result (every field is a scalar or a string,
+        so nothing needs its deep copy, which cost ~10 ms per call, several calls per run)."""
+        return {f.name: {g.name: getattr(section, g.name) for g in fields(section)}
+                for f in fields(self) for section in (getattr(self, f.name),)}
 
     def compile_unknown(self) -> list[str]:
         """The settings under which compiled training is not known to work: refused with train.compile=true

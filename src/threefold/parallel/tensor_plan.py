@@ -72,7 +72,9 @@ class _Sharder:
             pad_shape = list(data.shape)
             pad_shape[dim] = pad_to - data.shape[dim]
             data = torch.cat([data, data.new_zeros(pad_shape)], dim)
-        local = torch.cat([block.chunk(self.tp, dim)[self.rank] for block in data.chunk(blocks, dim)], dim).clone()
+        parts = [block.chunk(self.tp, dim)[self.rank] for block in data.chunk(blocks, dim)]
+        # one block needs no cat (on the meta device torch.cat runs a Python decomposition)
+        local = (parts[0] if blocks == 1 else torch.cat(parts, dim)).clone()
         new = nn.Parameter(local, requires_grad=param.requires_grad)
         place = Placement.whole(self.global_name[id(param)], param.shape)
         if pad_to is not None:
