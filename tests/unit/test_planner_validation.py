@@ -267,10 +267,20 @@ def best_of(w, gpus, gpu, options: list[dict]):
     return best
 
 
+_PREDICTED: dict[tuple[str, str], tuple] = {}  # (row, its GPU's repr) -> predict's answer: each searched once
+
+
 def predict(run, gpu_override=None):
     """(predicted value, the candidate) for the published layout on the real preset (memory included),
     unpublished knobs searched among what the software offered; the candidate is None when nothing of
     the published layout fits."""
+    key = (run[0], repr(gpu_override or run[2]))
+    if key not in _PREDICTED:
+        _PREDICTED[key] = _predict(run, gpu_override)
+    return _PREDICTED[key]
+
+
+def _predict(run, gpu_override):
     name, m, gpu, gpus, batch, seq, knobs, metric, _, _ = run
     gpu = software_gpu(name, gpu_override or gpu)
     w = workload(name, m, batch, seq, knobs)
@@ -430,6 +440,13 @@ def test_llama3_8k_rows_agree_when_attention_is_counted_as_executed(run):
     assert abs(value / run[8] - 1) <= 0.15, f"{run[0]}: {value:.3g} vs {run[8]}"
 
 
+def test_the_docs_tables_are_printed_from_the_data():
+    """docs/planner.md's validation tables and counts are tests/planner_table.py's rendering of these rows."""
+    from tests.planner_table import docs_block, render
+
+    assert docs_block() == render(), "docs/planner.md: run python -m tests.unit.test_planner_validation --markdown --write-docs"
+
+
 def test_the_table_takes_a_measured_gpu_kind_for_the_rows_of_its_preset(tmp_path, capsys):
     """`--gpu KIND.toml` (bench/planner_kernels.py --toml: a preset with measured kernel shares) prices the rows
     on that preset with it: written unchanged it gives the table's own figure, with half the GEMM share less."""
@@ -446,41 +463,9 @@ def test_the_table_takes_a_measured_gpu_kind_for_the_rows_of_its_preset(tmp_path
 
 def main(argv: list[str] | None = None) -> None:
     """The table of docs/planner.md: python -m tests.unit.test_planner_validation [--gpu KIND.toml] [ROW...]"""
-    import argparse
+    from tests.planner_table import main as table
 
-    from threefold.planner.hardware import load_gpu
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("rows", nargs="*", help="only the rows whose names start so")
-    parser.add_argument("--gpu", help="a GPU kind file (bench/planner_kernels.py --toml) for the rows on the preset "
-                                      "its name starts with")
-    parser.add_argument("--no-best", action="store_true", help="skip the last column (the software's best layout: "
-                                                               "a search of every layout, minutes)")
-    args = parser.parse_args(argv)
-    measured = load_gpu(args.gpu) if args.gpu else None
-    within = scored = 0
-    for run in RUNS:
-        name, m, gpu, gpus, batch, seq, knobs, metric, published, _ = run
-        if args.rows and not any(name.startswith(o) for o in args.rows):
-            continue
-        if measured is not None and measured.name.startswith(gpu.name):
-            run = (name, m, measured, *run[3:])
-        value, chosen = predict(run)
-        if chosen is None:
-            print(f"| {name} | nothing fits | {published} | - | - | - |")
-            continue
-        best = None if args.no_best else software_best(run)  # every layout the run's software offered
-        gain = "-" if args.no_best else f"{best.tokens_per_s / chosen.tokens_per_s - 1:+.0%} ({best.strategy.label()})" \
-            if best is not None else "nothing fits"
-        if name not in REPEATS_CALIBRATION:
-            scored, within = scored + 1, within + (abs(error(run, value)) <= WITHIN)
-        if name in REPEATS_CALIBRATION:
-            name += " (repeats a calibration layout: not in the validation set)"
-        executed = f" (executed count {executed_tflops(run) / published - 1:+.1%})" if run in LLAMA3_ROWS else ""
-        print(f"| {name} | {chosen.strategy.label()} | {published} | {value:.3g} | {error(run, value):+.1%}{executed} | "
-              f"{gain} |", flush=True)
-    if not args.rows and measured is None:
-        print(f"{within} of {scored} validation rows within {WITHIN:.0%}")
+    table(argv)
 
 
 if __name__ == "__main__":
