@@ -179,8 +179,10 @@ def workload(name, m, batch, seq, knobs=None):
 
 # the ZeRO stages a run's software offered, where it does not say which it used: Megatron-LM's distributed
 # optimizer (2022-24) shards the optimizer states only - ZeRO-1 (megatron/training/arguments.py,
-# --use-distributed-optimizer; no sharding of gradients or parameters)
-ZERO_STAGES = {"MCore": (0, 1), "Nemotron": (0, 1), "Korthikanti": (0, 1)}
+# --use-distributed-optimizer; no sharding of gradients or parameters). The Megatron-Core README's runs state it
+# by their flags: "--overlap-grad-reduce --overlap-param-gather", and megatron/training/arguments.py refuses
+# --overlap-param-gather without --use-distributed-optimizer ("only supported with distributed optimizer"): ZeRO-1
+ZERO_STAGES = {"MCore": (1,), "Nemotron": (0, 1), "Korthikanti": (0, 1)}
 
 
 def software_options(name: str, knobs: dict, schedules: list | None = None) -> list[dict]:
@@ -438,6 +440,12 @@ LLAMA3_8K = [run for run in LLAMA3_ROWS if run[5] == 8192]
 def test_llama3_8k_rows_agree_when_attention_is_counted_as_executed(run):
     value = executed_tflops(run)
     assert abs(value / run[8] - 1) <= 0.15, f"{run[0]}: {value:.3g} vs {run[8]}"
+
+
+def test_a_zero_stage_the_source_implies_is_not_searched():
+    """The Megatron-Core README's --overlap-param-gather needs the distributed optimizer: its rows run ZeRO-1 only."""
+    mcore = [run for run in RUNS if run[0].startswith("MCore")]
+    assert mcore and all({o.get("zero") for o in software_options(r[0], fixed_knobs(r))} == {1} for r in mcore)
 
 
 def test_the_docs_tables_are_printed_from_the_data():
