@@ -156,3 +156,19 @@ def test_a_run_configured_hierarchical_is_planned_so():
     cfg = load(None, ["model.preset=tiny", "compress.hierarchical=true", "parallel.dp=8"])
     assert from_config(cfg, 8, "cpu")[1].hierarchical
     assert not from_config(load(None, ["model.preset=tiny", "parallel.dp=8"]), 8, "cpu")[1].hierarchical
+
+
+def test_fsdp2_under_a_pipeline_reduce_scatters_its_accumulated_gradients_once_a_step():
+    """ZeRO-2 under a pipeline: threefold's runtime reduce-scatters each micro-batch's gradients (m collectives of
+    the stage's gradients a step); PyTorch's FSDP2 under torch.distributed.pipelining accumulates them unsharded and
+    reduce-scatters once, in the last micro-batch's backward (workload.SHARDING), as the memory model already holds
+    (4 bytes a parameter of accumulators). The parameters are gathered once a step either way."""
+    st = Strategy(dp=8, tp=8, pp=8, zero=2, microbatches=1, bucket_mb=25.0, sequence_parallel=True)
+    ours, fsdp2 = llama7b(64), replace(llama7b(64), sharding="fsdp2")
+
+    def total(w, m):
+        return data_parallel(w, replace(st, microbatches=m), H100, 0, backward_s=1.0, forward_s=0.5)[0]
+
+    rs = total(ours, 2) - total(ours, 1)  # one more micro-batch: one more reduce-scatter
+    assert rs > 0 and total(ours, 8) == pytest.approx(total(ours, 1) + 7 * rs)
+    assert total(fsdp2, 8) == pytest.approx(total(fsdp2, 1)) == pytest.approx(total(ours, 1))

@@ -125,7 +125,11 @@ _HIDDEN = ("exposed communication: the model hides FSDP's per-block gathers and 
            "every MPT row at 512 H100 is within 8% (tests/unit/test_planner_dp_sync.py; their gradients reduced in fp32, "
            "Workload.grad_reduce). What else keeps llm-foundry's "
            "FSDP from overlapping there is not modelled")
+_BUBBLE = ("not found: the model prices the schedule's bubble ((p - 1) / (v m) = 44% of a rank's compute at p 8, v 2, "
+           "m 8) and FSDP2's once-a-step fp32 reduce-scatter behind the last backward; +14.5% before that reduce-scatter "
+           "was priced as FSDP2 runs it under a pipeline (it was m bf16 ones, planner/dp_comm.py)")
 KNOWN_MISSES = {
+    f"{TITAN} Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, Interleaved 1F1B": (0.158, _BUBBLE),
     f"{TITAN} Llama 3.1 8B, 8 H100, FSDP": (0.279, _EAGER),
     f"{TITAN} Llama 3.1 8B, 8 H100, seq 32768, FSDP + compile + Float8": (0.261, _FP8 + "; 32k keys beyond the 16k "
                                                                                      "of the attention table"),

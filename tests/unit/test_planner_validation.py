@@ -155,8 +155,10 @@ EAGER = ("torchtitan",)
 # whose gradients were reduced in fp32 (Workload.grad_reduce): llm-foundry's MPT rows whose table prints MP Mode
 # DEFAULT (scripts/train/benchmarking/README.md) - Composer's DEFAULT (v0.16.4 on; llm-foundry pinned >=0.16.4 for
 # the A100/FP8 sweep and >=0.17.2 for the large-scale one) sets FSDP's reduce_dtype to torch.float32; its PURE rows
-# (MPT 70b on A100) reduce in bf16
-FP32_REDUCE = tuple(run[0] for run in NEW_RUNS if run[0].startswith("MPT") and run[0] != "MPT 70b, 64 A100")
+# (MPT 70b on A100) reduce in bf16; and torchtitan's rows: its FSDP2 MixedPrecisionPolicy takes reduce_dtype from
+# `training.mixed_precision_reduce`, "float32" by default (parallelize_llama.py, config_manager.py)
+FP32_REDUCE = tuple(run[0] for run in RUNS if run[0].startswith("torchtitan") or (
+    run[0].startswith("MPT") and run[0] != "MPT 70b, 64 A100"))
 
 
 def compiled(knobs: dict) -> bool:
