@@ -27,12 +27,12 @@ def _value(metric: str, value: float, exact: bool = False) -> str:
     return f"{value}" if exact else f"{value:.4g}"
 
 
-def _error_cell(v, run, value: float) -> str:
+def _error_cell(v, run, err: float) -> str:
     name, known_miss = run[0], run[9]
-    cell = f"{v.error(run, value):+.1%}".replace("-", "−")
+    cell = f"{err:+.1%}".replace("-", "−")
     if name in v.REPEATS_CALIBRATION:
         return cell + " (repeats a calibration layout: not counted)"
-    why = v.verdict(v.error(run, value), known_miss)
+    why = v.verdict(err, known_miss)
     return cell + (" (miss)" if known_miss is not None else "") + (f" **{why}**" if why else "")
 
 
@@ -65,14 +65,16 @@ def render() -> str:
         value, best = v.predict(run)
         if best is None:
             raise AssertionError(f"{name}: the published layout is predicted not to fit")
-        cells = [best.strategy.label(), _value(metric, published, exact=True), _value(metric, value), _error_cell(v, run, value)]
+        err = v.error(run, value)
+        cells = [best.strategy.label(), _value(metric, published, exact=True), _value(metric, value),
+                 _error_cell(v, run, err)]
         if name in added:
             second.append("| " + " | ".join([name, *cells, _memory_cell(p, name, best)]) + " |")
         else:
             first.append("| " + " | ".join([name, v.source(name), *cells]) + " |")
         if name not in v.REPEATS_CALIBRATION:
             count = within[name in added]
-            count[0] += abs(v.error(run, value)) <= v.WITHIN
+            count[0] += abs(err) <= v.WITHIN
             count[1] += 1
     (a, n), (b, m) = within[False], within[True]
     counts = (f"Within {v.WITHIN:.0%}: {a} of the {n} rows of the first table, {b} of the {m} added rows, "

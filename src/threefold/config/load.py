@@ -10,7 +10,6 @@ mistake raises `ConfigError` naming the key and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tomllib
 import types

@@ -165,12 +165,11 @@ def data_parallel(w: Workload, st: Strategy, gpu: Gpu, stage: int, backward_s: f
                             pieces(n), g) for n, g in params)
     # the parameter all-gathers after the step overlap the next forward (threefold without pp or ep)
     ag_exposed = max(0.0, ag - forward_s) if w.grad_overlap and st.pp == 1 and st.ep == 1 else ag
-    if st.zero == 1:
-        return rs + ag, bucket_tail(rs, buckets, hide) + ag_exposed
-    if st.zero == 2 and not (w.sharding == "fsdp2" and st.pp > 1):
-        return m * rs + ag, m * bucket_tail(rs, buckets, hide) + ag_exposed
-    if st.zero == 2:  # FSDP2 under a pipeline: the gradients accumulate unsharded (workload.SHARDING) and are
-        return rs + ag, bucket_tail(rs, buckets, hide) + ag_exposed  # reduce-scattered once, in the last backward
+    if st.zero <= 2:
+        # reduce-scatters a step: ZeRO-1 one, in the last backward; ZeRO-2 one per micro-batch, but FSDP2 under a
+        # pipeline accumulates the gradients unsharded (workload.SHARDING) and reduce-scatters them once, as ZeRO-1
+        n = m if st.zero == 2 and not (w.sharding == "fsdp2" and st.pp > 1) else 1
+        return n * rs + ag, n * bucket_tail(rs, buckets, hide) + ag_exposed
     # ZeRO-3: gather for forward and for backward, reduce-scatter in backward, every micro-batch
     ag_b = _hpz_gather(st, gpu, params, units) if st.hpz else ag
     if w.sharding == "deepspeed-2021":  # prefetch of 50M elements: less than one matrix ahead (_units)
