@@ -67,9 +67,11 @@ def test_exchanges_hidden_only_inside_overlapped_pairs(runs):
         assert 0 < got["exchanges"] < got["step"]["exchanges"], got  # the warm-up and cool-down run unpaired
         assert 0 <= got["hidden_s"] <= got["in_flight_s"], got
         # outside the pairs an exchange is waited where it is posted: nothing hidden but the instants between
-        # the two clock reads (1.2% of their time once at load 40: a process preempted there)
+        # the two clock reads, which a busy machine stretches when it preempts the process there (1.2% of the
+        # unpaired time at load 40 here, 6.7% once on a shared CI machine); an exchange counted hidden
+        # whether or not the rank switched would put it at 100%
         unpaired = got["step"]["in_flight_s"] - got["in_flight_s"]
-        assert 0 <= got["step"]["hidden_s"] - got["hidden_s"] < 0.05 * unpaired, got
+        assert 0 <= got["step"]["hidden_s"] - got["hidden_s"] < 0.25 * unpaired, got
         hidden += got["hidden_s"]
         flight += got["in_flight_s"]
     # a paired exchange stays unwaited while the other side computes up to its own exchange: far more
