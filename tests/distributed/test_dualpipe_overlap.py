@@ -6,9 +6,10 @@ The overlapped run takes turns between the pair's forward and backward at every 
 posted asynchronously as point-to-point batches through `Comm`; the serial run is the same runtime
 with `overlap_pairs = False` (each pair's F then its B, the sparse blocks' own blocking
 `all_to_all` dispatch of parallel/expert.py). Asserted: per-step losses and gradient norms and
-every final parameter bit for bit equal, the same ep bytes per step, every pair run, and from the
-times each exchange was posted, waited for and completed (pipeline/overlap.py) a hidden time above 0
-inside the pairs and none outside them (an exchange waited where it is posted).
+every final parameter bit for bit equal, the same ep bytes per step, every pair run, and, counted
+per exchange (pipeline/overlap.py), the other side of its pair computing while it was in flight for
+exchanges inside the pairs and for none outside them (an exchange waited where it is posted). How much
+time that hides is a clock's figure: bench/dualpipe_overlap.py prints it.
 """
 
 import pytest
@@ -57,23 +58,16 @@ def test_overlapped_pairs_equal_serial_pairs_bitwise(runs):
         assert overlapped["ep_bytes"] == serial["ep_bytes"] and min(serial["ep_bytes"]) > 0
 
 
-def test_exchanges_hidden_only_inside_overlapped_pairs(runs):
-    hidden = flight = 0.0
+def test_exchanges_overlapped_only_inside_the_pairs(runs):
     for serial, overlapped in runs:
         assert serial["ep_ops"] == ["all_to_all", "all_to_all.splits"]  # the blocking dispatch
         assert overlapped["ep_ops"] == ["recv", "send"]  # point-to-point, through Comm (receives count 0 bytes)
         assert serial["overlap"]["pairs"] == overlapped["overlap"]["pairs"] == STEPS * len(serial["pairs"]) > 0
         got = overlapped["overlap"]
         assert 0 < got["exchanges"] < got["step"]["exchanges"], got  # the warm-up and cool-down run unpaired
-        assert 0 <= got["hidden_s"] <= got["in_flight_s"], got
-        # outside the pairs an exchange is waited where it is posted: nothing hidden but the instants between
-        # the two clock reads, which a busy machine stretches when it preempts the process there (1.2% of the
-        # unpaired time at load 40 here, 6.7% once on a shared CI machine); an exchange counted hidden
-        # whether or not the rank switched would put it at 100%
-        unpaired = got["step"]["in_flight_s"] - got["in_flight_s"]
-        assert 0 <= got["step"]["hidden_s"] - got["hidden_s"] < 0.25 * unpaired, got
-        hidden += got["hidden_s"]
-        flight += got["in_flight_s"]
-    # a paired exchange stays unwaited while the other side computes up to its own exchange: far more
-    # than the clock's reads that a wait where it is posted leaves (the share is 0.8-0.9 at load 50)
-    assert hidden > 0.25 * flight
+        # a pair's two sides issue their exchanges in turn, each passing the turn on while its own is in
+        # flight; only a side's last exchanges after the other side has ended are waited where posted
+        assert got["exchanges"] // 2 < got["switched"] <= got["exchanges"], got
+        assert got["step"]["switched"] == got["switched"], got  # none outside the pairs
+        assert serial["overlap"]["step"]["exchanges"] == 0  # serial: the blocking dispatch, nothing posted apart
+        assert 0 <= got["hidden_s"] <= got["in_flight_s"] and 0 <= got["step"]["hidden_s"] <= got["step"]["in_flight_s"]

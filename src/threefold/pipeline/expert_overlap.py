@@ -47,8 +47,8 @@ AXIS = "ep"
 class Turns:
     """The sides of one pair take turns to compute on this rank (module text). `side(name)` makes the
     calling thread a side until the block ends (it waits for its first turn on entry and passes the
-    turn on at exit); `switch()` hands the turn to the other side and returns when it comes back; a
-    thread that is no side switches nothing."""
+    turn on at exit); `switch()` hands the turn to the other side and returns when it comes back
+    (True), or returns False at once: a thread that is no side, or whose other side has ended."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -79,17 +79,18 @@ class Turns:
         """Whether the calling thread is a side of a pair."""
         return getattr(self._local, "name", None) is not None
 
-    def switch(self) -> None:
+    def switch(self) -> bool:
         name = getattr(self._local, "name", None)
         if name is None:
-            return
+            return False
         with self._cond:
             others = [s for s in self._sides if s != name]
             if not others:
-                return
+                return False
             self._holder = others[0]
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._holder == name)
+        return True
 
 
 def exchange(comm: Comm, turns: Turns, x: torch.Tensor, receive: list[int], send: list[int],
@@ -97,7 +98,8 @@ def exchange(comm: Comm, turns: Turns, x: torch.Tensor, receive: list[int], send
     """`send[j]` rows of `x` (dim 0, in member order) to member j of ep, `receive[i]` rows from member i:
     what `Comm.all_to_all_v` returns, posted as point-to-point transfers, the turn passed between the
     start and the wait. Empty transfers are skipped on both ends (each knows the other's count).
-    `log` gets (issued by a pair's side?, posted, wait began, completed) on the host's monotonic clock."""
+    `log` gets (issued by a pair's side?, did the other side compute while it was in flight?, posted,
+    wait began, completed), the times on the host's monotonic clock."""
     n, me = comm.mesh.size(AXIS), comm.mesh.rank(AXIS)
     x = x.contiguous()
     parts = list(x.split(send))
@@ -106,12 +108,12 @@ def exchange(comm: Comm, turns: Turns, x: torch.Tensor, receive: list[int], send
     recvs = [(arrived[i], AXIS, i) for i in range(n) if i != me and receive[i] > 0]
     handles = comm.batch_send_recv(sends, recvs)
     posted = time.monotonic()
-    turns.switch()
+    switched = turns.switch()
     wait = time.monotonic()
     for handle in handles:
         handle.wait()
     if log is not None:
-        log.append((turns.paired(), posted, wait, time.monotonic()))
+        log.append((turns.paired(), switched, posted, wait, time.monotonic()))
     return torch.cat(arrived)
 
 
@@ -142,7 +144,7 @@ class PairedDispatch:
 
     def __init__(self, comm: Comm, turns: Turns):
         self.comm, self.turns = comm, turns
-        self.log: collections.deque = collections.deque()  # (paired?, posted, wait, end) of each exchange not yet read
+        self.log: collections.deque = collections.deque()  # (paired?, switched?, posted, wait, end) of each exchange not yet read
 
     def exchange(self, x: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
         return exchange(self.comm, self.turns, x, receive, send, self.log)

@@ -123,17 +123,18 @@ class PipelineRuntime:
 
     def pair_overlap(self) -> dict:
         """Since the runtime began: the pairs run, and of the expert exchanges their sides issued the
-        count, seconds in flight, seconds hidden and the fraction hidden (pipeline/overlap.py); under
+        count, how many of them the other side computed beside, seconds in flight, seconds hidden and
+        the fraction hidden (pipeline/overlap.py); under
         "step" the same over every exchange of the steps, paired or not."""
         return {"pairs": self._pair_count, **self._paired.to_dict(), "step": self._exchanges.to_dict()}
 
     def _tally_exchanges(self) -> None:
         log = self.dispatch.paired.log if self.dispatch is not None else ()
         while log:
-            paired, posted, wait, end = log.popleft()
-            self._exchanges.add(posted, wait, end)
+            paired, *times = log.popleft()
+            self._exchanges.add(*times)
             if paired:
-                self._paired.add(posted, wait, end)
+                self._paired.add(*times)
 
     def take_tied_sum(self):
         """The tied weights' gradient sum, no longer run after the schedule: the caller runs it (after
