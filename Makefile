@@ -19,9 +19,11 @@ demo: setup
 		--steps 300 --lr 2e-3 --set train.warmup_steps=20 --out runs/demo --overwrite
 	@echo "metrics: runs/demo/metrics.jsonl   loss curve: runs/demo/loss.png"
 
-# Two workers (pytest-xdist), each taking whole files (tests/conftest.py orders them).
+# Two workers (pytest-xdist), each taking whole files (tests/conftest.py orders them). glibc's malloc
+# keeps freed blocks below 1 GiB in the heap instead of returning each to the kernel (a CPU step frees
+# and reallocates the same buffers: every page faulted in again, ~10% of a distributed file's time).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 $(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	$(PY) bench/dp_vs_ddp.py
