@@ -66,8 +66,9 @@ def test_exchanges_overlapped_only_inside_the_pairs(runs):
         got = overlapped["overlap"]
         assert 0 < got["exchanges"] < got["step"]["exchanges"], got  # the warm-up and cool-down run unpaired
         # a pair's two sides issue their exchanges in turn, each passing the turn on while its own is in
-        # flight; only a side's last exchanges after the other side has ended are waited where posted
-        assert got["exchanges"] // 2 < got["switched"] <= got["exchanges"], got
+        # flight (a side whose partner has ended would wait where it posts); here both sides of every pair
+        # exchange alike (a sparse block's dispatch and combine forward, their gradients backward): all 45
+        assert got["switched"] == got["exchanges"], got
         assert got["step"]["switched"] == got["switched"], got  # none outside the pairs
         assert serial["overlap"]["step"]["exchanges"] == 0  # serial: the blocking dispatch, nothing posted apart
         assert 0 <= got["hidden_s"] <= got["in_flight_s"] and 0 <= got["step"]["hidden_s"] <= got["step"]["in_flight_s"]
