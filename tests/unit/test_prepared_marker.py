@@ -77,7 +77,7 @@ def test_a_failed_prepare_leaves_nothing_at_out_and_an_empty_out_is_filled(tmp_p
     bad.write_bytes("ok\ncafé".encode("latin-1"))
     out = tmp_path / "data"
     # two tasks: the good file's is committed, the bad one's fails
-    assert prepare(out, str(good), str(bad), extra=("--workers", "1", "--shard-mb", "0.0001")) == 2
+    assert prepare(out, str(good), str(bad), extra=("--val-fraction", "0", "--workers", "1", "--shard-mb", "0.0001")) == 2
     assert "b.txt" in _one_error_line(capsys)
     work = tmp_path / ".data.preparing"
     assert not out.exists() and sorted(p.name for p in (work / "parts").iterdir()) == ["00000.json"]
@@ -86,7 +86,7 @@ def test_a_failed_prepare_leaves_nothing_at_out_and_an_empty_out_is_filled(tmp_p
     # fixed in place (same size, same plan): the rerun keeps the committed task and finishes
     bad.write_bytes(b"ok\ncafe")
     out.mkdir()  # an empty --out is taken as well
-    assert prepare(out, str(good), str(bad), extra=("--workers", "1", "--shard-mb", "0.0001")) == 0
+    assert prepare(out, str(good), str(bad), extra=("--val-fraction", "0", "--workers", "1", "--shard-mb", "0.0001")) == 0
     assert not work.exists() and (out / "index.json").is_file()
     assert sorted(os.listdir(out / "shards")) == ["train-00000.bin", "train-00001.bin"]
     assert (out / "shards" / "train-00001.bin").read_bytes()[:14] == b"o\0k\0\n\0c\0a\0f\0e\0"  # uint16 ids
@@ -97,10 +97,10 @@ def test_an_unfinished_directory_of_an_earlier_version_is_finished_not_lost(prep
     text = tmp_path / "t.txt"
     text.write_text("some words " * 40)
     whole, partial = tmp_path / "whole", tmp_path / "partial"
-    assert prepare(whole, str(text), extra=("--workers", "1")) == 0
+    assert prepare(whole, str(text), extra=("--val-fraction", "0", "--workers", "1")) == 0
     shutil.copytree(whole, partial)
     (partial / "index.json").unlink()
     (partial / "notes.md").write_text("mine")  # a user's file there goes where the directory goes
-    assert prepare(partial, str(text), extra=("--workers", "1")) == 0
+    assert prepare(partial, str(text), extra=("--val-fraction", "0", "--workers", "1")) == 0
     assert (partial / "index.json").read_bytes() == (whole / "index.json").read_bytes()
     assert (partial / "notes.md").read_text() == "mine" and not (tmp_path / ".partial.preparing").exists()
