@@ -15,6 +15,9 @@ from threefold.data.sources import load_tokens
 from threefold.errors import UserError
 
 TRAIN = ["train", "--model", "tiny", "--steps", "3", "--seq-len", "16", "--global-batch", "2", "--no-progress"]
+# every document to train (the split hashes each document's path, which pytest's tmp directory changes), one
+# worker, shards of ~100 bytes
+SMALL_SHARDS = ("--val-fraction", "0", "--workers", "1", "--shard-mb", "0.0001")
 
 
 def _one_error_line(capsys) -> str:
@@ -77,7 +80,7 @@ def test_a_failed_prepare_leaves_nothing_at_out_and_an_empty_out_is_filled(tmp_p
     bad.write_bytes("ok\ncafé".encode("latin-1"))
     out = tmp_path / "data"
     # two tasks: the good file's is committed, the bad one's fails
-    assert prepare(out, str(good), str(bad), extra=("--val-fraction", "0", "--workers", "1", "--shard-mb", "0.0001")) == 2
+    assert prepare(out, str(good), str(bad), extra=SMALL_SHARDS) == 2
     assert "b.txt" in _one_error_line(capsys)
     work = tmp_path / ".data.preparing"
     assert not out.exists() and sorted(p.name for p in (work / "parts").iterdir()) == ["00000.json"]
@@ -86,7 +89,7 @@ def test_a_failed_prepare_leaves_nothing_at_out_and_an_empty_out_is_filled(tmp_p
     # fixed in place (same size, same plan): the rerun keeps the committed task and finishes
     bad.write_bytes(b"ok\ncafe")
     out.mkdir()  # an empty --out is taken as well
-    assert prepare(out, str(good), str(bad), extra=("--val-fraction", "0", "--workers", "1", "--shard-mb", "0.0001")) == 0
+    assert prepare(out, str(good), str(bad), extra=SMALL_SHARDS) == 0
     assert not work.exists() and (out / "index.json").is_file()
     assert sorted(os.listdir(out / "shards")) == ["train-00000.bin", "train-00001.bin"]
     assert (out / "shards" / "train-00001.bin").read_bytes()[:14] == b"o\0k\0\n\0c\0a\0f\0e\0"  # uint16 ids

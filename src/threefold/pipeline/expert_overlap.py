@@ -144,7 +144,8 @@ class PairedDispatch:
 
     def __init__(self, comm: Comm, turns: Turns):
         self.comm, self.turns = comm, turns
-        self.log: collections.deque = collections.deque()  # (paired?, switched?, posted, wait, end) of each exchange not yet read
+        # (paired?, switched?, posted, wait, end) of each exchange not yet read
+        self.log: collections.deque = collections.deque()
 
     def exchange(self, x: torch.Tensor, receive: list[int], send: list[int]) -> torch.Tensor:
         return exchange(self.comm, self.turns, x, receive, send, self.log)

@@ -3,8 +3,9 @@
 Every exchange of the paired dispatch (pipeline/expert_overlap.py) logs whether the turn passed
 to the other side of its pair while it was in flight (`switched`: the schedule's fact, counted),
 when it was posted (the issuing call returned: the transfers are under way), when its caller
-began to wait for it and when it completed (the clock's figures, which a bench reports). Between posting and waiting the rank did something else (the other side of a
-dualpipev pair computed); from the wait to completion it waited, exposed:
+began to wait for it and when it completed (the clock's figures, which a bench reports). Between
+posting and waiting the rank did something else (the other side of a dualpipev pair computed);
+from the wait to completion it waited, exposed:
 
     in flight = end - posted
     hidden    = min(wait, end) - posted      (0 when it is waited where it is posted)
@@ -40,5 +41,5 @@ class Tally:
         return self.hidden_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"exchanges": self.exchanges, "switched": self.switched, "in_flight_s": self.in_flight_s, "hidden_s": self.hidden_s,
-                "fraction": self.fraction}
+        return {"exchanges": self.exchanges, "switched": self.switched, "in_flight_s": self.in_flight_s,
+                "hidden_s": self.hidden_s, "fraction": self.fraction}

@@ -131,10 +131,10 @@ class PipelineRuntime:
     def _tally_exchanges(self) -> None:
         log = self.dispatch.paired.log if self.dispatch is not None else ()
         while log:
-            paired, *times = log.popleft()
-            self._exchanges.add(*times)
+            paired, *record = log.popleft()  # record: Tally.add's (switched, posted, wait, end)
+            self._exchanges.add(*record)
             if paired:
-                self._paired.add(*times)
+                self._paired.add(*record)
 
     def take_tied_sum(self):
         """The tied weights' gradient sum, no longer run after the schedule: the caller runs it (after
