@@ -185,6 +185,7 @@ class AttemptRecord:
         self.out, self.writer = out, writer
         self.started_at, self.started = started_at, started  # time.time() and time.perf_counter() at the start
         self.waits = {"checkpoint": 0.0, "preemption": 0.0}  # the final wait for the last save; a stop's save
+        self._doc: dict | None = None  # goodput.json's document, from begin() on (the writer's)
 
     def add(self, category: str, seconds: float) -> None:
         """Seconds of this attempt outside its steps: "checkpoint" (the end's wait for the last save) or
@@ -213,7 +214,7 @@ class AttemptRecord:
         _write(self.out, doc)
 
     def end(self, outcome: str) -> None:
-        if not self.writer or not hasattr(self, "_doc"):
+        if not self.writer or self._doc is None:
             return
         record = self._doc["attempts"][-1]
         record.update({"outcome": outcome, "ended_at": time.time(),

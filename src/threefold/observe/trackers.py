@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ..config.installed import chosen
 
@@ -140,7 +140,8 @@ class _Worker:
         self._thread = threading.Thread(target=self._loop, name=f"threefold-tracker-{tracker.name}", daemon=True)
         self._thread.start()
 
-    def put(self, method: str, *args) -> None:
+    def put(self, method: Literal["start", "log", "finish"], *args) -> None:
+        """Queue `tracker.method(*args)`: a method of the Tracker protocol, named for the warning line."""
         if not self.failed:
             self._jobs.put((method, args))
 
