@@ -11,6 +11,13 @@ process that dies without a word (killed, crashed) fails the call as soon as it 
 the timeout. A world that does not form - its port taken by another process between the moment
 it was found free and rank 0's store binding it - is started again on another port (up to
 `FORM_ATTEMPTS` times) and the call goes on.
+
+The ranks are forked from multiprocessing's fork server, which imports `PRELOAD` once (torch, the
+part of it every optimizer's first use imports, threefold's trainer and the `transformers` classes a
+Hugging Face directory loads through): a rank starts with them imported instead of paying them
+again (~12 CPU-s each on a 2-core machine), and so does every world started later by this process.
+The server is this process's own, started with the first world: it keeps the environment of that
+moment, so a variable a rank must see is set in the task (or before the first world starts).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class RankError(RuntimeError):
 
 FORM_ATTEMPTS = 3  # starts of a world whose ranks could not join (its port taken meanwhile)
 POLL_S = 1.0  # how often a waiting `run` looks for rank processes that died without a word
+# imported once by the fork server the ranks are forked from (a name that fails to import is skipped)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "threefold.train.trainer",
+           "transformers.models.auto.configuration_auto", "transformers.modeling_utils"]
 
 
 class _NotFormed(Exception):
@@ -73,7 +83,8 @@ class World:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: with this process's first world
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.size)]
         self._results = ctx.Queue()
