@@ -51,3 +51,18 @@ def test_a_world_whose_port_is_taken_starts_again_on_another(monkeypatch):
         assert len(handed) == 2 and handed[0] == taken.getsockname()[1]
     finally:
         taken.close()
+
+
+def preloaded_and_parent() -> tuple[list[str], int]:
+    import sys
+    return [name for name in world_module.PRELOAD if name not in sys.modules], os.getppid()
+
+
+def test_ranks_are_forked_with_the_preloaded_modules_imported():
+    """A rank is forked from the fork server, which imported PRELOAD once: a fresh rank has them all before
+    its first task imports anything (a spawned rank would import torch, its optimizer hooks and transformers
+    again, ~12 CPU-s each), and its parent is that server, not this process."""
+    with World(1, timeout_s=300) as world:
+        [(missing, parent)] = world.run(preloaded_and_parent)
+    assert missing == [], f"not imported in a fresh rank: {missing}"
+    assert parent != os.getpid()
