@@ -15,9 +15,9 @@ from threefold.data.sources import load_tokens
 from threefold.errors import UserError
 
 TRAIN = ["train", "--model", "tiny", "--steps", "3", "--seq-len", "16", "--global-batch", "2", "--no-progress"]
-# every document to train (the split hashes each document's path, which pytest's tmp directory changes), one
-# worker, shards of ~100 bytes
-SMALL_SHARDS = ("--val-fraction", "0", "--workers", "1", "--shard-mb", "0.0001")
+# every document to train (the split hashes each document's path, which pytest's tmp directory changes), one worker
+ONE_WORKER = ("--val-fraction", "0", "--workers", "1")
+SMALL_SHARDS = (*ONE_WORKER, "--shard-mb", "0.0001")  # and shards of ~100 bytes
 
 
 def _one_error_line(capsys) -> str:
@@ -100,10 +100,10 @@ def test_an_unfinished_directory_of_an_earlier_version_is_finished_not_lost(prep
     text = tmp_path / "t.txt"
     text.write_text("some words " * 40)
     whole, partial = tmp_path / "whole", tmp_path / "partial"
-    assert prepare(whole, str(text), extra=("--val-fraction", "0", "--workers", "1")) == 0
+    assert prepare(whole, str(text), extra=ONE_WORKER) == 0
     shutil.copytree(whole, partial)
     (partial / "index.json").unlink()
     (partial / "notes.md").write_text("mine")  # a user's file there goes where the directory goes
-    assert prepare(partial, str(text), extra=("--val-fraction", "0", "--workers", "1")) == 0
+    assert prepare(partial, str(text), extra=ONE_WORKER) == 0
     assert (partial / "index.json").read_bytes() == (whole / "index.json").read_bytes()
     assert (partial / "notes.md").read_text() == "mine" and not (tmp_path / ".partial.preparing").exists()
